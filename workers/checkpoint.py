@@ -324,6 +324,13 @@ def _add_state_dict_keys(
                 metadata[new_key] = metadata[key]
 
 
+def _strip_incompatible_keys(module: nn.Module, incompatible_keys: Any) -> None:
+    # Runs before load_state_dict formats its strict-mode error, so the missing and unexpected
+    # keys it reports are the unwrapped model's names.
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [_unwrapped_name(key) for key in keys]
+
+
 class CheckpointWrapper(nn.Module):
     """Runs the wrapped module through :func:`checkpoint`.
 
@@ -342,8 +349,10 @@ class CheckpointWrapper(nn.Module):
         self._checkpoint_wrapped_module = module
         self.offload_to_cpu = offload_to_cpu
         self.preserve_rng_state = preserve_rng_state
-        self.register_state_dict_post_hook(_strip_state_dict_keys)
-        self.register_load_state_dict_pre_hook(_add_state_dict_keys)
+        # torch leaves these three registration methods unannotated.
+        self.register_state_dict_post_hook(_strip_state_dict_keys)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_add_state_dict_keys)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_post_hook(_strip_incompatible_keys)  # type: ignore[no-untyped-call]
 
     @property
     def wrapped_module(self) -> nn.Module:
@@ -357,9 +366,7 @@ class CheckpointWrapper(nn.Module):
             return module(*args, **kwargs)
         offload = _offload_saved_inputs() if self.offload_to_cpu else nullcontext()
         with offload:
-            return checkpoint(
-                module, *args, preserve_rng_state=self.preserve_rng_state, **kwargs
-            )
+            return checkpoint(module, *args, preserve_rng_state=self.preserve_rng_state, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:
