@@ -1,0 +1,45 @@
+"""Datasets: an uploaded array file with ``x`` and optional ``y``."""
+
+from typing import Annotated, Literal, Self
+
+from pydantic import BaseModel, Field, model_validator
+
+from api_schemas.common import ResourceId, Sha256Hex, UtcDatetime
+
+__all__ = ["ArrayFormat", "DatasetPublic", "LabelKind", "SampleDtype"]
+
+ArrayFormat = Literal["npz", "safetensors"]
+SampleDtype = Literal["float32", "uint8"]
+# "class": integer labels 0..num_classes-1; "target": float regression targets.
+LabelKind = Literal["class", "target"]
+
+
+class DatasetPublic(BaseModel):
+    """A stored dataset and the facts found when it was validated on upload."""
+
+    id: ResourceId
+    name: str = Field(min_length=1, max_length=256)
+    num_samples: int = Field(ge=1)
+    sample_shape: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
+    dtype: SampleDtype
+    has_labels: bool
+    label_kind: LabelKind | None = None
+    num_classes: int | None = Field(default=None, ge=1)
+    sha256: Sha256Hex
+    size_bytes: int = Field(ge=0)
+    format: ArrayFormat
+    created_at: UtcDatetime
+
+    @model_validator(mode="after")
+    def _labels_agree(self) -> Self:
+        if self.has_labels != (self.label_kind is not None):
+            raise ValueError(
+                f"has_labels={self.has_labels} but label_kind={self.label_kind!r}: "
+                "label_kind is set exactly when there are labels"
+            )
+        if (self.label_kind == "class") != (self.num_classes is not None):
+            raise ValueError(
+                f"label_kind={self.label_kind!r} but num_classes={self.num_classes}: "
+                "num_classes is set exactly for class labels"
+            )
+        return self

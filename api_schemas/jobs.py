@@ -1,0 +1,268 @@
+"""Jobs: what a client asks for, what it sees, and what a worker receives."""
+
+from enum import StrEnum
+from typing import Annotated, Any, Final, Literal, assert_never, get_args
+
+from pydantic import (
+    BaseModel,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+)
+
+from api_schemas.architectures import ArchitectureKwargs, ArchitectureName
+from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
+from api_schemas.datasets import ArrayFormat
+from api_schemas.models import Seed
+
+__all__ = [
+    "DEVICE_PATTERN",
+    "ESTIMATOR_NAMES",
+    "MAX_BATCH_SIZE",
+    "AdaptJobCreate",
+    "AdaptParams",
+    "CheckpointPolicy",
+    "EstimatorName",
+    "JobCreate",
+    "JobKind",
+    "JobParams",
+    "JobPayload",
+    "JobPayloadDataset",
+    "JobPayloadModel",
+    "JobPublic",
+    "JobResultLinks",
+    "JobStatus",
+    "ModulePattern",
+    "Progress",
+    "TrainJobCreate",
+    "TrainParams",
+    "parse_job_create",
+]
+
+JobKind = Literal["adapt", "train"]
+
+# The one place estimator names live; AdaptParams.effective_reset must then say whether a new
+# one starts from fresh statistics (mypy flags the missing case).
+EstimatorName = Literal["ema", "cumulative"]
+ESTIMATOR_NAMES: Final[tuple[EstimatorName, ...]] = get_args(EstimatorName)
+
+MAX_BATCH_SIZE: Final = 65536
+BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)]
+
+DEVICE_PATTERN: Final = r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$"
+Device = Annotated[str, StringConstraints(pattern=DEVICE_PATTERN)]
+
+# An fnmatch pattern on qualified module names (`layer1.*`) or a module class name.
+ModulePattern = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+PatternList = Annotated[list[ModulePattern], Field(max_length=256)]
+
+
+class JobStatus(StrEnum):
+    """Life cycle: queued -> running -> one of succeeded, failed, canceled."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether the job has ended and will not change again."""
+        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class CheckpointPolicy(RequestModel):
+    """Which modules run under activation checkpointing. ``blocks`` wraps the blocks the
+    architecture names; ``modules`` and ``types`` add modules by qualified name pattern or by
+    class name."""
+
+    preset: Literal["none", "blocks"] = "blocks"
+    modules: PatternList = Field(default_factory=list)
+    types: PatternList = Field(default_factory=list)
+    offload_to_cpu: bool = False
+
+
+class AdaptParams(RequestModel):
+    """Re-estimate normalization statistics on a dataset, with forward passes only.
+
+    ``reset=None`` means the estimator's default, see :meth:`effective_reset`. ``include`` and
+    ``exclude`` select normalization layers by qualified name (fnmatch)."""
+
+    batch_size: BatchSize = 64
+    max_batches: int | None = Field(default=None, ge=1)
+    estimator: EstimatorName = "cumulative"
+    reset: bool | None = None
+    include: Annotated[list[ModulePattern], Field(min_length=1, max_length=256)] = Field(
+        default_factory=lambda: ["*"]
+    )
+    exclude: PatternList = Field(default_factory=list)
+    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
+    seed: Seed = 0
+    device: Device = "auto"
+
+    def effective_reset(self) -> bool:
+        """Whether the running statistics are cleared before the first batch."""
+        if self.reset is not None:
+            return self.reset
+        estimator = self.estimator
+        match estimator:
+            case "cumulative":
+                # An average over the target data only: the source statistics must go.
+                return True
+            case "ema":
+                # EMA blends target batches into the source statistics it starts from.
+                return False
+            case _:
+                assert_never(estimator)
+
+
+class TrainParams(RequestModel):
+    """Train all parameters with a plain optimizer. ``loss=None`` picks cross-entropy for class
+    labels and MSE for float targets."""
+
+    epochs: int = Field(default=1, ge=1, le=1000)
+    batch_size: BatchSize = 64
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(default=0.05, gt=0.0)
+    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    loss: Literal["cross_entropy", "mse"] | None = None
+    validation_fraction: float = Field(default=0.1, ge=0.0, le=0.9)
+    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
+    seed: Seed = 0
+    device: Device = "auto"
+
+
+JobParams = AdaptParams | TrainParams
+_PARAMS_BY_KIND: Final[dict[str, type[AdaptParams] | type[TrainParams]]] = {
+    "adapt": AdaptParams,
+    "train": TrainParams,
+}
+
+
+def _params_for_kind(value: Any, info: ValidationInfo) -> Any:
+    """Validates ``params`` as the class that ``kind`` names.
+
+    Left to a plain union, params that only use shared fields (``{"batch_size": 8}``) would
+    validate as either class, and errors would be reported twice, once per class.
+    """
+    expected = _PARAMS_BY_KIND.get(info.data.get("kind", ""))
+    if expected is None:
+        return value  # `kind` itself failed; its error is already reported
+    if isinstance(value, AdaptParams | TrainParams):
+        if not isinstance(value, expected):
+            raise ValueError(
+                f"params are {type(value).__name__} but kind is {info.data['kind']!r}; "
+                f"pass {expected.__name__}"
+            )
+        return value
+    return expected.model_validate(value)
+
+
+class AdaptJobCreate(RequestModel):
+    """Asks for BatchNorm adaptation of a model on a dataset."""
+
+    kind: Literal["adapt"]
+    model_id: ResourceId
+    dataset_id: ResourceId
+    params: AdaptParams = Field(default_factory=AdaptParams)
+
+
+class TrainJobCreate(RequestModel):
+    """Asks for training of a model on a labelled dataset."""
+
+    kind: Literal["train"]
+    model_id: ResourceId
+    dataset_id: ResourceId
+    params: TrainParams = Field(default_factory=TrainParams)
+
+
+JobCreate = Annotated[AdaptJobCreate | TrainJobCreate, Field(discriminator="kind")]
+_JOB_CREATE: Final[TypeAdapter[AdaptJobCreate | TrainJobCreate]] = TypeAdapter(JobCreate)
+
+
+def parse_job_create(data: object) -> AdaptJobCreate | TrainJobCreate:
+    """Validates a decoded JSON body as one of the job requests, chosen by its ``kind``.
+
+    Raises pydantic's ``ValidationError``.
+    """
+    return _JOB_CREATE.validate_python(data)
+
+
+class Progress(BaseModel):
+    """How far a running job is; written by the worker, best effort."""
+
+    done: int = Field(ge=0)
+    total: int = Field(ge=0)
+    unit: Literal["batches", "steps"]
+    samples_per_second: float = Field(ge=0.0)
+    eta_seconds: float | None = Field(default=None, ge=0.0)
+    phase: str
+    updated_at: UtcDatetime
+
+
+class JobResultLinks(BaseModel):
+    """Where a succeeded job's output lives."""
+
+    model_id: ResourceId
+    weights_url: str
+    report_url: str
+
+
+class JobPublic(BaseModel):
+    """A job as the API shows it."""
+
+    id: ResourceId
+    kind: JobKind
+    status: JobStatus
+    model_id: ResourceId
+    dataset_id: ResourceId
+    params: JobParams
+    created_at: UtcDatetime
+    started_at: UtcDatetime | None = None
+    finished_at: UtcDatetime | None = None
+    progress: Progress | None = None
+    error: str | None = None
+    result: JobResultLinks | None = None
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _params_match_kind(cls, value: Any, info: ValidationInfo) -> Any:
+        return _params_for_kind(value, info)
+
+
+class JobPayloadModel(RequestModel):
+    """The input model as a worker needs it: enough to rebuild it and fetch its weights."""
+
+    id: ResourceId
+    architecture: ArchitectureName
+    kwargs: ArchitectureKwargs
+    weights_sha256: Sha256Hex
+
+
+class JobPayloadDataset(RequestModel):
+    """The dataset as a worker needs it."""
+
+    id: ResourceId
+    sha256: Sha256Hex
+    format: ArrayFormat
+
+
+class JobPayload(RequestModel):
+    """What the service enqueues for a worker (as JSON). Strict like a request: a field the
+    worker does not know means the two sides disagree on the contract."""
+
+    job_id: ResourceId
+    tenant_id: ResourceId
+    kind: JobKind
+    model: JobPayloadModel
+    dataset: JobPayloadDataset
+    params: JobParams
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _params_match_kind(cls, value: Any, info: ValidationInfo) -> Any:
+        return _params_for_kind(value, info)

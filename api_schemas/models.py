@@ -1,0 +1,57 @@
+"""Models: an architecture, its kwargs and a safetensors weights file."""
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+from api_schemas.architectures import ArchitectureKwargs, ArchitectureName, InputShape
+from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
+
+__all__ = [
+    "BatchNormLayer",
+    "ModelCreate",
+    "ModelPublic",
+    "ModelSource",
+    "Seed",
+]
+
+ModelSource = Literal["upload", "init", "job"]
+
+# Non-negative and within int64: torch, numpy and Redis all take it as is.
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
+class BatchNormLayer(BaseModel):
+    """A normalization layer with running statistics, as found in the built model."""
+
+    name: str
+    kind: str  # the class name, e.g. "BatchNorm2d"
+    num_features: int = Field(ge=1)
+    momentum: float | None = Field(ge=0.0, le=1.0)  # None: cumulative average
+    track_running_stats: bool
+
+
+class ModelPublic(BaseModel):
+    """A stored model. ``parent`` is the model a job started from (lineage)."""
+
+    id: ResourceId
+    architecture: ArchitectureName
+    kwargs: ArchitectureKwargs
+    sha256: Sha256Hex
+    size_bytes: int = Field(ge=0)
+    parameter_count: int = Field(ge=0)
+    batchnorm_layers: list[BatchNormLayer]
+    input_shape: InputShape
+    parent: ResourceId | None = None
+    source: ModelSource
+    job_id: ResourceId | None = None
+    created_at: UtcDatetime
+
+
+class ModelCreate(RequestModel):
+    """Registers a model; sent as the multipart form field ``meta`` (a JSON string) next to an
+    optional ``weights`` file. Without weights the model is initialized with ``seed``."""
+
+    architecture: ArchitectureName
+    kwargs: ArchitectureKwargs = Field(default_factory=dict)
+    seed: Seed = 0

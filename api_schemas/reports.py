@@ -1,0 +1,94 @@
+"""Reports: what a job changed, measured by the worker."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from api_schemas.common import ResourceId
+from api_schemas.jobs import JobKind
+
+__all__ = [
+    "BatchNormChange",
+    "EpochLog",
+    "Metrics",
+    "Report",
+    "TensorChange",
+    "Timings",
+]
+
+
+class _ReportModel(BaseModel):
+    # A diverged training run has a NaN loss and the report must still say so: written as the
+    # strings "NaN"/"Infinity" the JSON stays valid and reads back as the same float.
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
+
+class Timings(_ReportModel):
+    """Wall-clock seconds."""
+
+    load_s: float = Field(ge=0.0)
+    compute_s: float = Field(ge=0.0)
+    total_s: float = Field(ge=0.0)
+
+
+class BatchNormChange(_ReportModel):
+    """One normalization layer before and after the job.
+
+    ``batches_run`` is how many batches went through the layer; for a layer with cumulative
+    statistics it must equal the growth of ``num_batches_tracked`` (no double update under
+    checkpointing).
+    """
+
+    name: str
+    adapted: bool
+    running_mean_mean_abs_shift: float
+    running_var_mean_ratio: float  # mean over channels of after / before
+    num_batches_tracked_before: int = Field(ge=0)
+    num_batches_tracked_after: int = Field(ge=0)
+    batches_run: int = Field(ge=0)
+
+
+class TensorChange(_ReportModel):
+    """One state-dict tensor before and after the job."""
+
+    name: str
+    changed: bool
+    max_abs: float  # largest absolute elementwise difference
+    relative_l2: float  # ||after - before|| / ||before||
+
+
+class Metrics(_ReportModel):
+    """Evaluation on the job's dataset; ``accuracy`` for class labels, ``mse`` for targets."""
+
+    num_samples: int = Field(ge=0)
+    loss: float
+    accuracy: float | None = Field(default=None, ge=0.0, le=1.0)
+    mse: float | None = None
+
+
+class EpochLog(_ReportModel):
+    """One training epoch, numbered from 1."""
+
+    epoch: int = Field(ge=1)
+    train_loss: float
+    val_loss: float | None = None
+    val_accuracy: float | None = Field(default=None, ge=0.0, le=1.0)
+
+
+class Report(_ReportModel):
+    """The report of one finished job. ``estimator`` is a plain string so reports written by
+    older versions stay readable when estimators are renamed or removed."""
+
+    job_id: ResourceId
+    kind: JobKind
+    input_model_id: ResourceId
+    output_model_id: ResourceId
+    device: str
+    torch_version: str
+    estimator: str | None = None
+    batches: int = Field(ge=0)
+    samples: int = Field(ge=0)
+    timings: Timings
+    batchnorm: list[BatchNormChange]
+    tensors: list[TensorChange]
+    metrics_before: Metrics | None = None
+    metrics_after: Metrics | None = None
+    epochs: list[EpochLog] = Field(default_factory=list)

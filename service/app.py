@@ -1,0 +1,68 @@
+"""The HTTP API: ``create_app(settings)`` builds it; nothing is created at import time.
+
+Run it with ``uvicorn --factory service.app:create_app`` or ``bnadapt api``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Final
+
+import redis
+from fastapi import FastAPI
+from rq import Queue
+
+from service.problems import install_problem_handlers
+from service.reaper import Reaper
+from service.records import Records
+from service.routes import architectures, datasets, health, jobs, models
+from service.settings import Settings, get_settings
+from service.store import LocalStore
+
+__all__ = ["create_app", "redis_client"]
+
+VERSION: Final = "0.1.0"
+REAPER_INTERVAL_S: Final = 5.0
+
+
+def redis_client(url: str) -> redis.Redis:
+    """A pooled client; no read timeout, since inspection replies use blocking pops."""
+    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = redis_client(settings.redis_url)
+        records = Records(client)
+        app.state.settings = settings
+        app.state.records = records
+        app.state.store = LocalStore(settings.store_path)
+        app.state.queue = Queue(settings.queue, connection=client, serializer="json")
+        reaper = Reaper(records, settings.heartbeat_timeout_s, REAPER_INTERVAL_S)
+        reaper.start()
+        try:
+            yield
+        finally:
+            reaper.stop()
+            client.close()
+
+    app = FastAPI(
+        title="bnadapt",
+        version=VERSION,
+        summary="Train and BatchNorm-adapt PyTorch models with exact running statistics.",
+        lifespan=lifespan,
+    )
+    install_problem_handlers(app)
+    for router in (
+        health.router,
+        architectures.router,
+        models.router,
+        datasets.router,
+        jobs.router,
+    ):
+        app.include_router(router)
+    return app

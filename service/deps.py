@@ -1,0 +1,68 @@
+"""Dependencies the routes declare: settings, records, store and the caller's tenant."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Final
+
+from fastapi import Depends, Header, Path, Request
+
+from api_schemas import ID_PATTERN
+from service.problems import ApiError
+from service.records import Records
+from service.settings import Settings
+from service.store import Store
+
+__all__ = [
+    "IdPath",
+    "RecordsDep",
+    "SettingsDep",
+    "StoreDep",
+    "TenantDep",
+]
+
+_BEARER: Final = re.compile(r"^Bearer\s+(\S+)$", re.IGNORECASE)
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_records(request: Request) -> Records:
+    records: Records = request.app.state.records
+    return records
+
+
+def get_store(request: Request) -> Store:
+    store: Store = request.app.state.store
+    return store
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+RecordsDep = Annotated[Records, Depends(get_records)]
+StoreDep = Annotated[Store, Depends(get_store)]
+
+
+def get_tenant(records: RecordsDep, authorization: Annotated[str | None, Header()] = None) -> str:
+    unauthorized = {"WWW-Authenticate": "Bearer"}
+    if authorization is None:
+        raise ApiError(
+            401,
+            "no API key: send 'Authorization: Bearer <key>' (create one with "
+            "`bnadapt keys create`)",
+            headers=unauthorized,
+        )
+    match = _BEARER.match(authorization)
+    tenant_id = records.tenant_for_key(match.group(1)) if match else None
+    if tenant_id is None:
+        raise ApiError(
+            401, "the API key is not valid; check it or create a new one", headers=unauthorized
+        )
+    return tenant_id
+
+
+TenantDep = Annotated[str, Depends(get_tenant)]
+
+# Every id in a path: anything else (`abc:cancel`, `../x`) is a 422 before any lookup.
+IdPath = Annotated[str, Path(pattern=ID_PATTERN, description="a resource id")]

@@ -1,0 +1,140 @@
+"""Every error the API answers, as RFC 9457 problem details, mapped in one place."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api_schemas import Problem, ProblemItem
+from service.errors import BnadaptError, InvalidPageTokenError
+
+__all__ = ["ApiError", "install_problem_handlers", "not_found", "problem_items"]
+
+log = logging.getLogger(__name__)
+
+_TITLES = {
+    400: "Bad request",
+    401: "Unauthorized",
+    404: "Not found",
+    405: "Method not allowed",
+    409: "Conflict",
+    413: "Payload too large",
+    415: "Unsupported media type",
+    422: "Unprocessable content",
+    500: "Internal server error",
+    503: "Service unavailable",
+}
+
+
+class ApiError(BnadaptError):
+    """An error with the HTTP status and the message the client gets."""
+
+    def __init__(
+        self,
+        status: int,
+        detail: str,
+        *,
+        errors: Sequence[ProblemItem] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.errors = list(errors) if errors is not None else None
+        self.headers = headers
+
+
+def not_found(kind: str, resource_id: str) -> ApiError:
+    """The one 404 for a resource that is missing or belongs to another tenant."""
+    return ApiError(
+        404, f"{kind} {resource_id!r} not found; list yours with GET /v1/{kind}s to see the ids"
+    )
+
+
+def problem_items(errors: Sequence[Any]) -> list[ProblemItem]:
+    """pydantic's error list as problem items (loc and msg only: no input echoed back)."""
+    return [
+        ProblemItem(loc=[p if isinstance(p, int) else str(p) for p in e["loc"]], msg=e["msg"])
+        for e in errors
+    ]
+
+
+def _response(
+    request: Request,
+    status: int,
+    detail: str | None,
+    errors: list[ProblemItem] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = Problem(
+        title=_TITLES.get(status, "Error"),
+        status=status,
+        detail=detail,
+        instance=request.url.path,
+        errors=errors,
+    )
+    return JSONResponse(
+        body.model_dump(exclude_none=True),
+        status_code=status,
+        media_type="application/problem+json",
+        headers=headers,
+    )
+
+
+def _summary(errors: list[ProblemItem]) -> str:
+    parts = [f"{'.'.join(str(p) for p in e.loc)}: {e.msg}" for e in errors[:5]]
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "invalid request: " + "; ".join(parts) + more
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return _response(request, exc.status, exc.detail, exc.errors, exc.headers)
+
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError | ValidationError)
+        items = problem_items(exc.errors())
+        return _response(request, 422, _summary(items), items)
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        detail = exc.detail if isinstance(exc.detail, str) else None
+        if exc.status_code == 413:
+            detail = f"{detail or 'request body too large'}; the limits are settings"
+        headers = dict(exc.headers) if exc.headers else None
+        return _response(request, exc.status_code, detail, headers=headers)
+
+    async def redis_down(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("redis unreachable: %s", exc)
+        return _response(
+            request,
+            503,
+            "the record store (Redis) is unreachable; retry shortly, and if it persists check "
+            "that Redis runs and BNADAPT_REDIS_URL points at it",
+            headers={"Retry-After": "5"},
+        )
+
+    async def bad_page_token(request: Request, exc: Exception) -> JSONResponse:
+        return _response(request, 422, str(exc))
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _response(request, 500, "internal error; it was logged on the server")
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(ValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(InvalidPageTokenError, bad_page_token)
+    app.add_exception_handler(redis.ConnectionError, redis_down)
+    app.add_exception_handler(redis.TimeoutError, redis_down)
+    app.add_exception_handler(Exception, unexpected)

@@ -1,0 +1,454 @@
+"""Records of tenants, API keys, models, datasets and jobs, kept in Redis.
+
+Each resource is a hash ``bnadapt:<kind>:<id>`` with its ``tenant_id`` and its public JSON
+(``data``); jobs add the fields that change while they run (``status``, ``started_at``,
+``finished_at``, ``error``, ``result``), changed only through :meth:`Records.transition`, a
+compare-and-set in Lua. A lookup for another tenant's resource answers None, exactly like a
+missing one, so the API can only ever say 404.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import secrets
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, Final, TypeVar, cast
+
+import redis
+from pydantic import BaseModel, ValidationError
+
+from api_schemas import (
+    DatasetPublic,
+    JobPayload,
+    JobPublic,
+    JobResultLinks,
+    JobStatus,
+    ModelPublic,
+    Page,
+    Progress,
+    new_id,
+    utc_now,
+)
+from service import keys
+from service.errors import InvalidPageTokenError
+
+__all__ = ["ApiKey", "Records"]
+
+R = TypeVar("R", bound=BaseModel)
+
+API_KEY_PREFIX: Final = "bna"
+
+# KEYS[1]: the job hash, KEYS[2]: the running-jobs set. ARGV[1]: allowed current statuses,
+# comma-separated; ARGV[2]: the new status; ARGV[3..]: field, value pairs to set with it.
+# Returns the status after the call: ARGV[2] if applied, else the unchanged current one.
+_TRANSITION_LUA: Final = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return false end
+for allowed in string.gmatch(ARGV[1], '[^,]+') do
+  if allowed == current then
+    redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
+    if ARGV[2] == 'running' then
+      redis.call('SADD', KEYS[2], string.sub(KEYS[1], string.len('bnadapt:job:') + 1))
+    else
+      redis.call('SREM', KEYS[2], string.sub(KEYS[1], string.len('bnadapt:job:') + 1))
+    end
+    return ARGV[2]
+  end
+end
+return current
+"""
+
+
+class ApiKey(BaseModel):
+    tenant_id: str
+    key: str
+
+
+def _hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _index_member(created_at: datetime, resource_id: str) -> str:
+    # Zero-padded microseconds sort as strings in time order; the id breaks ties.
+    return f"{int(created_at.timestamp() * 1_000_000):017d}:{resource_id}"
+
+
+def _encode_token(member: str) -> str:
+    return base64.urlsafe_b64encode(member.encode()).decode().rstrip("=")
+
+
+def _decode_token(token: str) -> str:
+    try:
+        member = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError) as exc:
+        raise InvalidPageTokenError(
+            "page_token is not one this service issued; pass the next_page_token of the "
+            "previous page, or none for the first page"
+        ) from exc
+    if ":" not in member:
+        raise InvalidPageTokenError(
+            "page_token is not one this service issued; pass the next_page_token of the "
+            "previous page, or none for the first page"
+        )
+    return member
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Records:
+    """All record reads and writes, over one redis-py client (thread-safe, pooled)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._transition = client.register_script(_TRANSITION_LUA)
+
+    # --- tenants and API keys -------------------------------------------------------------
+
+    def create_api_key(self, tenant_name: str) -> ApiKey:
+        """A new key for the tenant named ``tenant_name`` (created on first use). Only the
+        secret's sha256 is stored: the key is shown once."""
+        tenant_id = self._tenant_id(tenant_name)
+        key_id = secrets.token_hex(8)
+        secret = secrets.token_urlsafe(32)
+        self.client.hset(
+            keys.api_key(key_id),
+            mapping={
+                "tenant_id": tenant_id,
+                "secret_sha256": _hash_secret(secret),
+                "created_at": utc_now().isoformat(),
+            },
+        )
+        return ApiKey(tenant_id=tenant_id, key=f"{API_KEY_PREFIX}_{key_id}_{secret}")
+
+    def _tenant_id(self, name: str) -> str:
+        candidate = new_id("tn")
+        # SET NX makes two concurrent creations agree on one id.
+        self.client.set(keys.tenant_by_name(name), candidate, nx=True)
+        tenant_id = _text(self.client.get(keys.tenant_by_name(name)))
+        if tenant_id == candidate:
+            self.client.hset(
+                keys.tenant(tenant_id), mapping={"name": name, "created_at": utc_now().isoformat()}
+            )
+        return tenant_id
+
+    def tenant_for_key(self, presented: str) -> str | None:
+        """The tenant a presented key belongs to, or None. The secret is compared in constant
+        time; the key id only selects which stored hash to compare with."""
+        parts = presented.split("_", 2)
+        if len(parts) != 3 or parts[0] != API_KEY_PREFIX or not parts[1].isalnum():
+            return None
+        stored = cast(
+            "list[bytes | None]",
+            self.client.hmget(keys.api_key(parts[1]), ["tenant_id", "secret_sha256"]),
+        )
+        tenant_id, expected = stored
+        if tenant_id is None or expected is None:
+            return None
+        if not hmac.compare_digest(_hash_secret(parts[2]).encode(), expected):
+            return None
+        return tenant_id.decode()
+
+    # --- models and datasets --------------------------------------------------------------
+
+    def put_model(self, tenant_id: str, model: ModelPublic) -> None:
+        pipe = self.client.pipeline()
+        self._put(pipe, tenant_id, "model", model.id, model, model.created_at)
+        pipe.sadd(keys.sha_refs(model.sha256), model.id)
+        pipe.execute()
+
+    def get_model(self, tenant_id: str, model_id: str) -> ModelPublic | None:
+        return self._get(tenant_id, "model", model_id, ModelPublic)
+
+    def list_models(self, tenant_id: str, page_size: int, token: str | None) -> Page[ModelPublic]:
+        return self._list(tenant_id, "model", ModelPublic, page_size, token)
+
+    def delete_model(self, tenant_id: str, model: ModelPublic) -> bool:
+        """Deletes the record; True when nothing else refers to its weights any more."""
+        pipe = self.client.pipeline()
+        self._delete(pipe, tenant_id, "model", model.id, model.created_at)
+        pipe.srem(keys.sha_refs(model.sha256), model.id)
+        pipe.scard(keys.sha_refs(model.sha256))
+        return int(pipe.execute()[-1]) == 0
+
+    def put_dataset(self, tenant_id: str, dataset: DatasetPublic) -> None:
+        pipe = self.client.pipeline()
+        self._put(pipe, tenant_id, "dataset", dataset.id, dataset, dataset.created_at)
+        pipe.sadd(keys.sha_refs(dataset.sha256), dataset.id)
+        pipe.execute()
+
+    def get_dataset(self, tenant_id: str, dataset_id: str) -> DatasetPublic | None:
+        return self._get(tenant_id, "dataset", dataset_id, DatasetPublic)
+
+    def list_datasets(
+        self, tenant_id: str, page_size: int, token: str | None
+    ) -> Page[DatasetPublic]:
+        return self._list(tenant_id, "dataset", DatasetPublic, page_size, token)
+
+    def delete_dataset(self, tenant_id: str, dataset: DatasetPublic) -> bool:
+        """Deletes the record; True when nothing else refers to its file any more."""
+        pipe = self.client.pipeline()
+        self._delete(pipe, tenant_id, "dataset", dataset.id, dataset.created_at)
+        pipe.srem(keys.sha_refs(dataset.sha256), dataset.id)
+        pipe.scard(keys.sha_refs(dataset.sha256))
+        return int(pipe.execute()[-1]) == 0
+
+    def add_sha_ref(self, sha256: str, owner_id: str) -> None:
+        """Marks a store object as used by ``owner_id`` (a model, dataset or job)."""
+        self.client.sadd(keys.sha_refs(sha256), owner_id)
+
+    def sha_referenced(self, sha256: str) -> bool:
+        return bool(self.client.exists(keys.sha_refs(sha256)))
+
+    # --- jobs -----------------------------------------------------------------------------
+
+    def create_job(self, tenant_id: str, job: JobPublic, payload: JobPayload) -> None:
+        pipe = self.client.pipeline()
+        self._put(pipe, tenant_id, "job", job.id, job, job.created_at)
+        pipe.hset(
+            keys.record("job", job.id),
+            mapping={"status": job.status.value, "payload": payload.model_dump_json()},
+        )
+        pipe.execute()
+
+    def delete_job(self, tenant_id: str, job: JobPublic) -> None:
+        """Only for a job that could not be enqueued."""
+        pipe = self.client.pipeline()
+        self._delete(pipe, tenant_id, "job", job.id, job.created_at)
+        pipe.execute()
+
+    def get_job(self, tenant_id: str, job_id: str) -> JobPublic | None:
+        fields = self._fields(keys.record("job", job_id))
+        if fields is None or fields["tenant_id"] != tenant_id:
+            return None
+        return self._job_from_fields(job_id, fields)
+
+    def job_owner_and_payload(self, job_id: str) -> tuple[str, JobPayload, JobStatus] | None:
+        """For workers: whose job it is, what to run, and its status now."""
+        fields = self._fields(keys.record("job", job_id))
+        if fields is None:
+            return None
+        payload = JobPayload.model_validate_json(fields["payload"])
+        return fields["tenant_id"], payload, JobStatus(fields["status"])
+
+    def job_status(self, job_id: str) -> JobStatus | None:
+        status = self.client.hget(keys.record("job", job_id), "status")
+        return None if status is None else JobStatus(_text(status))
+
+    def list_jobs(
+        self,
+        tenant_id: str,
+        page_size: int,
+        token: str | None,
+        status: JobStatus | None = None,
+    ) -> Page[JobPublic]:
+        def load(job_id: str) -> JobPublic | None:
+            job = self.get_job(tenant_id, job_id)
+            return job if job is not None and (status is None or job.status is status) else None
+
+        return self._page(tenant_id, "job", load, page_size, token)
+
+    def transition(
+        self,
+        job_id: str,
+        allowed: tuple[JobStatus, ...],
+        new: JobStatus,
+        fields: Mapping[str, str] | None = None,
+    ) -> JobStatus | None:
+        """Sets ``new`` (and ``fields``) only if the status is one of ``allowed``, atomically.
+        Returns the status after the call (None if there is no such job)."""
+        args: list[str] = [",".join(s.value for s in allowed), new.value]
+        for name, value in (fields or {}).items():
+            args += [name, value]
+        result = self._transition(keys=[keys.record("job", job_id), keys.RUNNING_JOBS], args=args)
+        return None if result is None else JobStatus(_text(result))
+
+    def mark_started(self, job_id: str, worker: str) -> bool:
+        new = self.transition(
+            job_id,
+            (JobStatus.QUEUED,),
+            JobStatus.RUNNING,
+            {"started_at": utc_now().isoformat(), "worker": worker},
+        )
+        return new is JobStatus.RUNNING
+
+    def mark_finished(
+        self,
+        job_id: str,
+        status: JobStatus,
+        *,
+        error: str | None = None,
+        result: JobResultLinks | None = None,
+        report_sha256: str | None = None,
+        allowed: tuple[JobStatus, ...] = (JobStatus.RUNNING,),
+    ) -> bool:
+        fields = {"finished_at": utc_now().isoformat()}
+        if report_sha256 is not None:
+            fields["report_sha256"] = report_sha256
+        if error is not None:
+            fields["error"] = error
+        if result is not None:
+            fields["result"] = result.model_dump_json()
+        return self.transition(job_id, allowed, status, fields) is status
+
+    def report_sha256(self, job_id: str) -> str | None:
+        value = self.client.hget(keys.record("job", job_id), "report_sha256")
+        return None if value is None else _text(value)
+
+    def started_at(self, job_id: str) -> datetime | None:
+        value = self.client.hget(keys.record("job", job_id), "started_at")
+        return None if not value else datetime.fromisoformat(_text(value))
+
+    def running_jobs(self) -> list[str]:
+        return sorted(_text(m) for m in self.client.smembers(keys.RUNNING_JOBS))
+
+    def request_cancel(self, job_id: str) -> None:
+        self.client.set(keys.job_cancel(job_id), "1")
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self.client.exists(keys.job_cancel(job_id)))
+
+    def write_progress(self, job_id: str, progress: Progress) -> None:
+        self.client.set(keys.job_progress(job_id), progress.model_dump_json())
+
+    def beat(self, job_id: str, ttl_s: float) -> None:
+        self.client.set(keys.job_heartbeat(job_id), "1", px=int(ttl_s * 1000))
+
+    def heartbeat_alive(self, job_id: str) -> bool:
+        return bool(self.client.exists(keys.job_heartbeat(job_id)))
+
+    def remember_idempotency(
+        self, tenant_id: str, key: str, body_sha256: str, job_id: str, ttl_s: int
+    ) -> tuple[str, str]:
+        """Binds ``key`` to (body hash, job id) unless already bound; returns the binding."""
+        name = keys.idempotency(tenant_id, key)
+        self.client.set(name, f"{body_sha256}:{job_id}", nx=True, ex=ttl_s)
+        bound = _text(self.client.get(name))
+        body, _, bound_job = bound.partition(":")
+        return body, bound_job
+
+    def forget_idempotency(self, tenant_id: str, key: str) -> None:
+        self.client.delete(keys.idempotency(tenant_id, key))
+
+    # --- shared ---------------------------------------------------------------------------
+
+    def _job_from_fields(self, job_id: str, fields: dict[str, str]) -> JobPublic:
+        job = JobPublic.model_validate_json(fields["data"])
+        update: dict[str, Any] = {"status": JobStatus(fields["status"])}
+        for name in ("started_at", "finished_at"):
+            if fields.get(name):
+                update[name] = datetime.fromisoformat(fields[name])
+        if fields.get("error"):
+            update["error"] = fields["error"]
+        if fields.get("result"):
+            update["result"] = JobResultLinks.model_validate_json(fields["result"])
+        progress = self.client.get(keys.job_progress(job_id))
+        if progress is not None:
+            try:
+                update["progress"] = Progress.model_validate_json(progress)
+            except ValidationError:
+                update["progress"] = None  # a half-upgraded worker; progress is best effort
+        return job.model_copy(update=update)
+
+    def _fields(self, name: str) -> dict[str, str] | None:
+        raw = cast("dict[bytes, bytes]", self.client.hgetall(name))
+        if not raw:
+            return None
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def _put(
+        self,
+        pipe: redis.client.Pipeline,
+        tenant_id: str,
+        kind: keys.ResourceKind,
+        resource_id: str,
+        resource: BaseModel,
+        created_at: datetime,
+    ) -> None:
+        pipe.hset(
+            keys.record(kind, resource_id),
+            mapping={"tenant_id": tenant_id, "data": resource.model_dump_json()},
+        )
+        pipe.zadd(keys.tenant_index(tenant_id, kind), {_index_member(created_at, resource_id): 0})
+
+    def _delete(
+        self,
+        pipe: redis.client.Pipeline,
+        tenant_id: str,
+        kind: keys.ResourceKind,
+        resource_id: str,
+        created_at: datetime,
+    ) -> None:
+        pipe.delete(keys.record(kind, resource_id))
+        pipe.zrem(keys.tenant_index(tenant_id, kind), _index_member(created_at, resource_id))
+
+    def _get(
+        self, tenant_id: str, kind: keys.ResourceKind, resource_id: str, schema: type[R]
+    ) -> R | None:
+        owner, data = cast(
+            "list[bytes | None]",
+            self.client.hmget(keys.record(kind, resource_id), ["tenant_id", "data"]),
+        )
+        if owner is None or data is None or owner.decode() != tenant_id:
+            return None
+        return schema.model_validate_json(data)
+
+    def _list(
+        self,
+        tenant_id: str,
+        kind: keys.ResourceKind,
+        schema: type[R],
+        page_size: int,
+        token: str | None,
+    ) -> Page[R]:
+        return self._page(
+            tenant_id,
+            kind,
+            lambda resource_id: self._get(tenant_id, kind, resource_id, schema),
+            page_size,
+            token,
+        )
+
+    def _page(
+        self,
+        tenant_id: str,
+        kind: keys.ResourceKind,
+        load: Any,
+        page_size: int,
+        token: str | None,
+    ) -> Page[Any]:
+        """Newest first. The token is the last index member returned, so items created while
+        paging never shift later pages. With a filter, scans at most 20 pages' worth of index
+        per call; a short page with a token just means more may follow."""
+        index = keys.tenant_index(tenant_id, kind)
+        upper = "+" if token is None else "(" + _decode_token(token)
+        items: list[Any] = []
+        last: str | None = None
+        scanned = 0
+        while len(items) < page_size and scanned < 20 * page_size:
+            batch = [
+                _text(m)
+                for m in self.client.zrevrangebylex(index, upper, "-", start=0, num=page_size)
+            ]
+            if not batch:
+                return Page(items=items, next_page_token=None)
+            for member in batch:
+                scanned += 1
+                last = member
+                item = load(member.split(":", 1)[1])
+                if item is not None:
+                    items.append(item)
+                    if len(items) == page_size:
+                        break
+            assert last is not None
+            upper = "(" + last
+            if len(batch) < page_size and len(items) < page_size:
+                return Page(items=items, next_page_token=None)
+        assert last is not None
+        more = self.client.zrevrangebylex(index, "(" + last, "-", start=0, num=1)
+        return Page(items=items, next_page_token=_encode_token(last) if more else None)

@@ -1,0 +1,91 @@
+"""/v1/datasets: upload (validated), list, show, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Query, Response, UploadFile
+
+from api_schemas import DatasetPublic, Page, new_id, utc_now
+from service.arrays import describe_arrays
+from service.deps import IdPath, RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.errors import ArrayFileError
+from service.problems import ApiError, not_found
+from service.settings import DEFAULT_MAX_DATASET_BYTES
+from service.uploads import store_upload
+
+router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
+
+_MULTIPART_SLACK = 1024 * 1024
+
+
+@router.post("", status_code=201, max_body_size=DEFAULT_MAX_DATASET_BYTES + _MULTIPART_SLACK)
+def create_dataset(
+    tenant: TenantDep,
+    records: RecordsDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    response: Response,
+    file: UploadFile,
+    name: Annotated[str | None, Form(min_length=1, max_length=256)] = None,
+) -> DatasetPublic:
+    """Upload an ``.npz`` (no pickles) or ``.safetensors`` file with ``x`` and optional ``y``.
+    It is checked before it is registered: finite values, consistent lengths, at least one
+    sample, valid labels."""
+    sha256, size = store_upload(store, file.file, settings.max_dataset_bytes, "dataset file")
+    try:
+        facts = describe_arrays(
+            store.local_path(sha256), max_elements=settings.max_dataset_elements
+        )
+    except ArrayFileError as exc:
+        if not records.sha_referenced(sha256):
+            store.delete(sha256)
+        raise ApiError(422, str(exc)) from exc
+    dataset = DatasetPublic(
+        id=new_id("ds"),
+        name=name or file.filename or "dataset",
+        num_samples=facts.num_samples,
+        sample_shape=list(facts.sample_shape),
+        dtype=facts.dtype,
+        has_labels=facts.has_labels,
+        label_kind=facts.label_kind,
+        num_classes=facts.num_classes,
+        sha256=sha256,
+        size_bytes=size,
+        format=facts.format,
+        created_at=utc_now(),
+    )
+    records.put_dataset(tenant, dataset)
+    response.headers["Location"] = f"/v1/datasets/{dataset.id}"
+    return dataset
+
+
+@router.get("")
+def list_datasets(
+    tenant: TenantDep,
+    records: RecordsDep,
+    settings: SettingsDep,
+    page_size: Annotated[int, Query(ge=1, le=1000)] = 50,
+    page_token: str | None = None,
+) -> Page[DatasetPublic]:
+    return records.list_datasets(tenant, min(page_size, settings.page_size_max), page_token)
+
+
+@router.get("/{dataset_id}")
+def get_dataset(tenant: TenantDep, records: RecordsDep, dataset_id: IdPath) -> DatasetPublic:
+    dataset = records.get_dataset(tenant, dataset_id)
+    if dataset is None:
+        raise not_found("dataset", dataset_id)
+    return dataset
+
+
+@router.delete("/{dataset_id}", status_code=204)
+def delete_dataset(
+    tenant: TenantDep, records: RecordsDep, store: StoreDep, dataset_id: IdPath
+) -> Response:
+    dataset = records.get_dataset(tenant, dataset_id)
+    if dataset is None:
+        raise not_found("dataset", dataset_id)
+    if records.delete_dataset(tenant, dataset):
+        store.delete(dataset.sha256)
+    return Response(status_code=204)

@@ -1,0 +1,55 @@
+"""Settings of the API and the workers, from the environment (prefix ``BNADAPT_``)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Final
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = [
+    "DEFAULT_MAX_DATASET_BYTES",
+    "DEFAULT_MAX_WEIGHTS_BYTES",
+    "Settings",
+    "get_settings",
+]
+
+MIB: Final = 1024 * 1024
+DEFAULT_MAX_WEIGHTS_BYTES: Final = 2048 * MIB
+DEFAULT_MAX_DATASET_BYTES: Final = 4096 * MIB
+
+
+class Settings(BaseSettings):
+    """One process's configuration. Nothing reads it at import time: see :func:`get_settings`."""
+
+    model_config = SettingsConfigDict(env_prefix="BNADAPT_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    data_dir: Path = Path("data")
+    # The artifact store; <data_dir>/store when not set.
+    store_dir: Path | None = None
+    # RQ queue the API enqueues jobs on and workers listen to.
+    queue: str = Field(default="bnadapt", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    max_weights_bytes: int = Field(default=DEFAULT_MAX_WEIGHTS_BYTES, ge=1)
+    max_dataset_bytes: int = Field(default=DEFAULT_MAX_DATASET_BYTES, ge=1)
+    # Largest x a dataset may hold, in elements (bounds the memory a worker needs).
+    max_dataset_elements: int = Field(default=2_000_000_000, ge=1)
+    # How long POST /v1/models waits for a worker to check the weights.
+    inspect_timeout_s: float = Field(default=60.0, gt=0)
+    # A running job whose worker has not written a heartbeat for this long is failed.
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    # Longest a job may run before RQ stops it.
+    job_timeout_s: int = Field(default=7 * 24 * 3600, ge=1)
+    page_size_max: int = Field(default=200, ge=1)
+
+    @property
+    def store_path(self) -> Path:
+        return self.store_dir if self.store_dir is not None else self.data_dir / "store"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read from the environment on first use."""
+    return Settings()

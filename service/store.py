@@ -1,0 +1,260 @@
+"""The content-addressed artifact store: weights, datasets and reports, named by sha256.
+
+Layout under the root::
+
+    objects/<first two hex digits>/<sha256>   committed objects, never modified
+    tmp/<random>.part                         objects being written
+
+# NOTE [ Atomic commit ]
+An object appears under its name complete or not at all. It is written to a temp file on the
+same filesystem, flushed and fsynced, then renamed over its final name (``os.replace`` is atomic
+on POSIX), and the directory is fsynced so the rename itself survives a power cut. Readers
+therefore never see a partial object, and a crash leaves at most a stray temp file, which
+:meth:`LocalStore.cleanup_tmp` removes. Two writers of the same content race harmlessly: both
+renames install identical bytes.
+"""
+
+import contextlib
+import hashlib
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO, Final, Protocol
+
+from api_schemas.common import SHA256_PATTERN
+from service.errors import ObjectNotFoundError, StoreTooLargeError
+
+__all__ = [
+    "DEFAULT_TMP_MAX_AGE_S",
+    "LocalStore",
+    "ObjectWriter",
+    "Store",
+    "check_sha256",
+]
+
+# A temp file untouched this long belongs to a writer that died (every write updates mtime).
+DEFAULT_TMP_MAX_AGE_S: Final = 24 * 3600.0
+
+_SHA256_RE: Final = re.compile(SHA256_PATTERN)
+_TMP_SUFFIX: Final = ".part"
+
+
+def check_sha256(value: str) -> str:
+    """Returns ``value`` if it is a sha256 hex digest (64 lowercase hex characters).
+
+    Raises ``ValueError`` otherwise. The check also keeps path separators and ``..`` out of
+    object paths.
+    """
+    # fullmatch: with `match`, `$` would also accept a trailing newline.
+    if not isinstance(value, str) or _SHA256_RE.fullmatch(value) is None:
+        raise ValueError(
+            f"not a sha256 digest: {str(value)[:80]!r}; expected 64 lowercase hexadecimal "
+            "characters"
+        )
+    return value
+
+
+class ObjectWriter(Protocol):
+    """What :meth:`Store.writer` yields: takes chunks; knows its digest once committed."""
+
+    def write(self, chunk: bytes) -> None: ...
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far (the object's size after commit)."""
+        ...
+
+    @property
+    def sha256(self) -> str:
+        """The object's digest; only after a clean exit from the ``with`` block."""
+        ...
+
+
+class Store(Protocol):
+    """A content-addressed store. See NOTE [ Atomic commit ] for the guarantees."""
+
+    def writer(
+        self, max_bytes: int | None = None
+    ) -> contextlib.AbstractContextManager[ObjectWriter]:
+        """A context manager that commits what was written on a clean exit and discards it
+        on an exception. Over ``max_bytes`` the write raises ``StoreTooLargeError``."""
+        ...
+
+    def put_bytes(self, data: bytes) -> str:
+        """Stores ``data``; returns its sha256."""
+        ...
+
+    def open(self, sha256: str) -> BinaryIO:
+        """Opens an object for reading; ``ObjectNotFoundError`` if absent."""
+        ...
+
+    def local_path(self, sha256: str) -> Path:
+        """A readable local file with the object's bytes; ``ObjectNotFoundError`` if absent.
+        Callers must not modify it."""
+        ...
+
+    def exists(self, sha256: str) -> bool: ...
+
+    def delete(self, sha256: str) -> None:
+        """Removes an object; deleting an absent one is not an error."""
+        ...
+
+    def cleanup_tmp(self, older_than_s: float = DEFAULT_TMP_MAX_AGE_S) -> int:
+        """Removes temp files left by crashed writers; returns how many."""
+        ...
+
+
+class _LocalWriter:
+    """Hashes and counts chunks on their way into one temp file."""
+
+    def __init__(self, file: BinaryIO, max_bytes: int | None) -> None:
+        self._file = file
+        self._max_bytes = max_bytes
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self._digest: str | None = None
+        self._open = True
+        # Kept so that a caller who catches the error inside the `with` block still cannot
+        # commit the truncated object: the commit raises it again.
+        self._too_large: StoreTooLargeError | None = None
+
+    def write(self, chunk: bytes) -> None:
+        if not self._open:
+            raise ValueError("write to a store writer after its `with` block ended")
+        if self._too_large is not None:
+            raise self._too_large
+        new_size = self._size + len(chunk)
+        if self._max_bytes is not None and new_size > self._max_bytes:
+            self._too_large = StoreTooLargeError(
+                f"object is larger than the limit of {self._max_bytes} bytes (reached at least "
+                f"{new_size} bytes); nothing was stored: send a smaller file"
+            )
+            raise self._too_large
+        self._file.write(chunk)
+        self._hash.update(chunk)
+        self._size = new_size
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def sha256(self) -> str:
+        if self._digest is None:
+            raise RuntimeError("the sha256 is known only after the `with` block ends cleanly")
+        return self._digest
+
+    def _finish(self) -> None:
+        self._open = False
+        if self._too_large is not None:
+            raise self._too_large
+        self._digest = self._hash.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore:
+    """A :class:`Store` in a local directory (or a shared mount every worker sees).
+
+    Directories are created on the first write, so building one touches nothing.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._objects = self.root / "objects"
+        self._tmp = self.root / "tmp"
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def _path(self, sha256: str) -> Path:
+        check_sha256(sha256)
+        return self._objects / sha256[:2] / sha256
+
+    @contextlib.contextmanager
+    def writer(self, max_bytes: int | None = None) -> Iterator[ObjectWriter]:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp / f"{secrets.token_hex(16)}{_TMP_SUFFIX}"
+        # O_EXCL: never share a temp file; mode 0o644 (less the umask) so workers running as
+        # another user can read committed objects, which mkstemp's 0o600 would prevent.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        committed = False
+        try:
+            with os.fdopen(fd, "wb") as file:
+                writer = _LocalWriter(file, max_bytes)
+                yield writer
+                writer._finish()
+                file.flush()
+                os.fsync(file.fileno())
+            self._commit(tmp, writer.sha256)
+            committed = True
+        finally:
+            # Also on GeneratorExit and KeyboardInterrupt: no temp file outlives a failed write.
+            if not committed:
+                tmp.unlink(missing_ok=True)
+
+    def _commit(self, tmp: Path, sha256: str) -> None:
+        """Moves a complete, fsynced temp file to its final name (NOTE [ Atomic commit ])."""
+        final = self._path(sha256)
+        if final.exists():
+            tmp.unlink()  # same name, same bytes: keep the existing object
+            return
+        shard = final.parent
+        missing = [d for d in (self._objects, shard) if not d.exists()]
+        shard.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, final)
+        _fsync_dir(shard)
+        for created in missing:
+            _fsync_dir(created.parent)  # a new directory's own entry lives in its parent
+
+    def put_bytes(self, data: bytes) -> str:
+        with self.writer() as writer:
+            writer.write(data)
+        return writer.sha256
+
+    def open(self, sha256: str) -> BinaryIO:
+        try:
+            return self._path(sha256).open("rb")
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"no object {sha256} in {self.root}") from None
+
+    def local_path(self, sha256: str) -> Path:
+        path = self._path(sha256)
+        if not path.is_file():
+            raise ObjectNotFoundError(f"no object {sha256} in {self.root}")
+        return path
+
+    def exists(self, sha256: str) -> bool:
+        return self._path(sha256).is_file()
+
+    def delete(self, sha256: str) -> None:
+        self._path(sha256).unlink(missing_ok=True)
+
+    def cleanup_tmp(self, older_than_s: float = DEFAULT_TMP_MAX_AGE_S) -> int:
+        if older_than_s < 0:
+            raise ValueError(f"older_than_s must be >= 0, got {older_than_s}")
+        if not self._tmp.is_dir():
+            return 0
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for entry in self._tmp.iterdir():
+            if entry.suffix != _TMP_SUFFIX:
+                continue
+            try:
+                if entry.stat().st_mtime < cutoff:
+                    entry.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue  # finished or cleaned up by someone else meanwhile
+        return removed

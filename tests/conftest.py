@@ -1,0 +1,37 @@
+"""Shared fixtures: real servers on free ports. The helpers live in ``tests/servers.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.embedded import RedisServer
+from tests.servers import new_redis_server
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh password-protected Redis-compatible server for one test, stopped afterwards."""
+    server = new_redis_server(tmp_path / "redis")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def session_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One server shared by the whole session: cheaper, but tests must not assume it is empty
+    (use unique keys or queue names)."""
+    server = new_redis_server(tmp_path_factory.mktemp("redis-session"))
+    try:
+        yield server
+    finally:
+        server.stop()

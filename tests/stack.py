@@ -1,0 +1,156 @@
+"""The whole service as separate processes, for end-to-end tests: a Redis-compatible server, the
+API under uvicorn, and a worker (``python -m workers.supervisor``: RQ worker + inspector), each
+on free ports, all state under one directory."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from service.app import redis_client
+from service.embedded import RedisServer, free_port
+from service.records import Records
+from tests.servers import stop_process, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def npz_bytes(**arrays: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+@dataclass
+class Stack:
+    """A running API and worker over one Redis; ``start_worker``/``stop_worker`` and
+    ``start_api``/``stop_api`` can be called again to test restarts."""
+
+    data_dir: Path
+    redis: RedisServer
+    env_overrides: Mapping[str, str] = field(default_factory=dict)
+    api_port: int = field(default_factory=free_port)
+    api: subprocess.Popen[bytes] | None = None
+    worker: subprocess.Popen[bytes] | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "BNADAPT_REDIS_URL": self.redis.url,
+            "BNADAPT_DATA_DIR": str(self.data_dir),
+            "BNADAPT_HEARTBEAT_TIMEOUT_S": "4",
+            "PYTHONPATH": str(REPO),
+            **self.env_overrides,
+        }
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    def records(self) -> Records:
+        return Records(redis_client(self.redis.url))
+
+    def start_api(self) -> None:
+        self.api = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "--factory",
+                "service.app:create_app",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.api_port),
+                "--log-level",
+                "warning",
+            ],
+            env=self.env,
+            cwd=REPO,
+        )
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, timeout_s=30, what="the API to answer /healthz")
+
+    def stop_api(self) -> None:
+        if self.api is not None:
+            stop_process(self.api)
+            self.api = None
+
+    def start_worker(self) -> None:
+        self.worker = subprocess.Popen(
+            [sys.executable, "-m", "workers.supervisor", "--device", "cpu"],
+            env=self.env,
+            cwd=REPO,
+        )
+        client = redis_client(self.redis.url)
+        wait_for(
+            lambda: bool(client.exists("bnadapt:inspectors-alive")),
+            timeout_s=60,
+            what="the worker's inspector to come up",
+        )
+
+    def stop_worker(self) -> None:
+        if self.worker is not None:
+            stop_process(self.worker, timeout_s=40)
+            self.worker = None
+
+    def stop(self) -> None:
+        self.stop_api()
+        self.stop_worker()
+
+    def client(self, tenant: str) -> Client:
+        key = self.records().create_api_key(tenant).key
+        return Client(self.url, key)
+
+
+class Client:
+    """A thin HTTP client for tests: raw responses, so tests can check every status."""
+
+    def __init__(self, url: str, key: str | None) -> None:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.http = httpx.Client(base_url=url, headers=headers, timeout=60)
+
+    def add_model(
+        self,
+        architecture: str,
+        kwargs: dict[str, Any] | None = None,
+        weights: bytes | None = None,
+        seed: int = 0,
+    ) -> httpx.Response:
+        meta = {"architecture": architecture, "kwargs": kwargs or {}, "seed": seed}
+        files = {"weights": ("w.safetensors", weights)} if weights is not None else None
+        return self.http.post("/v1/models", data={"meta": json.dumps(meta)}, files=files)
+
+    def add_dataset(self, content: bytes, name: str = "data.npz") -> httpx.Response:
+        return self.http.post("/v1/datasets", files={"file": (name, content)})
+
+    def submit(self, body: dict[str, Any], **headers: str) -> httpx.Response:
+        return self.http.post("/v1/jobs", json=body, headers=headers)
+
+    def wait(self, job_id: str, timeout_s: float = 120) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job: dict[str, Any] = self.http.get(f"/v1/jobs/{job_id}").json()
+            if job["status"] in ("succeeded", "failed", "canceled"):
+                return job
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {job_id} still {job['status']} after {timeout_s} s")
+            time.sleep(0.2)

@@ -1,0 +1,254 @@
+"""One job's computation, from payload to new weights and report; no Redis here.
+
+:func:`compute` is what a worker runs for a job, and what a test runs in-process to check the
+worker's output bitwise. The model always runs through workers/checkpoint.py with the job's
+checkpoint policy, so its statistics are right whatever the policy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Final, Literal, Protocol
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from api_schemas import AdaptParams, JobPayload, TrainParams
+from api_schemas.reports import (
+    BatchNormChange,
+    EpochLog,
+    Metrics,
+    Report,
+    TensorChange,
+    Timings,
+)
+from service.arrays import read_arrays
+from service.store import Store
+from workers.architectures import (
+    batchnorm_layers,
+    build_model,
+    named_modules,
+    parameter_count,
+    registry,
+    resolve_kwargs,
+)
+from workers.data import iter_batches, num_batches, to_tensors
+from workers.errors import ArchitectureError, WorkerError
+from workers.estimators import adapt_batchnorm, select_batchnorm
+from workers.evaluation import Metrics as EvalMetrics
+from workers.evaluation import evaluate, loss_for
+from workers.policy import apply_checkpoint_policy
+from workers.reporting import batchnorm_changes, state_snapshot, tensor_changes
+from workers.training import train_model
+
+__all__ = [
+    "WORKER_DEVICE_ENV",
+    "JobHooks",
+    "JobOutcome",
+    "NoHooks",
+    "compute",
+    "load_model",
+    "resolve_device",
+    "weights_bytes",
+]
+
+# Set by `bnadapt worker --device`; a job's `device: auto` means this worker's device.
+WORKER_DEVICE_ENV: Final = "BNADAPT_WORKER_DEVICE"
+EVAL_BATCH_SIZE: Final = 512
+
+
+class JobHooks(Protocol):
+    """What the computation reports to, and asks, the outside (see workers/runtime.py)."""
+
+    def start_phase(
+        self, phase: str, total: int, unit: Literal["batches", "steps"], samples_per_unit: float
+    ) -> None: ...
+
+    def report(self, done: int) -> None: ...
+
+    def should_stop(self) -> bool: ...
+
+
+class NoHooks:
+    """For in-process runs: no progress, never stops."""
+
+    def start_phase(
+        self, phase: str, total: int, unit: Literal["batches", "steps"], samples_per_unit: float
+    ) -> None:
+        return None
+
+    def report(self, done: int) -> None:
+        return None
+
+    def should_stop(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    state_dict: dict[str, torch.Tensor]  # on the CPU, keys of the unwrapped model
+    report: Report  # output_model_id is filled in by the caller
+    parameter_count: int
+    batchnorm_layers: list[dict[str, Any]]
+    input_shape: list[int | None]
+
+
+def resolve_device(requested: str) -> torch.device:
+    """``auto`` is the worker's device (``BNADAPT_WORKER_DEVICE``), and ``auto`` there is CUDA
+    when present. Only called inside a job's process: the worker's parent never touches CUDA."""
+    device = os.environ.get(WORKER_DEVICE_ENV, "auto") if requested == "auto" else requested
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise WorkerError(
+            f"the job asks for device {requested!r} but this worker has no CUDA device; submit "
+            "with device 'auto' or 'cpu', or run a worker on a GPU machine"
+        )
+    return torch.device(device)
+
+
+def load_model(payload: JobPayload, store: Store) -> nn.Module:
+    """The input model, built and loaded with strict=True."""
+    model = build_model(payload.model.architecture, payload.model.kwargs)
+    state = safetensors.torch.load_file(str(store.local_path(payload.model.weights_sha256)))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ArchitectureError(
+            f"the weights of model {payload.model.id} no longer load into "
+            f"{payload.model.architecture}: {exc}"
+        ) from exc
+    return model
+
+
+def weights_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
+    return safetensors.torch.save({k: v.contiguous() for k, v in state_dict.items()})
+
+
+def _metrics(found: EvalMetrics | None) -> Metrics | None:
+    return None if found is None else Metrics(**asdict(found))
+
+
+def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) -> JobOutcome:
+    """Runs the job the payload describes and returns the new weights and the report."""
+    hooks = hooks or NoHooks()
+    started = time.perf_counter()
+    params = payload.params
+    torch.manual_seed(params.seed)
+    device = resolve_device(params.device)
+    model = load_model(payload, store).to(device)
+    arrays = read_arrays(store.local_path(payload.dataset.sha256), payload.dataset.format)
+    x, y = to_tensors(arrays.x, arrays.y)  # (N, ...) on the CPU; batches move to `device`
+    arch = registry()[payload.model.architecture]
+    policy = params.checkpoint
+    apply_checkpoint_policy(
+        model, arch, policy.preset, policy.modules, policy.types, policy.offload_to_cpu
+    )
+    loss = None if y is None else (getattr(params, "loss", None) or loss_for(y))
+
+    def measure(phase: str) -> EvalMetrics | None:
+        if y is None or loss is None:
+            return None
+        hooks.start_phase(phase, 1, "batches", float(len(x)))
+        found = evaluate(model, x, y, batch_size=EVAL_BATCH_SIZE, loss=loss, device=device)
+        hooks.report(1)
+        return found
+
+    loaded = time.perf_counter()
+    before = state_snapshot(model)
+    metrics_before = measure("evaluate before")
+    computing = time.perf_counter()
+    epochs: list[EpochLog] = []
+    adapted: list[str] = []
+    if isinstance(params, AdaptParams):
+        adapted = select_batchnorm(model, params.include, params.exclude)
+        total = num_batches(len(x), params.batch_size, params.max_batches)
+        hooks.start_phase("adapt", total, "batches", float(params.batch_size))
+        stats = adapt_batchnorm(
+            model,
+            (batch.to(device) for batch in iter_batches(x, params.batch_size, params.max_batches)),
+            estimator=params.estimator,
+            layers=adapted,
+            reset=params.effective_reset(),
+            progress=hooks.report,
+            should_stop=hooks.should_stop,
+        )
+        batches, samples, estimator = stats.batches, stats.samples, params.estimator
+    else:
+        assert isinstance(params, TrainParams)
+        assert y is not None, "the API only accepts train jobs on labelled datasets"
+        train_loss = params.loss or loss_for(y)
+        hooks.start_phase("train", 0, "steps", float(params.batch_size))
+
+        def progress(done: int, total: int) -> None:
+            if done <= 1:
+                hooks.start_phase("train", total, "steps", float(params.batch_size))
+            hooks.report(done)
+
+        trained = train_model(
+            model,
+            x,
+            y,
+            epochs=params.epochs,
+            batch_size=params.batch_size,
+            optimizer=params.optimizer,
+            lr=params.lr,
+            momentum=params.momentum,
+            weight_decay=params.weight_decay,
+            loss=train_loss,
+            validation_fraction=params.validation_fraction,
+            seed=params.seed,
+            device=device,
+            progress=progress,
+            should_stop=hooks.should_stop,
+        )
+        epochs = [EpochLog(**asdict(e)) for e in trained.epochs]
+        batches, samples, estimator = trained.steps, trained.samples, None
+        adapted = [name for name, _ in _batchnorm_names(model)]
+    computed = time.perf_counter()
+    metrics_after = measure("evaluate after")
+    after = state_snapshot(model)
+    all_bn = [name for name, _ in _batchnorm_names(model)]
+    report = Report(
+        job_id=payload.job_id,
+        kind=payload.kind,
+        input_model_id=payload.model.id,
+        output_model_id=payload.model.id,  # replaced by the caller once registered
+        device=str(device),
+        torch_version=torch.__version__,
+        estimator=estimator,
+        batches=batches,
+        samples=samples,
+        timings=Timings(
+            load_s=loaded - started,
+            compute_s=computed - computing,
+            total_s=time.perf_counter() - started,
+        ),
+        batchnorm=[
+            BatchNormChange(**asdict(c))
+            for c in batchnorm_changes(before, after, all_bn, set(adapted), batches)
+        ],
+        tensors=[TensorChange(**asdict(c)) for c in tensor_changes(before, after)],
+        metrics_before=_metrics(metrics_before),
+        metrics_after=_metrics(metrics_after),
+        epochs=epochs,
+    )
+    kwargs = resolve_kwargs(payload.model.architecture, payload.model.kwargs)
+    return JobOutcome(
+        state_dict=after,
+        report=report,
+        parameter_count=parameter_count(model),
+        batchnorm_layers=batchnorm_layers(model),
+        input_shape=list(arch.input_shape(kwargs)),
+    )
+
+
+def _batchnorm_names(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, module)
+        for name, module in named_modules(model)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+    ]
