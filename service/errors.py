@@ -15,8 +15,8 @@ Messages are meant for the user: they say what is wrong, with the values involve
 
 __all__ = [
     "ArrayFileError",
-    "InvalidPageTokenError",
     "BnadaptError",
+    "InvalidPageTokenError",
     "ObjectNotFoundError",
     "StoreError",
     "StoreTooLargeError",
