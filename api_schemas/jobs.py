@@ -1,7 +1,7 @@
 """Jobs: what a client asks for, what it sees, and what a worker receives."""
 
 from enum import StrEnum
-from typing import Annotated, Any, Final, Literal, assert_never, get_args
+from typing import Annotated, Any, Final, Literal, Self, assert_never, get_args
 
 from pydantic import (
     BaseModel,
@@ -10,6 +10,7 @@ from pydantic import (
     TypeAdapter,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from api_schemas.architectures import ArchitectureKwargs, ArchitectureName
@@ -102,6 +103,16 @@ class AdaptParams(RequestModel):
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     seed: Seed = 0
     device: Device = "auto"
+
+    @model_validator(mode="after")
+    def _reset_fits_estimator(self) -> Self:
+        if self.estimator == "cumulative" and self.reset is False:
+            raise ValueError(
+                "the cumulative estimator always starts from fresh statistics (an equal-weight "
+                "average over the target batches); drop reset, or use estimator 'ema' to blend "
+                "into the current statistics"
+            )
+        return self
 
     def effective_reset(self) -> bool:
         """Whether the running statistics are cleared before the first batch."""

@@ -32,9 +32,10 @@ class Timings(_ReportModel):
 class BatchNormChange(_ReportModel):
     """One normalization layer before and after the job.
 
-    ``batches_run`` is how many batches went through the layer; for a layer with cumulative
-    statistics it must equal the growth of ``num_batches_tracked`` (no double update under
-    checkpointing).
+    ``batches_run`` is how many batches went through the layer in train mode; ``reset`` says
+    whether its statistics were cleared first. The stat-consistency fact (no double update
+    under checkpointing): ``num_batches_tracked_after == (0 if reset else
+    num_batches_tracked_before) + batches_run``.
     """
 
     name: str
@@ -44,6 +45,12 @@ class BatchNormChange(_ReportModel):
     num_batches_tracked_before: int = Field(ge=0)
     num_batches_tracked_after: int = Field(ge=0)
     batches_run: int = Field(ge=0)
+    reset: bool = False
+
+    @property
+    def consistent(self) -> bool:
+        start = 0 if self.reset else self.num_batches_tracked_before
+        return self.num_batches_tracked_after == start + self.batches_run
 
 
 class TensorChange(_ReportModel):

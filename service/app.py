@@ -9,26 +9,21 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Final
 
-import redis
 from fastapi import FastAPI
 from rq import Queue
 
 from service.problems import install_problem_handlers
 from service.reaper import Reaper
 from service.records import Records
+from service.redis_conn import redis_client
 from service.routes import architectures, datasets, health, jobs, models
 from service.settings import Settings, get_settings
 from service.store import LocalStore
 
-__all__ = ["create_app", "redis_client"]
+__all__ = ["create_app"]
 
 VERSION: Final = "0.1.0"
 REAPER_INTERVAL_S: Final = 5.0
-
-
-def redis_client(url: str) -> redis.Redis:
-    """A pooled client; no read timeout, since inspection replies use blocking pops."""
-    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

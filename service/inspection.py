@@ -6,6 +6,7 @@ See api_schemas/inspection.py for why the API cannot answer these questions itse
 from __future__ import annotations
 
 import secrets
+import time
 from typing import Final
 
 import redis
@@ -15,6 +16,7 @@ from api_schemas import ArchitecturePublic
 from api_schemas.inspection import InspectFailure, InspectRequest, InspectSuccess
 from service import keys
 from service.problems import ApiError
+from service.redis_conn import REDIS_BLOCK_SLICE_S
 
 __all__ = ["inspect_model", "published_architectures"]
 
@@ -40,7 +42,10 @@ def inspect_model(client: redis.Redis, request: InspectRequest, timeout_s: float
         raise ApiError(503, NO_WORKER, headers={"Retry-After": "5"})
     reply_key = keys.inspect_reply(request.request_id)
     client.lpush(keys.INSPECT_REQUESTS, request.model_dump_json())
-    popped = client.blpop([reply_key], timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    popped = None
+    while popped is None and (left := deadline - time.monotonic()) > 0:
+        popped = client.blpop([reply_key], timeout=min(left, REDIS_BLOCK_SLICE_S))
     if popped is None:
         # Nobody took it (or took too long): make sure no inspector takes it later.
         client.lrem(keys.INSPECT_REQUESTS, 1, request.model_dump_json())

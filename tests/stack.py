@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,9 +19,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from service.app import redis_client
 from service.embedded import RedisServer, free_port
 from service.records import Records
+from service.redis_conn import redis_client
 from tests.servers import stop_process, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,6 +100,7 @@ class Stack:
             [sys.executable, "-m", "workers.supervisor", "--device", "cpu"],
             env=self.env,
             cwd=REPO,
+            start_new_session=True,  # its own process group, for kill_worker_group
         )
         client = redis_client(self.redis.url)
         wait_for(
@@ -111,6 +113,14 @@ class Stack:
         if self.worker is not None:
             stop_process(self.worker, timeout_s=40)
             self.worker = None
+
+    def kill_worker_group(self) -> None:
+        """SIGKILL the supervisor, its RQ worker, inspector and any job process at once: a
+        machine lost."""
+        assert self.worker is not None
+        os.killpg(self.worker.pid, signal.SIGKILL)
+        self.worker.wait()
+        self.worker = None
 
     def stop(self) -> None:
         self.stop_api()

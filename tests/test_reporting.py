@@ -86,6 +86,7 @@ def test_batchnorm_changes_by_hand() -> None:
         "num_batches_tracked_before",
         "num_batches_tracked_after",
         "batches_run",
+        "reset",
     }
 
 

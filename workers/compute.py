@@ -163,8 +163,10 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
     computing = time.perf_counter()
     epochs: list[EpochLog] = []
     adapted: list[str] = []
+    reset = False
     if isinstance(params, AdaptParams):
         adapted = select_batchnorm(model, params.include, params.exclude)
+        reset = params.effective_reset()
         total = num_batches(len(x), params.batch_size, params.max_batches)
         hooks.start_phase("adapt", total, "batches", float(params.batch_size))
         stats = adapt_batchnorm(
@@ -172,7 +174,7 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
             (batch.to(device) for batch in iter_batches(x, params.batch_size, params.max_batches)),
             estimator=params.estimator,
             layers=adapted,
-            reset=params.effective_reset(),
+            reset=reset,
             progress=hooks.report,
             should_stop=hooks.should_stop,
         )
@@ -229,7 +231,7 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
         ),
         batchnorm=[
             BatchNormChange(**asdict(c))
-            for c in batchnorm_changes(before, after, all_bn, set(adapted), batches)
+            for c in batchnorm_changes(before, after, all_bn, set(adapted), batches, reset)
         ],
         tensors=[TensorChange(**asdict(c)) for c in tensor_changes(before, after)],
         metrics_before=_metrics(metrics_before),

@@ -23,8 +23,8 @@ from api_schemas import (
     new_id,
     utc_now,
 )
-from service.app import redis_client
 from service.records import Records
+from service.redis_conn import redis_client
 from service.settings import get_settings
 from service.store import LocalStore
 from workers.compute import compute, weights_bytes

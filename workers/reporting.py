@@ -34,6 +34,7 @@ class BatchNormChange:
     num_batches_tracked_before: int
     num_batches_tracked_after: int
     batches_run: int  # batches this layer saw in train mode during the job (0 if not adapted)
+    reset: bool  # its statistics were cleared before the job's batches
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,11 @@ def batchnorm_changes(
     layers: Sequence[str],
     adapted: Collection[str],
     batches_run: int,
+    reset: bool = False,
 ) -> list[BatchNormChange]:
     """One entry per layer of ``layers`` (state_dict prefixes of BatchNorm layers) that has
-    running statistics; layers without them (``track_running_stats=False``) are left out."""
+    running statistics; layers without them (``track_running_stats=False``) are left out.
+    ``reset``: the ``adapted`` layers' statistics were cleared before the batches ran."""
     changes = []
     for name in layers:
         if f"{name}.running_mean" not in before:
@@ -80,6 +83,7 @@ def batchnorm_changes(
                 num_batches_tracked_before=int(before[f"{name}.num_batches_tracked"]),
                 num_batches_tracked_after=int(after[f"{name}.num_batches_tracked"]),
                 batches_run=batches_run if name in adapted else 0,
+                reset=reset and name in adapted,
             )
         )
     return changes

@@ -18,8 +18,8 @@ from rq.job import Job
 
 import workers.jobs  # noqa: F401  (imported for its torch import: fast forks)
 from api_schemas import JobStatus
-from service.app import redis_client
 from service.records import Records
+from service.redis_conn import redis_client
 from service.settings import get_settings
 from workers.compute import WORKER_DEVICE_ENV
 

@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
-from service.app import redis_client
 from service.reaper import Reaper
 from service.records import Records
+from service.redis_conn import redis_client
 from service.settings import get_settings
 from workers.compute import WORKER_DEVICE_ENV
 

@@ -1,0 +1,161 @@
+"""A Python client for the bnadapt API (what the CLI uses). No torch needed.
+
+client = Client("http://127.0.0.1:8000", "bna_...")
+model = client.add_model("digits_cnn", weights=Path("w.safetensors"))
+dataset = client.add_dataset(Path("target.npz"))
+job = client.submit("adapt", model.id, dataset.id, {"estimator": "cumulative"})
+job = client.wait(job.id, on_progress=print)
+client.download_weights(job.result.model_id, Path("adapted.safetensors"))
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+
+from api_schemas import ArchitecturePublic, DatasetPublic, JobPublic, ModelPublic, Page
+from api_schemas.reports import Report
+from service.errors import BnadaptError
+
+__all__ = ["ApiClientError", "Client"]
+
+DEFAULT_TIMEOUT_S: Final = 120.0
+POLL_INTERVAL_S: Final = 0.25
+
+
+class ApiClientError(BnadaptError):
+    """The API answered with an error; ``status`` and ``detail`` come from its problem body."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class Client:
+    def __init__(self, url: str, key: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.http = httpx.Client(
+            base_url=url.rstrip("/"),
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=timeout_s,
+        )
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _check(self, response: httpx.Response) -> httpx.Response:
+        if response.is_success or response.status_code == 304:
+            return response
+        try:
+            body = response.json()
+            detail = str(body.get("detail") or body.get("title") or body)
+        except ValueError:
+            detail = response.text[:500]
+        raise ApiClientError(response.status_code, detail)
+
+    def architectures(self) -> list[ArchitecturePublic]:
+        response = self._check(self.http.get("/v1/architectures"))
+        return [ArchitecturePublic.model_validate(a) for a in response.json()]
+
+    def add_model(
+        self,
+        architecture: str,
+        kwargs: dict[str, Any] | None = None,
+        weights: Path | None = None,
+        seed: int = 0,
+    ) -> ModelPublic:
+        meta = json.dumps({"architecture": architecture, "kwargs": kwargs or {}, "seed": seed})
+        if weights is None:
+            response = self.http.post("/v1/models", data={"meta": meta})
+        else:
+            with weights.open("rb") as file:
+                response = self.http.post(
+                    "/v1/models", data={"meta": meta}, files={"weights": (weights.name, file)}
+                )
+        return ModelPublic.model_validate(self._check(response).json())
+
+    def models(self, page_size: int = 50, page_token: str | None = None) -> Page[ModelPublic]:
+        params: dict[str, Any] = {"page_size": page_size}
+        if page_token:
+            params["page_token"] = page_token
+        response = self._check(self.http.get("/v1/models", params=params))
+        return Page[ModelPublic].model_validate(response.json())
+
+    def add_dataset(self, path: Path, name: str | None = None) -> DatasetPublic:
+        with path.open("rb") as file:
+            response = self.http.post(
+                "/v1/datasets",
+                files={"file": (path.name, file)},
+                data={"name": name} if name else None,
+            )
+        return DatasetPublic.model_validate(self._check(response).json())
+
+    def submit(
+        self,
+        kind: str,
+        model_id: str,
+        dataset_id: str,
+        params: dict[str, Any] | None = None,
+        idempotency_key: str | None = None,
+    ) -> JobPublic:
+        body = {"kind": kind, "model_id": model_id, "dataset_id": dataset_id}
+        body["params"] = params or {}  # type: ignore[assignment]
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        response = self.http.post("/v1/jobs", json=body, headers=headers)
+        return JobPublic.model_validate(self._check(response).json())
+
+    def job(self, job_id: str) -> JobPublic:
+        return JobPublic.model_validate(self._check(self.http.get(f"/v1/jobs/{job_id}")).json())
+
+    def jobs(
+        self, page_size: int = 50, page_token: str | None = None, status: str | None = None
+    ) -> Page[JobPublic]:
+        params: dict[str, Any] = {"page_size": page_size}
+        if page_token:
+            params["page_token"] = page_token
+        if status:
+            params["status"] = status
+        response = self._check(self.http.get("/v1/jobs", params=params))
+        return Page[JobPublic].model_validate(response.json())
+
+    def cancel(self, job_id: str) -> JobPublic:
+        response = self._check(self.http.post(f"/v1/jobs/{job_id}:cancel"))
+        return JobPublic.model_validate(response.json())
+
+    def wait(
+        self,
+        job_id: str,
+        on_progress: Callable[[JobPublic], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> JobPublic:
+        """Polls until the job ends; ``on_progress`` sees every poll."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            job = self.job(job_id)
+            if on_progress is not None:
+                on_progress(job)
+            if job.status.is_terminal:
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {job.status.value} after {timeout_s} s")
+            time.sleep(POLL_INTERVAL_S)
+
+    def report(self, job_id: str) -> Report:
+        response = self._check(self.http.get(f"/v1/jobs/{job_id}/report"))
+        return Report.model_validate(response.json())
+
+    def download_weights(self, model_id: str, path: Path) -> Path:
+        """Streams the weights to ``path`` (written whole or not at all)."""
+        partial = path.with_name(path.name + ".part")
+        with self.http.stream("GET", f"/v1/models/{model_id}/weights") as response:
+            self._check(response)
+            with partial.open("wb") as file:
+                for chunk in response.iter_bytes():
+                    file.write(chunk)
+        partial.replace(path)
+        return path

@@ -1,0 +1,128 @@
+"""``bnadapt demo``: the main job, end to end, on scikit-learn's bundled digits (no download).
+
+Starts everything (``bnadapt up``'s stack), trains the digits CNN through the service, uploads a
+shifted copy of the held-out digits (contrast halved, brightness raised), BN-adapts the trained
+model to it, downloads the adapted weights, and prints accuracy before and after with the
+report's summary.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+
+from api_schemas import JobPublic
+from api_schemas.reports import Report
+from service.client import Client
+from service.up import LocalStack
+
+__all__ = ["run_demo", "shift"]
+
+TRAIN_SAMPLES: Final = 1200
+CONTRAST: Final = 0.5
+BRIGHTNESS: Final = 0.3
+
+
+def shift(x: np.ndarray) -> np.ndarray:
+    """The demo's covariate shift: lower contrast, higher brightness, still in [0, 1]."""
+    return np.clip(x * CONTRAST + BRIGHTNESS, 0.0, 1.0).astype(np.float32)
+
+
+def _npz(path: Path, x: np.ndarray, y: np.ndarray) -> Path:
+    buffer = io.BytesIO()
+    np.savez(buffer, x=x, y=y)
+    path.write_bytes(buffer.getvalue())
+    return path
+
+
+def _succeeded(client: Client, job: JobPublic) -> JobPublic:
+    from service.cli import wait_with_bar
+
+    done = wait_with_bar(client, job.id)
+    if done.status.value != "succeeded" or done.result is None:
+        raise RuntimeError(f"job {done.id} ended {done.status.value}: {done.error}")
+    return done
+
+
+def _accuracy(report: Report, when: str) -> float:
+    metrics = report.metrics_before if when == "before" else report.metrics_after
+    if metrics is None or metrics.accuracy is None:
+        raise RuntimeError(f"the report of job {report.job_id} has no accuracy {when}")
+    return metrics.accuracy
+
+
+def run_demo(data_dir: Path, port: int) -> int:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32)[:, None]  # (N, 1, 8, 8) in [0, 1]
+    y = digits.target.astype(np.int64)
+    order = np.random.default_rng(0).permutation(len(x))
+    train, test = order[:TRAIN_SAMPLES], order[TRAIN_SAMPLES:]
+    work = data_dir / "demo"
+    work.mkdir(parents=True, exist_ok=True)
+    train_file = _npz(work / "digits-train.npz", x=x[train], y=y[train])
+    clean_file = _npz(work / "digits-test.npz", x=x[test], y=y[test])
+    shifted_file = _npz(work / "digits-test-shifted.npz", x=shift(x[test]), y=y[test])
+
+    with LocalStack(data_dir, port=port) as stack:
+        assert stack.client_config is not None
+        client = Client(stack.client_config.url, stack.client_config.key)
+        print(f"bnadapt is up at {stack.url}; state in {stack.data_dir}\n")
+
+        print("1. register the digits CNN (fresh weights) and train it on 1,200 clean digits")
+        model = client.add_model("digits_cnn", seed=0)
+        train_set = client.add_dataset(train_file, "digits train")
+        trained = _succeeded(
+            client,
+            client.submit(
+                "train",
+                model.id,
+                train_set.id,
+                {"epochs": 15, "batch_size": 32, "lr": 0.05, "validation_fraction": 0.1},
+            ),
+        )
+        assert trained.result is not None
+        source_id = trained.result.model_id
+
+        print(f"\n2. upload the {len(test)} held-out digits, clean and shifted")
+        clean_set = client.add_dataset(clean_file, "digits test")
+        shifted_set = client.add_dataset(
+            shifted_file, f"digits test, contrast x{CONTRAST}, brightness +{BRIGHTNESS}"
+        )
+
+        print("\n3. BN-adapt the trained model to the clean and to the shifted digits")
+        params = {"estimator": "cumulative", "batch_size": 64}
+        on_clean = _succeeded(client, client.submit("adapt", source_id, clean_set.id, params))
+        adapted = _succeeded(client, client.submit("adapt", source_id, shifted_set.id, params))
+        assert adapted.result is not None
+        weights = client.download_weights(adapted.result.model_id, work / "adapted.safetensors")
+        report = client.report(adapted.id)
+        (work / "adapt-report.json").write_text(report.model_dump_json(indent=2))
+        clean_report = client.report(on_clean.id)
+
+        print("\n4. results")
+        print(f"   source model, clean test digits:     {_accuracy(clean_report, 'before'):.3f}")
+        print(f"   source model, shifted test digits:   {_accuracy(report, 'before'):.3f}")
+        print(f"   adapted model, shifted test digits:  {_accuracy(report, 'after'):.3f}")
+        print(f"   adapted weights: {weights}")
+        print(f"   report:          {work / 'adapt-report.json'}\n")
+        print(f"   report summary ({report.batches} batches, {report.samples} samples):")
+        print("   layer               mean |shift| of mean   var ratio   batches tracked")
+        consistent = all(layer.consistent for layer in report.batchnorm)
+        for layer in report.batchnorm:
+            how = "reset, then" if layer.reset else "then"
+            print(
+                f"   {layer.name:20} {layer.running_mean_mean_abs_shift:20.4f} "
+                f"{layer.running_var_mean_ratio:11.3f}   "
+                f"{layer.num_batches_tracked_before} -> {layer.num_batches_tracked_after} "
+                f"({how} {layer.batches_run} batches run)"
+            )
+        changed = sum(t.changed for t in report.tensors)
+        print(f"   tensors changed: {changed} of {len(report.tensors)} (statistics only)")
+        print(f"   statistics consistent with the batches run: {'yes' if consistent else 'NO'}")
+        print(f"   compute {report.timings.compute_s:.2f} s on {report.device}")
+    return 0 if consistent else 1
