@@ -1,0 +1,115 @@
+"""``bnadapt up`` and the CLI, as a user runs them: start, use, Ctrl-C, start again."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.client import Client
+from service.embedded import free_port
+from tests.servers import wait_for
+from tests.stack import REPO, npz_bytes
+from tests.test_e2e import digits
+
+pytestmark = pytest.mark.slow
+
+
+def up_args(port: int) -> list[str]:
+    return ["--port", str(port), "--device", "cpu"]
+
+
+def start_up(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "--data-dir", str(data_dir), "up", *up_args(port)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    for line in process.stdout:  # the banner ends with the Ctrl-C hint once all is ready
+        if b"Ctrl-C" in line:
+            return process
+    raise AssertionError(f"bnadapt up exited with {process.wait()} before it was ready")
+
+
+def stop_up(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=90) == 0
+
+
+def cli(data_dir: Path, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "--data-dir", str(data_dir), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_up_restart_keeps_everything_and_cli_works(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    port = free_port()
+    process = start_up(data_dir, port)
+    try:
+        config = json.loads((data_dir / "client.json").read_text())
+        assert config["url"] == f"http://127.0.0.1:{port}"
+        x, y = digits(shifted=True, n=200)
+        (tmp_path / "shifted.npz").write_bytes(npz_bytes(x=x, y=y))
+        model = json.loads(cli(data_dir, "models", "add", "digits_cnn", "--kwargs", '{"width": 8}'))
+        dataset = json.loads(cli(data_dir, "datasets", "add", str(tmp_path / "shifted.npz")))
+        waited = cli(
+            data_dir,
+            "jobs",
+            "submit",
+            "adapt",
+            "--model",
+            model["id"],
+            "--dataset",
+            dataset["id"],
+            "--params",
+            '{"batch_size": 50}',
+            "--wait",
+        )
+        progress, _, as_json = waited.partition("\n{")
+        assert "succeeded" in progress  # the progress lines came first
+        job = json.loads("{" + as_json)
+        client = Client(config["url"], config["key"])
+        done = client.wait(job["id"], timeout_s=120)
+        assert done.status.value == "succeeded"
+        out = cli(data_dir, "jobs", "download", job["id"], "--out", str(tmp_path / "out"))
+        assert (tmp_path / "out" / f"{job['id']}.report.json").exists()
+        assert done.result is not None
+        assert (tmp_path / "out" / f"{done.result.model_id}.safetensors").exists()
+        assert str(tmp_path / "out") in out
+        assert job["id"] in cli(data_dir, "jobs", "list")
+    finally:
+        stop_up(process)
+
+    # Everything stopped: nothing answers on the API port any more.
+    wait_for(lambda: not _answers(port), timeout_s=10, what="the API to be gone")
+    process = start_up(data_dir, port)
+    try:
+        client = Client(config["url"], config["key"])  # the same key still works
+        assert client.job(job["id"]).status.value == "succeeded"
+        assert {m.id for m in client.models().items} == {model["id"], done.result.model_id}
+        listed = cli(data_dir, "models", "list")
+        assert model["id"] in listed
+        again = client.submit("adapt", done.result.model_id, dataset["id"])
+        assert client.wait(again.id, timeout_s=120).status.value == "succeeded"
+    finally:
+        stop_up(process)
+
+
+def _answers(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
