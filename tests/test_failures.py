@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from api_schemas import JobStatus
 from service.embedded import RedisServer
 from tests.servers import new_redis_server, wait_for
 from tests.stack import Client, Stack
@@ -99,3 +100,30 @@ def test_redis_restart_loses_nothing_and_service_recovers(stack: Stack) -> None:
         what="the API to see the model again",
     )
     small_job_succeeds(client)
+
+
+def test_a_job_failed_elsewhere_stops_its_process(stack: Stack) -> None:
+    # A partitioned worker's job is failed by the reaper; when the job sees its record is no
+    # longer running it stops at its next batch instead of training on for nobody.
+    client = stack.client("abandoned")
+    job_id = running_job(stack, client)
+    pid = job_pid(stack, job_id)
+    assert stack.records().mark_finished(job_id, JobStatus.FAILED, error="lost (test)")
+    wait_for(lambda: not _alive(pid), timeout_s=30, what="the job's process to stop")
+    assert client.http.get(f"/v1/jobs/{job_id}").json()["status"] == "failed"
+    models = client.http.get("/v1/models").json()["items"]
+    assert all(m["source"] != "job" for m in models)
+    small_job_succeeds(client)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A finished child may linger as a zombie until RQ reaps it.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

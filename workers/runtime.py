@@ -3,7 +3,10 @@
 A daemon thread of the job's process writes, about twice a second, the heartbeat (so the reaper
 knows the process lives: see service/reaper.py) and the latest progress, and reads the cancel
 flag. The compute loop only touches memory: ``report(done)`` and ``should_stop()`` cost no
-Redis round trip. Redis writes are best effort: an outage delays progress, never kills the job.
+Redis round trip. Redis writes are best effort: a short outage delays progress, never kills
+the job. A job nobody waits for any more stops itself at its next batch, as if canceled: when
+its record is no longer ``running`` (the reaper failed it after a lost heartbeat) or when
+Redis stayed unreachable for longer than the heartbeat TTL (the reaper will fail it).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 from types import TracebackType
 from typing import Final, Literal
 
-from api_schemas import Progress, utc_now
+from api_schemas import JobStatus, Progress, utc_now
 from service.records import Records
 
 __all__ = ["JobRuntime"]
@@ -37,6 +40,7 @@ class JobRuntime:
         self._phase_done_at_start = 0
         self._samples_per_unit = 0.0
         self._canceled = threading.Event()
+        self._last_published = time.monotonic()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"job-{job_id}", daemon=True)
 
@@ -109,8 +113,16 @@ class JobRuntime:
                 self._records.write_progress(self._job_id, progress)
             if self._records.cancel_requested(self._job_id):
                 self._canceled.set()
+            status = self._records.job_status(self._job_id)
+            if status is not JobStatus.RUNNING:
+                log.warning("job %s is %s elsewhere; stopping it", self._job_id, status)
+                self._canceled.set()
+            self._last_published = time.monotonic()
         except Exception:  # Redis unreachable: keep computing, try again next tick
             log.warning("could not publish job %s state", self._job_id, exc_info=True)
+            if time.monotonic() - self._last_published > self._ttl_s:
+                log.warning("job %s lost Redis for %.0f s; stopping it", self._job_id, self._ttl_s)
+                self._canceled.set()
 
     def _run(self) -> None:
         while not self._stopped.wait(PUBLISH_INTERVAL_S):
