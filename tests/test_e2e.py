@@ -93,6 +93,12 @@ def test_architectures_catalog(stack: Stack) -> None:
     assert {"digits_cnn", "resnet", "mlp"} <= set(names)
     assert names["digits_cnn"]["input_shape"] == [1, 8, 8]
     assert names["resnet"]["input_shape"][1:] == [None, None]
+    ready = client.http.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["checks"] == {"redis": "ok", "workers": "ok", "store": "ok"}
+    spec = client.http.get("/openapi.json").json()
+    assert "/v1/jobs/{job_id}:cancel" in spec["paths"]
+    assert client.http.get("/docs").status_code == 200
 
 
 def test_adapt_job_end_to_end(stack: Stack) -> None:
