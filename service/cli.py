@@ -22,7 +22,7 @@ from api_schemas import JobPublic
 from service.client import ApiClientError, Client
 from service.errors import BnadaptError
 from service.settings import get_settings
-from service.up import LocalStack, read_client_config
+from service.up import LocalStack, read_client_config, worker_command
 
 __all__ = ["main"]
 
@@ -135,8 +135,7 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     # A separate interpreter: the service never imports the workers' torch code itself.
-    argv = [sys.executable, "-m", "workers.supervisor", "--device", args.device]
-    os.execv(sys.executable, argv)  # noqa: S606 - our own argv
+    os.execv(sys.executable, worker_command(args.device))  # noqa: S606 - our own argv
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:

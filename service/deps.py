@@ -7,14 +7,17 @@ from typing import Annotated, Final
 
 from fastapi import Depends, Header, Path, Request
 
-from api_schemas import ID_PATTERN
-from service.problems import ApiError
+from api_schemas import ID_PATTERN, DatasetPublic, JobPublic, ModelPublic
+from service.problems import ApiError, not_found
 from service.records import Records
 from service.settings import Settings
 from service.store import Store
 
 __all__ = [
+    "DatasetDep",
     "IdPath",
+    "JobDep",
+    "ModelDep",
     "RecordsDep",
     "SettingsDep",
     "StoreDep",
@@ -66,3 +69,33 @@ TenantDep = Annotated[str, Depends(get_tenant)]
 
 # Every id in a path: anything else (`abc:cancel`, `../x`) is a 422 before any lookup.
 IdPath = Annotated[str, Path(pattern=ID_PATTERN, description="a resource id")]
+
+
+# The caller's resource named in the path, or the one 404 (missing and another tenant's look
+# the same).
+
+
+def owned_model(model_id: IdPath, tenant: TenantDep, records: RecordsDep) -> ModelPublic:
+    model = records.get_model(tenant, model_id)
+    if model is None:
+        raise not_found("model", model_id)
+    return model
+
+
+def owned_dataset(dataset_id: IdPath, tenant: TenantDep, records: RecordsDep) -> DatasetPublic:
+    dataset = records.get_dataset(tenant, dataset_id)
+    if dataset is None:
+        raise not_found("dataset", dataset_id)
+    return dataset
+
+
+def owned_job(job_id: IdPath, tenant: TenantDep, records: RecordsDep) -> JobPublic:
+    job = records.get_job(tenant, job_id)
+    if job is None:
+        raise not_found("job", job_id)
+    return job
+
+
+ModelDep = Annotated[ModelPublic, Depends(owned_model)]
+DatasetDep = Annotated[DatasetPublic, Depends(owned_dataset)]
+JobDep = Annotated[JobPublic, Depends(owned_job)]

@@ -29,7 +29,14 @@ from service.errors import BnadaptError
 from service.records import Records
 from service.redis_conn import redis_client
 
-__all__ = ["CLIENT_FILE", "LocalStack", "StackError", "read_client_config"]
+__all__ = [
+    "CLIENT_FILE",
+    "LocalStack",
+    "StackError",
+    "api_command",
+    "read_client_config",
+    "worker_command",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,28 @@ def _password(data_dir: Path) -> str:
     if not path.exists():
         _write_private(path, secrets.token_urlsafe(24))
     return path.read_text().strip()
+
+
+def api_command(host: str, port: int) -> list[str]:
+    """The API under uvicorn, in a new interpreter."""
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "service.app:create_app",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+
+
+def worker_command(device: str) -> list[str]:
+    """``bnadapt worker`` in a new interpreter (the service never imports workers itself)."""
+    return [sys.executable, "-m", "workers.supervisor", "--device", device]
 
 
 class LocalStack:
@@ -115,25 +144,8 @@ class LocalStack:
             "BNADAPT_REDIS_URL": self.redis.url,
             "BNADAPT_DATA_DIR": str(self.data_dir),
         }
-        self.worker = subprocess.Popen(  # noqa: S603 - our own argv
-            [sys.executable, "-m", "workers.supervisor", "--device", self.device], env=env
-        )
-        self.api = subprocess.Popen(  # noqa: S603 - our own argv
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "--factory",
-                "service.app:create_app",
-                "--host",
-                self.host,
-                "--port",
-                str(self.port),
-                "--log-level",
-                "warning",
-            ],
-            env=env,
-        )
+        self.worker = subprocess.Popen(worker_command(self.device), env=env)  # noqa: S603
+        self.api = subprocess.Popen(api_command(self.host, self.port), env=env)  # noqa: S603
         self._wait_ready()
         self.client_config = self._client_config()
 

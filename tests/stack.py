@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import numpy as np
 from service.embedded import RedisServer, free_port
 from service.records import Records
 from service.redis_conn import redis_client
+from service.up import api_command, worker_command
 from tests.servers import stop_process, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,23 +64,7 @@ class Stack:
         return Records(redis_client(self.redis.url))
 
     def start_api(self) -> None:
-        self.api = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "--factory",
-                "service.app:create_app",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.api_port),
-                "--log-level",
-                "warning",
-            ],
-            env=self.env,
-            cwd=REPO,
-        )
+        self.api = subprocess.Popen(api_command("127.0.0.1", self.api_port), env=self.env, cwd=REPO)
 
         def ready() -> bool:
             try:
@@ -97,7 +81,7 @@ class Stack:
 
     def start_worker(self) -> None:
         self.worker = subprocess.Popen(
-            [sys.executable, "-m", "workers.supervisor", "--device", "cpu"],
+            worker_command("cpu"),
             env=self.env,
             cwd=REPO,
             start_new_session=True,  # its own process group, for kill_worker_group

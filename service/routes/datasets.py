@@ -8,9 +8,9 @@ from fastapi import APIRouter, Form, Query, Response, UploadFile
 
 from api_schemas import DatasetPublic, Page, new_id, utc_now
 from service.arrays import describe_arrays
-from service.deps import IdPath, RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.deps import DatasetDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.errors import ArrayFileError
-from service.problems import ApiError, not_found
+from service.problems import ApiError
 from service.settings import DEFAULT_MAX_DATASET_BYTES
 from service.uploads import store_upload
 
@@ -72,20 +72,14 @@ def list_datasets(
 
 
 @router.get("/{dataset_id}")
-def get_dataset(tenant: TenantDep, records: RecordsDep, dataset_id: IdPath) -> DatasetPublic:
-    dataset = records.get_dataset(tenant, dataset_id)
-    if dataset is None:
-        raise not_found("dataset", dataset_id)
+def get_dataset(dataset: DatasetDep) -> DatasetPublic:
     return dataset
 
 
 @router.delete("/{dataset_id}", status_code=204)
 def delete_dataset(
-    tenant: TenantDep, records: RecordsDep, store: StoreDep, dataset_id: IdPath
+    dataset: DatasetDep, tenant: TenantDep, records: RecordsDep, store: StoreDep
 ) -> Response:
-    dataset = records.get_dataset(tenant, dataset_id)
-    if dataset is None:
-        raise not_found("dataset", dataset_id)
     if records.delete_dataset(tenant, dataset):
         store.delete(dataset.sha256)
     return Response(status_code=204)

@@ -25,7 +25,7 @@ from api_schemas import (
     parse_job_create,
     utc_now,
 )
-from service.deps import IdPath, RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.deps import JobDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.errors import ObjectNotFoundError
 from service.problems import ApiError, not_found
 from service.records import Records
@@ -200,22 +200,15 @@ def list_jobs(
 
 
 @router.get("/{job_id}")
-def get_job(tenant: TenantDep, records: RecordsDep, job_id: IdPath) -> JobPublic:
-    job = records.get_job(tenant, job_id)
-    if job is None:
-        raise not_found("job", job_id)
+def get_job(job: JobDep) -> JobPublic:
     return job
 
 
 @router.post("/{job_id}:cancel", status_code=202)
-def cancel_job(
-    tenant: TenantDep, records: RecordsDep, request: Request, job_id: IdPath
-) -> JobPublic:
+def cancel_job(job: JobDep, tenant: TenantDep, records: RecordsDep, request: Request) -> JobPublic:
     """A queued job is canceled at once; a running one is asked to stop and shows
     ``canceled`` once it has (nothing it was writing is kept)."""
-    job = records.get_job(tenant, job_id)
-    if job is None:
-        raise not_found("job", job_id)
+    job_id = job.id
     if job.status is JobStatus.QUEUED and records.mark_finished(
         job_id, JobStatus.CANCELED, allowed=(JobStatus.QUEUED,)
     ):
@@ -230,11 +223,9 @@ def cancel_job(
 
 
 @router.get("/{job_id}/report")
-def get_report(tenant: TenantDep, records: RecordsDep, store: StoreDep, job_id: IdPath) -> Response:
+def get_report(job: JobDep, records: RecordsDep, store: StoreDep) -> Response:
     """What the job changed: BatchNorm statistics, tensors, metrics, timings (JSON)."""
-    job = records.get_job(tenant, job_id)
-    if job is None:
-        raise not_found("job", job_id)
+    job_id = job.id
     sha256 = records.report_sha256(job_id)
     if job.status is not JobStatus.SUCCEEDED or sha256 is None:
         raise ApiError(

@@ -11,10 +11,10 @@ from pydantic import ValidationError
 from api_schemas import ModelCreate, ModelPublic, Page, new_id, utc_now
 from api_schemas.inspection import InspectRequest
 from service.arrays import read_weights_header
-from service.deps import IdPath, RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.deps import ModelDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.errors import WeightsFileError
 from service.inspection import inspect_model, new_request_id
-from service.problems import ApiError, not_found, problem_items
+from service.problems import ApiError, problem_items
 from service.records import Records
 from service.settings import DEFAULT_MAX_WEIGHTS_BYTES
 from service.store import Store
@@ -112,25 +112,17 @@ def list_models(
 
 
 @router.get("/{model_id}")
-def get_model(tenant: TenantDep, records: RecordsDep, model_id: IdPath) -> ModelPublic:
-    model = records.get_model(tenant, model_id)
-    if model is None:
-        raise not_found("model", model_id)
+def get_model(model: ModelDep) -> ModelPublic:
     return model
 
 
 @router.get("/{model_id}/weights", response_class=FileResponse)
 def download_weights(
-    tenant: TenantDep,
-    records: RecordsDep,
+    model: ModelDep,
     store: StoreDep,
-    model_id: IdPath,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
     """The weights as a safetensors file; the ETag is their sha256."""
-    model = records.get_model(tenant, model_id)
-    if model is None:
-        raise not_found("model", model_id)
     etag = f'"{model.sha256}"'
     if if_none_match is not None and etag in {t.strip() for t in if_none_match.split(",")}:
         return Response(status_code=304, headers={"ETag": etag})
@@ -144,11 +136,8 @@ def download_weights(
 
 @router.delete("/{model_id}", status_code=204)
 def delete_model(
-    tenant: TenantDep, records: RecordsDep, store: StoreDep, model_id: IdPath
+    model: ModelDep, tenant: TenantDep, records: RecordsDep, store: StoreDep
 ) -> Response:
-    model = records.get_model(tenant, model_id)
-    if model is None:
-        raise not_found("model", model_id)
     if records.delete_model(tenant, model):
         store.delete(model.sha256)
     return Response(status_code=204)
