@@ -46,7 +46,7 @@ JobKind = Literal["adapt", "train"]
 
 # The one place estimator names live; AdaptParams.effective_reset must then say whether a new
 # one starts from fresh statistics (mypy flags the missing case).
-EstimatorName = Literal["ema", "cumulative"]
+EstimatorName = Literal["ema", "cumulative", "precise", "prior", "entropy"]
 ESTIMATOR_NAMES: Final[tuple[EstimatorName, ...]] = get_args(EstimatorName)
 
 MAX_BATCH_SIZE: Final = 65536
@@ -87,7 +87,15 @@ class CheckpointPolicy(RequestModel):
 
 
 class AdaptParams(RequestModel):
-    """Re-estimate normalization statistics on a dataset, with forward passes only.
+    """Re-estimate normalization statistics on a dataset.
+
+    Estimators: ``ema`` (the layers' own momentum), ``cumulative`` (equal-weight average of
+    batch statistics, as ``update_bn``), ``precise`` (mean and variance of all activations,
+    whatever the batch split), ``prior`` (``prior_base`` target statistics mixed with the
+    source ones: weight ``prior_strength / (prior_strength + n)`` on the source, ``n`` the
+    number of target samples) and ``entropy`` (TENT: ``steps`` optimizer steps with ``lr`` on
+    the layers' affine parameters, minimising prediction entropy; ``steps=None`` is one pass).
+    All but ``entropy`` use forward passes only.
 
     ``reset=None`` means the estimator's default, see :meth:`effective_reset`. ``include`` and
     ``exclude`` select normalization layers by qualified name (fnmatch)."""
@@ -100,17 +108,22 @@ class AdaptParams(RequestModel):
         default_factory=lambda: ["*"]
     )
     exclude: PatternList = Field(default_factory=list)
+    prior_strength: float = Field(default=16.0, ge=0.0, allow_inf_nan=False)
+    prior_base: Literal["precise", "cumulative"] = "precise"
+    lr: float = Field(default=1e-3, gt=0.0, allow_inf_nan=False)
+    steps: int | None = Field(default=None, ge=1)
+    optimizer: Literal["sgd", "adam"] = "adam"
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     seed: Seed = 0
     device: Device = "auto"
 
     @model_validator(mode="after")
     def _reset_fits_estimator(self) -> Self:
-        if self.estimator == "cumulative" and self.reset is False:
+        if self.estimator in ("cumulative", "precise", "prior") and self.reset is False:
             raise ValueError(
-                "the cumulative estimator always starts from fresh statistics (an equal-weight "
-                "average over the target batches); drop reset, or use estimator 'ema' to blend "
-                "into the current statistics"
+                f"the {self.estimator} estimator replaces the statistics with ones computed "
+                "from the target data; drop reset, or use estimator 'ema' to blend into the "
+                "current statistics"
             )
         return self
 
@@ -120,11 +133,13 @@ class AdaptParams(RequestModel):
             return self.reset
         estimator = self.estimator
         match estimator:
-            case "cumulative":
-                # An average over the target data only: the source statistics must go.
+            case "cumulative" | "precise" | "prior":
+                # Statistics computed from the target data replace the source ones (prior
+                # mixes the source ones back in afterwards, from a copy taken before).
                 return True
-            case "ema":
-                # EMA blends target batches into the source statistics it starts from.
+            case "ema" | "entropy":
+                # Both blend target batches, with the layers' momentum, into the source
+                # statistics they start from.
                 return False
             case _:
                 assert_never(estimator)

@@ -30,6 +30,7 @@ from workers.precise import (
     prior_batchnorm,
 )
 
+
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
     """Tiny tensors run much faster on one thread than on two of a busy machine."""

@@ -75,23 +75,56 @@ def test_batch_size_bounds_inclusive(batch_size: int) -> None:
 
 def test_unknown_estimator() -> None:
     with pytest.raises(ValidationError) as exc:
-        AdaptParams.model_validate({"estimator": "precise"})
+        AdaptParams.model_validate({"estimator": "magic"})
     assert error_types(exc) == [(("estimator",), "literal_error")]
-    assert set(ESTIMATOR_NAMES) == {"ema", "cumulative"}
+    assert set(ESTIMATOR_NAMES) == {"ema", "cumulative", "precise", "prior", "entropy"}
 
 
 @pytest.mark.parametrize(
     ("estimator", "reset", "expected"),
     [
         ("cumulative", None, True),
+        ("precise", None, True),
+        ("prior", None, True),
         ("ema", None, False),
-        ("cumulative", False, False),
+        ("entropy", None, False),
+        ("cumulative", True, True),
         ("ema", True, True),
+        ("ema", False, False),
+        ("entropy", True, True),
     ],
 )
 def test_effective_reset(estimator: str, reset: bool | None, expected: bool) -> None:
     params = AdaptParams.model_validate({"estimator": estimator, "reset": reset})
     assert params.effective_reset() is expected
+
+
+@pytest.mark.parametrize("estimator", ["cumulative", "precise", "prior"])
+def test_estimators_that_replace_statistics_refuse_reset_false(estimator: str) -> None:
+    with pytest.raises(ValidationError, match=f"the {estimator} estimator replaces"):
+        AdaptParams.model_validate({"estimator": estimator, "reset": False})
+
+
+def test_prior_and_entropy_options() -> None:
+    params = AdaptParams()
+    assert params.prior_strength == 16.0
+    assert params.prior_base == "precise"
+    assert params.lr == 1e-3
+    assert params.steps is None
+    assert params.optimizer == "adam"
+    assert AdaptParams(prior_strength=0.0).prior_strength == 0.0
+    bad: list[tuple[str, object, str]] = [
+        ("prior_strength", -1.0, "greater_than_equal"),
+        ("prior_strength", "Infinity", "finite_number"),
+        ("prior_base", "ema", "literal_error"),
+        ("lr", 0.0, "greater_than"),
+        ("steps", 0, "greater_than_equal"),
+        ("optimizer", "adamw", "literal_error"),
+    ]
+    for field, value, kind in bad:
+        with pytest.raises(ValidationError) as exc:
+            AdaptParams.model_validate({field: value})
+        assert error_types(exc) == [((field,), kind)], field
 
 
 def test_adapt_defaults() -> None:

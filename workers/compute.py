@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol, assert_never
 
 import safetensors.torch
 import torch
@@ -37,11 +37,13 @@ from workers.architectures import (
 )
 from workers.data import iter_batches, num_batches, to_tensors
 from workers.errors import ArchitectureError, WorkerError
-from workers.estimators import adapt_batchnorm, select_batchnorm
+from workers.estimators import AdaptStats, adapt_batchnorm, select_batchnorm
 from workers.evaluation import Metrics as EvalMetrics
 from workers.evaluation import evaluate, loss_for
 from workers.policy import apply_checkpoint_policy
+from workers.precise import precise_batchnorm, prior_batchnorm
 from workers.reporting import batchnorm_changes, state_snapshot, tensor_changes
+from workers.tent import entropy_adapt
 from workers.training import train_model
 
 __all__ = [
@@ -167,17 +169,9 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
     if isinstance(params, AdaptParams):
         adapted = select_batchnorm(model, params.include, params.exclude)
         reset = params.effective_reset()
-        total = num_batches(len(x), params.batch_size, params.max_batches)
-        hooks.start_phase("adapt", total, "batches", float(params.batch_size))
-        stats = adapt_batchnorm(
-            model,
-            (batch.to(device) for batch in iter_batches(x, params.batch_size, params.max_batches)),
-            estimator=params.estimator,
-            layers=adapted,
-            reset=reset,
-            progress=hooks.report,
-            should_stop=hooks.should_stop,
-        )
+        stats = _adapt(model, x, params, adapted, reset, device, hooks)
+        # `batches` is what each adapted layer ran in train mode (entropy: one per step), so
+        # num_batches_tracked_after == (0 if reset else before) + batches in the report.
         batches, samples, estimator = stats.batches, stats.samples, params.estimator
     else:
         assert isinstance(params, TrainParams)
@@ -246,6 +240,68 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
         batchnorm_layers=batchnorm_layers(model),
         input_shape=list(arch.input_shape(kwargs)),
     )
+
+
+def _adapt(
+    model: nn.Module,
+    x: torch.Tensor,
+    params: AdaptParams,
+    layers: list[str],
+    reset: bool,
+    device: torch.device,
+    hooks: JobHooks,
+) -> AdaptStats:
+    """Runs the job's estimator on ``x`` (N, ...) on the CPU, batch by batch on ``device``."""
+    total = num_batches(len(x), params.batch_size, params.max_batches)
+    data = (batch.to(device) for batch in iter_batches(x, params.batch_size, params.max_batches))
+    progress, should_stop = hooks.report, hooks.should_stop
+    estimator = params.estimator
+    match estimator:
+        case "ema" | "cumulative":
+            hooks.start_phase("adapt", total, "batches", float(params.batch_size))
+            return adapt_batchnorm(
+                model,
+                data,
+                estimator=estimator,
+                layers=layers,
+                reset=reset,
+                progress=progress,
+                should_stop=should_stop,
+            )
+        case "precise":
+            hooks.start_phase("adapt", total, "batches", float(params.batch_size))
+            return precise_batchnorm(
+                model, data, layers=layers, progress=progress, should_stop=should_stop
+            )
+        case "prior":
+            hooks.start_phase("adapt", total, "batches", float(params.batch_size))
+            return prior_batchnorm(
+                model,
+                data,
+                layers=layers,
+                strength=params.prior_strength,
+                base=params.prior_base,
+                progress=progress,
+                should_stop=should_stop,
+            )
+        case "entropy":
+            steps = params.steps or total
+            hooks.start_phase("adapt", steps, "steps", float(params.batch_size))
+            # Views of the CPU tensor: each step moves its batch to `device`.
+            views = list(iter_batches(x, params.batch_size, params.max_batches))
+            return entropy_adapt(
+                model,
+                views,
+                layers=layers,
+                lr=params.lr,
+                steps=steps,
+                optimizer=params.optimizer,
+                reset=reset,
+                progress=progress,
+                should_stop=should_stop,
+            )
+        case _:
+            assert_never(estimator)
 
 
 def _batchnorm_names(model: nn.Module) -> list[tuple[str, nn.Module]]:

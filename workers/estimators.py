@@ -1,6 +1,7 @@
 """BatchNorm adaptation: re-estimate running statistics with forward passes only.
 
-Two estimators, each equal bitwise to the loop users write by hand:
+Two estimators here, each equal bitwise to the loop users write by hand (``precise`` and
+``prior`` are in workers/precise.py, ``entropy`` in workers/tent.py):
 
 - ``ema``: the selected layers in train mode with their own momentum, ``model(x)`` under
   ``no_grad`` per batch; running stats are reset first only when asked.
@@ -29,7 +30,13 @@ from workers.architectures import named_modules
 from workers.errors import AdaptError, JobCanceled
 from workers.evaluation import training_flags
 
-__all__ = ["AdaptStats", "Estimator", "adapt_batchnorm", "select_batchnorm"]
+__all__ = [
+    "AdaptStats",
+    "Estimator",
+    "adapt_batchnorm",
+    "resolve_batchnorm",
+    "select_batchnorm",
+]
 
 Estimator = Literal["ema", "cumulative"]
 
@@ -64,7 +71,9 @@ def select_batchnorm(model: nn.Module, include: Sequence[str], exclude: Sequence
     return chosen
 
 
-def _resolve(model: nn.Module, layers: Sequence[str]) -> list[_BatchNorm]:
+def resolve_batchnorm(model: nn.Module, layers: Sequence[str]) -> list[_BatchNorm]:
+    """The modules of ``layers``, in order; :class:`AdaptError` unless each is a BatchNorm
+    layer with running statistics, and unless there is at least one."""
     by_name = dict(named_modules(model))
     resolved = []
     for name in layers:
@@ -97,8 +106,11 @@ def adapt_batchnorm(
     ``should_stop()`` before each, raising :class:`JobCanceled` when it answers True.
     """
     if estimator not in ("ema", "cumulative"):
-        raise AdaptError(f"unknown estimator {estimator!r}; use 'ema' or 'cumulative'")
-    selected = _resolve(model, layers)
+        raise AdaptError(
+            f"unknown estimator {estimator!r} for adapt_batchnorm; use 'ema' or 'cumulative' "
+            "(precise and prior: workers/precise.py, entropy: workers/tent.py)"
+        )
+    selected = resolve_batchnorm(model, layers)
     iterator: Iterator[torch.Tensor] = iter(batches)
     first = next(iterator, None)
     if first is None:

@@ -34,7 +34,7 @@ class BatchNormChange:
     num_batches_tracked_before: int
     num_batches_tracked_after: int
     batches_run: int  # batches this layer saw in train mode during the job (0 if not adapted)
-    reset: bool  # its statistics were cleared before the job's batches
+    reset: bool = False  # its statistics were cleared before the job's batches
 
 
 @dataclass(frozen=True)
