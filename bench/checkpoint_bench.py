@@ -1,0 +1,357 @@
+"""Cost of bnadapt's checkpoint wrapper against torch.utils.checkpoint, on a ResNet with BatchNorm.
+
+The model: a stem, 8 residual blocks (4 of 32 channels at 32x32, 4 of 64 channels at 16x16) and
+a linear head over 10 classes; a batch is 32 RGB images of 32x32. Every residual block is
+checkpointed. Three measurements, each a ratio against a baseline measured in the same run:
+
+1. Train step (forward, cross-entropy, backward, SGD step): the model under
+   ``apply_checkpointing`` over torch's non-reentrant checkpoint applied to the same blocks.
+   Both copies of the model live in one process and are timed alternately, one step each, in
+   alternating order after a warm-up; the result is the median of the paired ratios.
+   Target <= 1.03.
+2. Peak memory of train steps, one fresh process per variant: ``none`` (no checkpointing),
+   ``torch`` and ``bnadapt``. On CPU it is the peak RSS (``ru_maxrss``) after a few steps, less
+   the peak RSS after the warm-up, so that torch's own libraries do not dominate; on CUDA it is
+   ``torch.cuda.max_memory_allocated`` less the memory allocated after the warm-up. The warm-up
+   is a train step on one image, which loads every library the steps use (torch's checkpoint
+   imports ~800 modules on its first call with grad enabled), then a no-grad forward of the
+   full batch. The memory runs use a larger batch, so the saved activations stand out on CPU.
+   Target bnadapt / torch <= 1.02; bnadapt / none shows the saving.
+3. No-grad adaptation step (``model.train()``, a forward under ``torch.no_grad()``, which
+   updates BatchNorm's running statistics): the wrapped model over the unwrapped one, timed
+   like 1. Target <= 1.02.
+
+Run from the repository root: ``python bench/checkpoint_bench.py`` prints a markdown table;
+``--quick`` is a smoke run of a few steps, whose numbers mean nothing. torch runs on 1 thread
+unless ``--threads`` says otherwise (see DEFAULT_THREADS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from _resnet import CLASSES, IMAGE_SIZE, Block, ResNet
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+# A script under bench/ sees bench/ on sys.path, not the repository root; this makes the
+# uninstalled checkout importable too.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from workers.checkpoint import apply_checkpointing  # noqa: E402
+
+# One of the 2 cores of the machine the results were taken on, fixed for every run: it is
+# shared, and with 2 intra-op threads any other runnable process stalls OpenMP's barrier, so
+# steps took either ~0.6 s or 2-5 s. With 1 the other core absorbs the neighbours.
+DEFAULT_THREADS = 1
+BATCH = 32
+SEED = 0
+
+TRAIN_TARGET = 1.03
+ADAPT_TARGET = 1.02
+MEMORY_TARGET = 1.02
+
+VARIANTS = ("none", "torch", "bnadapt")
+
+# glibc keeps freed blocks above its (self-raising) mmap threshold in the heap, so the peak RSS
+# of a run that frees and reallocates activations, as recomputation does, would count heap
+# retention. A fixed threshold returns every tensor's pages to the OS when it is freed, so the
+# peak RSS follows the live tensors. Other C libraries ignore the variable.
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+RSS_UNIT_BYTES = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, else KiB
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How long each measurement runs."""
+
+    train_pairs: int  # paired ratios of train steps
+    adapt_pairs: int  # paired ratios of adaptation steps, cheaper and with a tighter target
+    warmup_steps: int  # untimed steps of each variant before a timing
+    memory_batch: int
+    memory_steps: int
+
+
+FULL = Plan(train_pairs=60, adapt_pairs=120, warmup_steps=3, memory_batch=128, memory_steps=2)
+QUICK = Plan(train_pairs=3, adapt_pairs=3, warmup_steps=1, memory_batch=BATCH, memory_steps=1)
+
+
+class TorchCheckpointed(nn.Module):
+    """The baseline: a block run through torch's own non-reentrant checkpoint."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch_checkpoint(self.block, x, use_reentrant=False)
+        return out
+
+
+def make_variant(model: ResNet, variant: str) -> ResNet:
+    """A copy of ``model`` with its blocks checkpointed as ``variant`` says."""
+    model = copy.deepcopy(model)
+    if variant == "bnadapt":
+        apply_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    elif variant == "torch":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = TorchCheckpointed(block)
+    return model
+
+
+def make_batch(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(size, 3, IMAGE_SIZE, IMAGE_SIZE, device=device)
+    y = torch.randint(0, CLASSES, (size,), device=device)
+    return x, y
+
+
+def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One forward, backward and SGD step of ``model`` on ``(x, y)``, with its own optimizer."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model.train()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def adaptation_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    """One BN adaptation pass: a train-mode forward without grad."""
+    model.train()
+
+    def step() -> None:
+        with torch.no_grad():
+            model(x)
+
+    return step
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedTiming:
+    """Wall-clock seconds per step of a measured variant and of its baseline, timed in adjacent
+    pairs."""
+
+    measured_s: list[float]
+    baseline_s: list[float]
+
+    def ratio_quartiles(self) -> tuple[float, float, float]:
+        """Lower quartile, median and upper quartile of the paired ratios."""
+        ratios = [m / b for m, b in zip(self.measured_s, self.baseline_s, strict=True)]
+        low, median, high = statistics.quantiles(ratios, n=4)
+        return low, median, high
+
+
+def time_paired(
+    measured: Callable[[], None],
+    baseline: Callable[[], None],
+    pairs: int,
+    warmup_steps: int,
+    device: torch.device,
+) -> PairedTiming:
+    """Time one step of each, back to back, ``pairs`` times; which runs first alternates, so
+    that neither always runs in the other's wake (caches, clock, a neighbour's load)."""
+
+    def timed(step: Callable[[], None]) -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        return time.perf_counter() - start
+
+    for _ in range(warmup_steps):
+        measured()
+        baseline()
+    timing = PairedTiming([], [])
+    for pair in range(pairs):
+        if pair % 2 == 0:
+            timing.measured_s.append(timed(measured))
+            timing.baseline_s.append(timed(baseline))
+        else:
+            timing.baseline_s.append(timed(baseline))
+            timing.measured_s.append(timed(measured))
+    return timing
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryResult:
+    """Memory of one variant's process, in MiB: after the warm-up and at the peak of training."""
+
+    variant: str
+    after_warmup_mib: float
+    peak_mib: float
+
+    @property
+    def delta_mib(self) -> float:
+        return self.peak_mib - self.after_warmup_mib
+
+
+def measure_memory(variant: str, plan: Plan, device: torch.device) -> MemoryResult:
+    """Memory of ``plan.memory_steps`` train steps of ``variant``; meant for a fresh process."""
+    torch.manual_seed(SEED)
+    model = make_variant(ResNet(), variant).to(device)
+    step = train_step(model, *make_batch(1, device))
+    step()
+    x, y = make_batch(plan.memory_batch, device)
+    with torch.no_grad():
+        model(x)
+    synchronize(device)
+    if device.type == "cuda":
+        after_warmup = torch.cuda.memory_allocated(device) / MIB
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        after_warmup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RSS_UNIT_BYTES / MIB
+
+    step = train_step(model, x, y)
+    for _ in range(plan.memory_steps):
+        step()
+    synchronize(device)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / MIB
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RSS_UNIT_BYTES / MIB
+    return MemoryResult(variant, after_warmup, peak)
+
+
+def memory_in_fresh_process(variant: str, quick: bool, threads: int) -> MemoryResult:
+    """Run this script with ``--variant`` and read the JSON line it prints."""
+    command = [sys.executable, __file__, "--variant", variant, "--threads", str(threads)]
+    if quick:
+        command.append("--quick")
+    # stderr is not captured: a failing child's traceback shows above the parent's.
+    done = subprocess.run(
+        command, env={**os.environ, **MEMORY_ENV}, stdout=subprocess.PIPE, text=True, check=True
+    )
+    return MemoryResult(**json.loads(done.stdout.splitlines()[-1]))
+
+
+def verdict(ratio: float, target: float) -> str:
+    return "yes" if ratio <= target else "**no**"
+
+
+def timing_row(name: str, baseline: str, timing: PairedTiming, target: float) -> str:
+    low, median, high = timing.ratio_quartiles()
+    return (
+        f"| {name} | {statistics.median(timing.measured_s) * 1e3:.1f} ms "
+        f"| {baseline} {statistics.median(timing.baseline_s) * 1e3:.1f} ms "
+        f"| **{median:.3f}** ({low:.3f}-{high:.3f}) | <= {target} | {verdict(median, target)} |"
+    )
+
+
+def memory_row(name: str, ours: MemoryResult, baseline: MemoryResult, target: float | None) -> str:
+    ratio = ours.delta_mib / baseline.delta_mib
+    if target is None:
+        goal, met = "(the saving)", "-"
+    else:
+        goal, met = f"<= {target}", verdict(ratio, target)
+    return (
+        f"| {name} | {ours.delta_mib:.0f} MiB | {baseline.variant} {baseline.delta_mib:.0f} MiB "
+        f"| **{ratio:.3f}** | {goal} | {met} |"
+    )
+
+
+def report(
+    train: PairedTiming,
+    adapt: PairedTiming,
+    memory: dict[str, MemoryResult],
+    plan: Plan,
+    device: torch.device,
+    threads: int,
+) -> str:
+    memory_unit = "CUDA allocated" if device.type == "cuda" else "peak RSS"
+    lines = [
+        f"torch {torch.__version__}, device {device}, torch threads: {threads}, batch {BATCH}; "
+        f"timings: median of {plan.train_pairs} (train) and {plan.adapt_pairs} (adaptation) "
+        f"paired ratios of wall-clock time, quartiles in brackets, after "
+        f"{plan.warmup_steps} warm-up steps; memory: batch {plan.memory_batch}, "
+        f"{plan.memory_steps} train steps, {memory_unit} over that after the warm-up.",
+        "",
+        "| measurement | bnadapt | baseline | ratio | target | met |",
+        "|---|---|---|---|---|---|",
+        timing_row("train step (fwd + bwd + SGD)", "torch", train, TRAIN_TARGET),
+        timing_row("no-grad adaptation step", "unwrapped", adapt, ADAPT_TARGET),
+        memory_row("train-step memory", memory["bnadapt"], memory["torch"], MEMORY_TARGET),
+        memory_row("train-step memory", memory["bnadapt"], memory["none"], None),
+        "",
+        f"| variant | {memory_unit} after warm-up | peak | delta |",
+        "|---|---|---|---|",
+    ]
+    for result in memory.values():
+        lines.append(
+            f"| {result.variant} | {result.after_warmup_mib:.0f} MiB "
+            f"| {result.peak_mib:.0f} MiB | {result.delta_mib:.0f} MiB |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run of a few steps")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads")
+    parser.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        help="internal: measure this variant's train-step memory and print it as JSON",
+    )
+    args = parser.parse_args()
+    plan = QUICK if args.quick else FULL
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    if args.variant is not None:
+        result = measure_memory(args.variant, plan, device)
+        print(json.dumps(dataclasses.asdict(result)))
+        return
+
+    load_at_start = os.getloadavg()[0]
+    # Memory first: a child's ru_maxrss starts at its parent's RSS (Linux keeps it across fork
+    # and exec), so the parent must still be no bigger than torch's import when they run.
+    memory = {v: memory_in_fresh_process(v, args.quick, args.threads) for v in VARIANTS}
+    torch.manual_seed(SEED)
+    model = ResNet().to(device)
+    x, y = make_batch(BATCH, device)
+    train = time_paired(
+        train_step(make_variant(model, "bnadapt"), x, y),
+        train_step(make_variant(model, "torch"), x, y),
+        plan.train_pairs,
+        plan.warmup_steps,
+        device,
+    )
+    adapt = time_paired(
+        adaptation_step(make_variant(model, "bnadapt"), x),
+        adaptation_step(make_variant(model, "none"), x),
+        plan.adapt_pairs,
+        plan.warmup_steps,
+        device,
+    )
+    print(report(train, adapt, memory, plan, device, args.threads))
+    print(
+        f"\n1-minute load average: {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} "
+        f"at the end, on {os.cpu_count()} CPUs (other work on the machine widens the quartiles)."
+    )
+
+
+if __name__ == "__main__":
+    main()
