@@ -4,14 +4,10 @@ the API under ``uvicorn --workers N`` when asked, and the CPU time each part of 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
-import httpx
-
 from tests.servers import wait_for
-from tests.stack import REPO, Stack
+from tests.stack import Stack
 
 __all__ = ["BenchStack", "cpu_seconds", "machine_busy_seconds", "process_tree"]
 
@@ -69,32 +65,12 @@ class BenchStack(Stack):
 
     api_workers: int = 1
 
-    def start_api(self) -> None:
-        command = [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "--factory",
-            "service.app:create_app",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.api_port),
-            "--log-level",
-            "warning",
-            "--no-access-log",
-        ]
-        if self.api_workers > 1:
-            command += ["--workers", str(self.api_workers)]
-        self.api = subprocess.Popen(command, env=self.env, cwd=REPO)
+    def api_argv(self) -> list[str]:
+        workers = ["--workers", str(self.api_workers)] if self.api_workers > 1 else []
+        return [*super().api_argv(), "--no-access-log", *workers]
 
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, timeout_s=60, what="the API to answer /healthz")
+    def start_api(self, timeout_s: float = 60) -> None:
+        super().start_api(timeout_s)
         # With several processes, /healthz answers once the first is up: wait for all.
         wait_for(
             lambda: (

@@ -6,9 +6,10 @@ from typing import BinaryIO, Final
 
 from service.errors import StoreTooLargeError
 from service.problems import ApiError
+from service.records import Records
 from service.store import Store
 
-__all__ = ["CHUNK_BYTES", "store_upload"]
+__all__ = ["CHUNK_BYTES", "discard_unreferenced", "store_upload"]
 
 CHUNK_BYTES: Final = 1024 * 1024
 
@@ -27,3 +28,9 @@ def store_upload(store: Store, file: BinaryIO, max_bytes: int, what: str) -> tup
             "or raise the limit in the settings",
         ) from exc
     return writer.sha256, writer.size
+
+
+def discard_unreferenced(records: Records, store: Store, sha256: str) -> None:
+    """Deletes an upload that was refused, unless a registered resource uses the same bytes."""
+    if not records.sha_referenced(sha256):
+        store.delete(sha256)

@@ -10,7 +10,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from service.embedded import RedisServer, free_port
 from service.records import Records
 from service.redis_conn import redis_client
 from service.up import api_command, worker_command
-from tests.servers import stop_process, wait_for
+from tests.servers import new_redis_server, stop_process, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,8 +64,11 @@ class Stack:
     def records(self) -> Records:
         return Records(redis_client(self.redis.url))
 
-    def start_api(self) -> None:
-        self.api = subprocess.Popen(api_command("127.0.0.1", self.api_port), env=self.env, cwd=REPO)
+    def api_argv(self) -> list[str]:
+        return api_command("127.0.0.1", self.api_port)
+
+    def start_api(self, timeout_s: float = 30) -> None:
+        self.api = subprocess.Popen(self.api_argv(), env=self.env, cwd=REPO)
 
         def ready() -> bool:
             try:
@@ -72,7 +76,7 @@ class Stack:
             except httpx.HTTPError:
                 return False
 
-        wait_for(ready, timeout_s=30, what="the API to answer /healthz")
+        wait_for(ready, timeout_s=timeout_s, what="the API to answer /healthz")
 
     def stop_api(self) -> None:
         if self.api is not None:
@@ -113,6 +117,23 @@ class Stack:
     def client(self, tenant: str) -> Client:
         key = self.records().create_api_key(tenant).key
         return Client(self.url, key)
+
+
+@contextmanager
+def running_stack(
+    data_dir: Path, env_overrides: Mapping[str, str] | None = None
+) -> Iterator[Stack]:
+    """A Redis-compatible server, a worker and the API with all state under ``data_dir``;
+    everything stopped on exit."""
+    redis = new_redis_server(data_dir / "redis")
+    stack = Stack(data_dir, redis, env_overrides or {})
+    try:
+        stack.start_worker()
+        stack.start_api()
+        yield stack
+    finally:
+        stack.stop()
+        stack.redis.stop()
 
 
 class Client:

@@ -20,8 +20,7 @@ from sklearn.datasets import load_digits
 
 from api_schemas import JobPayload
 from service.store import LocalStore
-from tests.servers import new_redis_server
-from tests.stack import Client, Stack, npz_bytes
+from tests.stack import Client, Stack, npz_bytes, running_stack
 from workers.architectures import build_model
 from workers.compute import compute
 
@@ -32,16 +31,9 @@ MAX_DATASET_BYTES = 3 * 1024 * 1024
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    data_dir = tmp_path_factory.mktemp("stack")
-    redis = new_redis_server(data_dir / "redis")
-    stack = Stack(data_dir, redis, {"BNADAPT_MAX_DATASET_BYTES": str(MAX_DATASET_BYTES)})
-    try:
-        stack.start_worker()
-        stack.start_api()
+    limits = {"BNADAPT_MAX_DATASET_BYTES": str(MAX_DATASET_BYTES)}
+    with running_stack(tmp_path_factory.mktemp("stack"), limits) as stack:
         yield stack
-    finally:
-        stack.stop()
-        redis.stop()
 
 
 def digits(shifted: bool = False, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -6,30 +6,23 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
 
 import pytest
 
 from api_schemas import JobStatus
 from service.embedded import RedisServer
-from tests.servers import new_redis_server, wait_for
-from tests.stack import Client, Stack
+from tests.servers import wait_for
+from tests.stack import Client, Stack, running_stack
 from tests.test_e2e import created, digits_npz, long_train
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def stack(tmp_path: Any) -> Iterator[Stack]:
-    redis = new_redis_server(tmp_path / "redis")
-    stack = Stack(tmp_path, redis)
-    try:
-        stack.start_worker()
-        stack.start_api()
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    with running_stack(tmp_path) as stack:
         yield stack
-    finally:
-        stack.stop()
-        stack.redis.stop()
 
 
 def running_job(stack: Stack, client: Client) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -30,16 +29,7 @@ from workers.precise import (
     prior_batchnorm,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny tensors run much faster on one thread than on two of a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SAMPLES = 131  # every split below leaves a short last batch

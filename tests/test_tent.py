@@ -4,7 +4,6 @@ and every estimator through the job's computation (compute), bitwise where claim
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,16 +21,7 @@ from workers.estimators import AdaptStats, select_batchnorm
 from workers.policy import apply_checkpoint_policy
 from workers.tent import SGD_MOMENTUM, entropy_adapt, entropy_loss
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny tensors run much faster on one thread than on two of a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def resnet() -> nn.Module:

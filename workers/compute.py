@@ -163,6 +163,7 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
     before = state_snapshot(model)
     metrics_before = measure("evaluate before")
     computing = time.perf_counter()
+    all_bn = [name for name, _ in _batchnorm_names(model)]
     epochs: list[EpochLog] = []
     adapted: list[str] = []
     reset = False
@@ -176,7 +177,7 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
     else:
         assert isinstance(params, TrainParams)
         assert y is not None, "the API only accepts train jobs on labelled datasets"
-        train_loss = params.loss or loss_for(y)
+        assert loss is not None  # set whenever there are labels
         hooks.start_phase("train", 0, "steps", float(params.batch_size))
 
         def progress(done: int, total: int) -> None:
@@ -194,7 +195,7 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
             lr=params.lr,
             momentum=params.momentum,
             weight_decay=params.weight_decay,
-            loss=train_loss,
+            loss=loss,
             validation_fraction=params.validation_fraction,
             seed=params.seed,
             device=device,
@@ -203,11 +204,10 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
         )
         epochs = [EpochLog(**asdict(e)) for e in trained.epochs]
         batches, samples, estimator = trained.steps, trained.samples, None
-        adapted = [name for name, _ in _batchnorm_names(model)]
+        adapted = all_bn
     computed = time.perf_counter()
     metrics_after = measure("evaluate after")
     after = state_snapshot(model)
-    all_bn = [name for name, _ in _batchnorm_names(model)]
     report = Report(
         job_id=payload.job_id,
         kind=payload.kind,

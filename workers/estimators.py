@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Literal
+from typing import Final, Literal
 
 import torch
 from torch import nn
@@ -31,9 +31,12 @@ from workers.errors import AdaptError, JobCanceled
 from workers.evaluation import training_flags
 
 __all__ = [
+    "NO_BATCHES",
     "AdaptStats",
     "Estimator",
     "adapt_batchnorm",
+    "check_stop",
+    "nonempty",
     "resolve_batchnorm",
     "select_batchnorm",
 ]
@@ -90,6 +93,28 @@ def resolve_batchnorm(model: nn.Module, layers: Sequence[str]) -> list[_BatchNor
     return resolved
 
 
+NO_BATCHES: Final = (
+    "no batches to adapt on: the data set is empty or max_batches is 0; upload data with at "
+    "least one sample"
+)
+
+
+def nonempty(batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """All of ``batches``; raises :class:`AdaptError` now, before anything is changed, when
+    there are none."""
+    iterator = iter(batches)
+    first = next(iterator, None)
+    if first is None:
+        raise AdaptError(NO_BATCHES)
+    return itertools.chain([first], iterator)
+
+
+def check_stop(should_stop: Callable[[], bool] | None, done: int) -> None:
+    """Raises :class:`JobCanceled` when ``should_stop()`` answers True."""
+    if should_stop is not None and should_stop():
+        raise JobCanceled(f"BatchNorm adaptation canceled after {done} batches")
+
+
 def adapt_batchnorm(
     model: nn.Module,
     batches: Iterable[torch.Tensor],
@@ -111,13 +136,7 @@ def adapt_batchnorm(
             "(precise and prior: workers/precise.py, entropy: workers/tent.py)"
         )
     selected = resolve_batchnorm(model, layers)
-    iterator: Iterator[torch.Tensor] = iter(batches)
-    first = next(iterator, None)
-    if first is None:
-        raise AdaptError(
-            "no batches to adapt on: the data set is empty or max_batches is 0; upload data "
-            "with at least one sample"
-        )
+    checked = nonempty(batches)
     momenta = [bn.momentum for bn in selected]
     done = samples = 0
     with training_flags(model), torch.no_grad():
@@ -129,9 +148,8 @@ def adapt_batchnorm(
                     bn.reset_running_stats()
                 if estimator == "cumulative":
                     bn.momentum = None
-            for batch in itertools.chain([first], iterator):  # (B, ...)
-                if should_stop is not None and should_stop():
-                    raise JobCanceled(f"BatchNorm adaptation canceled after {done} batches")
+            for batch in checked:  # (B, ...)
+                check_stop(should_stop, done)
                 model(batch)
                 done += 1
                 samples += batch.shape[0]

@@ -22,8 +22,14 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from workers.errors import AdaptError, JobCanceled
-from workers.estimators import AdaptStats, adapt_batchnorm, resolve_batchnorm
+from workers.errors import AdaptError
+from workers.estimators import (
+    AdaptStats,
+    adapt_batchnorm,
+    check_stop,
+    nonempty,
+    resolve_batchnorm,
+)
 from workers.evaluation import training_flags
 
 __all__ = [
@@ -162,13 +168,7 @@ def collect_statistics(
     device), from one train-mode pass under ``no_grad``; the model is left unchanged. Raises
     :class:`AdaptError` on empty data or a layer the pass never reached."""
     selected = resolve_batchnorm(model, layers)
-    iterator: Iterator[torch.Tensor] = iter(batches)
-    first = next(iterator, None)
-    if first is None:
-        raise AdaptError(
-            "no batches to adapt on: the data set is empty or max_batches is 0; upload data "
-            "with at least one sample"
-        )
+    checked = nonempty(batches)
     found: dict[str, LayerStatistics] = {}
 
     def hook_for(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
@@ -194,8 +194,8 @@ def collect_statistics(
                 bn.train()
                 bn.reset_running_stats()  # finite values, so 0 * old is 0
                 bn.momentum = 1.0
-            for batch in _chain(first, iterator):  # (B, ...)
-                _check_stop(should_stop, done)
+            for batch in checked:  # (B, ...)
+                check_stop(should_stop, done)
                 model(batch)
                 done += 1
                 if progress is not None:
@@ -326,16 +326,6 @@ def _running(bn: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
     assert bn.running_mean is not None, "resolve_batchnorm keeps layers with running stats"
     assert bn.running_var is not None
     return bn.running_mean, bn.running_var
-
-
-def _chain(first: torch.Tensor, rest: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
-    yield first
-    yield from rest
-
-
-def _check_stop(should_stop: Callable[[], bool] | None, done: int) -> None:
-    if should_stop is not None and should_stop():
-        raise JobCanceled(f"BatchNorm adaptation canceled after {done} batches")
 
 
 class _Counted:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from workers.errors import AdaptError, JobCanceled
-from workers.estimators import AdaptStats, resolve_batchnorm
+from workers.estimators import NO_BATCHES, AdaptStats, resolve_batchnorm
 from workers.evaluation import model_device, training_flags
 
 __all__ = ["SGD_MOMENTUM", "Optimizer", "entropy_adapt", "entropy_loss"]
@@ -63,10 +63,7 @@ def entropy_adapt(
         raise AdaptError(f"steps must be >= 1 or None (one pass over the data), got {steps}")
     selected = resolve_batchnorm(model, layers)
     if not batches:
-        raise AdaptError(
-            "no batches to adapt on: the data set is empty or max_batches is 0; upload data "
-            "with at least one sample"
-        )
+        raise AdaptError(NO_BATCHES)
     params = [p for bn in selected for p in (bn.weight, bn.bias) if p is not None]
     if not params:
         raise AdaptError(

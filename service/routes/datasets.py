@@ -12,7 +12,7 @@ from service.deps import DatasetDep, RecordsDep, SettingsDep, StoreDep, TenantDe
 from service.errors import ArrayFileError
 from service.problems import ApiError
 from service.settings import DEFAULT_MAX_DATASET_BYTES
-from service.uploads import store_upload
+from service.uploads import discard_unreferenced, store_upload
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -38,8 +38,7 @@ def create_dataset(
             store.local_path(sha256), max_elements=settings.max_dataset_elements
         )
     except ArrayFileError as exc:
-        if not records.sha_referenced(sha256):
-            store.delete(sha256)
+        discard_unreferenced(records, store, sha256)
         raise ApiError(422, str(exc)) from exc
     dataset = DatasetPublic(
         id=new_id("ds"),

@@ -15,10 +15,8 @@ from service.deps import ModelDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.errors import WeightsFileError
 from service.inspection import inspect_model, new_request_id
 from service.problems import ApiError, problem_items
-from service.records import Records
 from service.settings import DEFAULT_MAX_WEIGHTS_BYTES
-from service.store import Store
-from service.uploads import store_upload
+from service.uploads import discard_unreferenced, store_upload
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -43,11 +41,6 @@ def _parse_meta(meta: str) -> ModelCreate:
         ) from exc
 
 
-def _drop_if_unreferenced(records: Records, store: Store, sha256: str) -> None:
-    if not records.sha_referenced(sha256):
-        store.delete(sha256)
-
-
 @router.post("", status_code=201, max_body_size=DEFAULT_MAX_WEIGHTS_BYTES + _MULTIPART_SLACK)
 def create_model(
     tenant: TenantDep,
@@ -67,7 +60,7 @@ def create_model(
         try:
             read_weights_header(store.local_path(sha256))
         except WeightsFileError as exc:
-            _drop_if_unreferenced(records, store, sha256)
+            discard_unreferenced(records, store, sha256)
             raise ApiError(422, str(exc), errors=None) from exc
     request = InspectRequest(
         request_id=new_request_id(),
@@ -80,7 +73,7 @@ def create_model(
         found = inspect_model(records.client, request, settings.inspect_timeout_s)
     except ApiError:
         if sha256 is not None:
-            _drop_if_unreferenced(records, store, sha256)
+            discard_unreferenced(records, store, sha256)
         raise
     model = ModelPublic(
         id=new_id("mdl"),
