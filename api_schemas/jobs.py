@@ -22,10 +22,13 @@ __all__ = [
     "DEVICE_PATTERN",
     "ESTIMATOR_NAMES",
     "MAX_BATCH_SIZE",
+    "MAX_SHARDS",
     "AdaptJobCreate",
     "AdaptParams",
     "CheckpointPolicy",
     "EstimatorName",
+    "EvaluateJobCreate",
+    "EvaluateParams",
     "JobCreate",
     "JobKind",
     "JobParams",
@@ -42,7 +45,7 @@ __all__ = [
     "parse_job_create",
 ]
 
-JobKind = Literal["adapt", "train"]
+JobKind = Literal["adapt", "train", "evaluate"]
 
 # The one place estimator names live; AdaptParams.effective_reset must then say whether a new
 # one starts from fresh statistics (mypy flags the missing case).
@@ -50,6 +53,8 @@ EstimatorName = Literal["ema", "cumulative", "precise", "prior", "entropy"]
 ESTIMATOR_NAMES: Final[tuple[EstimatorName, ...]] = get_args(EstimatorName)
 
 MAX_BATCH_SIZE: Final = 65536
+# Shards of one adapt job; each is an RQ job with its statistics in Redis (see workers/shards.py).
+MAX_SHARDS: Final = 256
 BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)]
 
 DEVICE_PATTERN: Final = r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$"
@@ -98,7 +103,12 @@ class AdaptParams(RequestModel):
     All but ``entropy`` use forward passes only.
 
     ``reset=None`` means the estimator's default, see :meth:`effective_reset`. ``include`` and
-    ``exclude`` select normalization layers by qualified name (fnmatch)."""
+    ``exclude`` select normalization layers by qualified name (fnmatch).
+
+    ``shards=K`` splits the batches into K contiguous runs of whole batches, collected by K
+    jobs that may run on different workers and then merged: the same result as one worker
+    (up to float rounding). Only for ``precise``, ``cumulative`` and ``prior``, whose result
+    is a function of pooled per-batch statistics."""
 
     batch_size: BatchSize = 64
     max_batches: int | None = Field(default=None, ge=1)
@@ -116,6 +126,22 @@ class AdaptParams(RequestModel):
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     seed: Seed = 0
     device: Device = "auto"
+    shards: int = Field(default=1, ge=1, le=MAX_SHARDS)
+
+    @model_validator(mode="after")
+    def _shards_fit_estimator(self) -> Self:
+        if self.shards > 1 and self.estimator in ("ema", "entropy"):
+            how = (
+                "each batch updates the statistics the next batch starts from"
+                if self.estimator == "ema"
+                else "each optimizer step starts from the parameters the previous one made"
+            )
+            raise ValueError(
+                f"the {self.estimator} estimator is sequential ({how}), so its batches cannot "
+                f"be split across {self.shards} workers; use shards=1, or estimator 'precise', "
+                "'cumulative' or 'prior', whose statistics shards can collect apart"
+            )
+        return self
 
     @model_validator(mode="after")
     def _reset_fits_estimator(self) -> Self:
@@ -162,10 +188,21 @@ class TrainParams(RequestModel):
     device: Device = "auto"
 
 
-JobParams = AdaptParams | TrainParams
-_PARAMS_BY_KIND: Final[dict[str, type[AdaptParams] | type[TrainParams]]] = {
+class EvaluateParams(RequestModel):
+    """Measure a model on a labelled dataset, changing nothing: eval mode, no gradients.
+    ``loss=None`` picks cross-entropy (and accuracy) for class labels and MSE for float
+    targets."""
+
+    batch_size: BatchSize = 512
+    loss: Literal["cross_entropy", "mse"] | None = None
+    device: Device = "auto"
+
+
+JobParams = AdaptParams | TrainParams | EvaluateParams
+_PARAMS_BY_KIND: Final[dict[str, type[JobParams]]] = {
     "adapt": AdaptParams,
     "train": TrainParams,
+    "evaluate": EvaluateParams,
 }
 
 
@@ -178,7 +215,7 @@ def _params_for_kind(value: Any, info: ValidationInfo) -> Any:
     expected = _PARAMS_BY_KIND.get(info.data.get("kind", ""))
     if expected is None:
         return value  # `kind` itself failed; its error is already reported
-    if isinstance(value, AdaptParams | TrainParams):
+    if isinstance(value, AdaptParams | TrainParams | EvaluateParams):
         if not isinstance(value, expected):
             raise ValueError(
                 f"params are {type(value).__name__} but kind is {info.data['kind']!r}; "
@@ -206,11 +243,22 @@ class TrainJobCreate(RequestModel):
     params: TrainParams = Field(default_factory=TrainParams)
 
 
-JobCreate = Annotated[AdaptJobCreate | TrainJobCreate, Field(discriminator="kind")]
-_JOB_CREATE: Final[TypeAdapter[AdaptJobCreate | TrainJobCreate]] = TypeAdapter(JobCreate)
+class EvaluateJobCreate(RequestModel):
+    """Asks for the accuracy (or MSE) and loss of a model on a labelled dataset; no new model
+    is registered."""
+
+    kind: Literal["evaluate"]
+    model_id: ResourceId
+    dataset_id: ResourceId
+    params: EvaluateParams = Field(default_factory=EvaluateParams)
 
 
-def parse_job_create(data: object) -> AdaptJobCreate | TrainJobCreate:
+_AnyJobCreate = AdaptJobCreate | TrainJobCreate | EvaluateJobCreate
+JobCreate = Annotated[_AnyJobCreate, Field(discriminator="kind")]
+_JOB_CREATE: Final[TypeAdapter[_AnyJobCreate]] = TypeAdapter(JobCreate)
+
+
+def parse_job_create(data: object) -> _AnyJobCreate:
     """Validates a decoded JSON body as one of the job requests, chosen by its ``kind``.
 
     Raises pydantic's ``ValidationError``.
@@ -231,11 +279,22 @@ class Progress(BaseModel):
 
 
 class JobResultLinks(BaseModel):
-    """Where a succeeded job's output lives."""
+    """Where a succeeded job's output lives. ``adapt`` and ``train`` jobs register a new model:
+    ``model_id`` and ``weights_url`` name it. ``evaluate`` jobs register none: both are
+    ``null`` (always present, never omitted) and the report holds the result."""
 
-    model_id: ResourceId
-    weights_url: str
+    model_id: ResourceId | None
+    weights_url: str | None
     report_url: str
+
+    @model_validator(mode="after")
+    def _model_fields_together(self) -> Self:
+        if (self.model_id is None) != (self.weights_url is None):
+            raise ValueError(
+                f"model_id ({self.model_id!r}) and weights_url ({self.weights_url!r}) are "
+                "either both set (a new model) or both null (an evaluate job)"
+            )
+        return self
 
 
 class JobPublic(BaseModel):

@@ -10,6 +10,7 @@ __all__ = [
     "EpochLog",
     "Metrics",
     "Report",
+    "ShardSummary",
     "TensorChange",
     "Timings",
 ]
@@ -63,7 +64,8 @@ class TensorChange(_ReportModel):
 
 
 class Metrics(_ReportModel):
-    """Evaluation on the job's dataset; ``accuracy`` for class labels, ``mse`` for targets."""
+    """Evaluation on the job's dataset; ``accuracy`` for class labels, ``mse`` for targets.
+    ``loss`` is the mean cross-entropy per sample, or the mean squared error per element."""
 
     num_samples: int = Field(ge=0)
     loss: float
@@ -80,16 +82,35 @@ class EpochLog(_ReportModel):
     val_accuracy: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
+class ShardSummary(_ReportModel):
+    """One shard of a sharded adapt job: batches ``first_batch`` to ``first_batch + batches -
+    1`` of the job (numbered from 0), collected by the RQ worker named ``worker``."""
+
+    index: int = Field(ge=0)
+    first_batch: int = Field(ge=0)
+    batches: int = Field(ge=1)
+    samples: int = Field(ge=1)
+    worker: str
+    compute_s: float = Field(ge=0.0)
+
+
 class Report(_ReportModel):
     """The report of one finished job. ``estimator`` is a plain string so reports written by
-    older versions stay readable when estimators are renamed or removed."""
+    older versions stay readable when estimators are renamed or removed.
+
+    ``metrics_before`` measures the input model on the job's dataset, ``metrics_after`` the
+    output model. An ``evaluate`` job changes nothing: its result is ``metrics_before``;
+    ``output_model_id`` and ``metrics_after`` are null, ``batchnorm`` and ``tensors`` empty,
+    and ``batches``/``samples`` count the evaluation's forward passes."""
 
     job_id: ResourceId
     kind: JobKind
     input_model_id: ResourceId
-    output_model_id: ResourceId
+    output_model_id: ResourceId | None
     device: str
     torch_version: str
+    # torch's CPU threads in the job's process (BNADAPT_WORKER_THREADS); null in old reports.
+    torch_threads: int | None = Field(default=None, ge=1)
     estimator: str | None = None
     batches: int = Field(ge=0)
     samples: int = Field(ge=0)
@@ -99,3 +120,6 @@ class Report(_ReportModel):
     metrics_before: Metrics | None = None
     metrics_after: Metrics | None = None
     epochs: list[EpochLog] = Field(default_factory=list)
+    # An adapt job run with shards=K > 1: its K shards, in batch order (the timings are then
+    # the merge's); empty when one worker ran all batches.
+    shards: list[ShardSummary] = Field(default_factory=list)

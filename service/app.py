@@ -15,6 +15,7 @@ from rq import Queue
 from service.problems import install_problem_handlers
 from service.reaper import Reaper
 from service.records import Records
+from service.records_async import AsyncRecords, async_redis_client
 from service.redis_conn import redis_client
 from service.routes import architectures, datasets, health, jobs, models
 from service.settings import Settings, get_settings
@@ -37,6 +38,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.records = records
         app.state.store = LocalStore(settings.store_path)
         app.state.queue = Queue(settings.queue, connection=client, serializer="json")
+        async_client = async_redis_client(settings.redis_url)
+        app.state.async_records = AsyncRecords(async_client)
         reaper = Reaper(records, settings.heartbeat_timeout_s, REAPER_INTERVAL_S)
         reaper.start()
         try:
@@ -44,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             reaper.stop()
             client.close()
+            await async_client.aclose()
 
     app = FastAPI(
         title="bnadapt",

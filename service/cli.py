@@ -18,13 +18,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from api_schemas import JobPublic
+from api_schemas import JobPublic, JobStatus
 from service.client import ApiClientError, Client
 from service.errors import BnadaptError
 from service.settings import get_settings
-from service.up import LocalStack, read_client_config, worker_command
+from service.up import DEFAULT_API_PROCESSES, LocalStack, read_client_config, worker_command
 
 __all__ = ["main"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
+    return value
 
 
 def _json_arg(text: str) -> dict[str, Any]:
@@ -98,7 +108,9 @@ def wait_with_bar(client: Client, job_id: str) -> JobPublic:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    with LocalStack(Path(args.data_dir), args.host, args.port, args.device) as stack:
+    with LocalStack(
+        Path(args.data_dir), args.host, args.port, args.device, args.api_processes
+    ) as stack:
         assert stack.client_config is not None
         print(f"bnadapt is up at {stack.url} (API docs: {stack.url}/docs)")
         print(f"data directory: {stack.data_dir}")
@@ -135,6 +147,8 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     # A separate interpreter: the service never imports the workers' torch code itself.
+    if args.threads is not None:
+        os.environ["BNADAPT_WORKER_THREADS"] = str(args.threads)
     os.execv(sys.executable, worker_command(args.device))  # noqa: S606 - our own argv
 
 
@@ -174,6 +188,23 @@ def cmd_datasets_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_evaluation(client: Client, job: JobPublic) -> None:
+    """For a succeeded evaluate job, its metrics in one line on stderr (stdout stays JSON)."""
+    if job.kind != "evaluate" or job.status is not JobStatus.SUCCEEDED:
+        return
+    metrics = client.report(job.id).metrics_before
+    if metrics is None:
+        return
+    score = (
+        f"accuracy {metrics.accuracy:.4f}" if metrics.accuracy is not None else f"mse {metrics.mse}"
+    )
+    print(
+        f"{job.model_id} on {job.dataset_id}: {score}, loss {metrics.loss:.4f} "
+        f"({metrics.num_samples} samples)",
+        file=sys.stderr,
+    )
+
+
 def cmd_jobs_submit(args: argparse.Namespace) -> int:
     client = _client(args)
     job = client.submit(args.kind, args.model, args.dataset, args.params, args.idempotency_key)
@@ -182,17 +213,21 @@ def cmd_jobs_submit(args: argparse.Namespace) -> int:
         return 0
     job = wait_with_bar(client, job.id)
     _print(job)
-    return 0 if job.status.value == "succeeded" else 1
+    _print_evaluation(client, job)
+    return 0 if job.status is JobStatus.SUCCEEDED else 1
 
 
 def cmd_jobs_show(args: argparse.Namespace) -> int:
-    _print(_client(args).job(args.job_id))
+    client = _client(args)
+    job = client.job(args.job_id)
+    _print(job)
+    _print_evaluation(client, job)
     return 0
 
 
 def cmd_jobs_list(args: argparse.Namespace) -> int:
     for job in _client(args).jobs(page_size=args.page_size, status=args.status).items:
-        print(f"{job.id}  {job.kind:5} {job.status.value:9} model={job.model_id}")
+        print(f"{job.id}  {job.kind:8} {job.status.value:9} model={job.model_id}")
     return 0
 
 
@@ -202,18 +237,20 @@ def cmd_jobs_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs_download(args: argparse.Namespace) -> int:
+    """The new weights and the report; an evaluate job has the report only."""
     client = _client(args)
     job = client.job(args.job_id)
     if job.result is None:
         raise BnadaptError(f"job {job.id} is {job.status.value}: nothing to download yet")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    weights = client.download_weights(
-        job.result.model_id, out / f"{job.result.model_id}.safetensors"
-    )
+    if job.result.model_id is None:
+        print(f"job {job.id} ({job.kind}) registered no model: the report only", file=sys.stderr)
+    else:
+        model_id = job.result.model_id
+        print(client.download_weights(model_id, out / f"{model_id}.safetensors"))
     report = out / f"{job.id}.report.json"
     report.write_text(client.report(job.id).model_dump_json(indent=2))
-    print(weights)
     print(report)
     return 0
 
@@ -239,16 +276,27 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    up.add_argument(
+        "--api-processes", type=_positive_int, default=DEFAULT_API_PROCESSES, help="uvicorn workers"
+    )
     up.set_defaults(func=cmd_up)
 
     api = sub.add_parser("api", help="run the API (settings from BNADAPT_* variables)")
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=8000)
-    api.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    api.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=DEFAULT_API_PROCESSES,
+        help="uvicorn worker processes",
+    )
     api.set_defaults(func=cmd_api)
 
     worker = sub.add_parser("worker", help="run a worker (RQ worker + inspector)")
     worker.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    worker.add_argument(
+        "--threads", type=_positive_int, help="torch threads per job (BNADAPT_WORKER_THREADS)"
+    )
     worker.set_defaults(func=cmd_worker)
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys", required=True)
@@ -279,8 +327,8 @@ def _parser() -> argparse.ArgumentParser:
     dadd.set_defaults(func=cmd_datasets_add)
 
     jobs = sub.add_parser("jobs").add_subparsers(dest="jobs", required=True)
-    submit = jobs.add_parser("submit", help="submit an adapt or train job")
-    submit.add_argument("kind", choices=["adapt", "train"])
+    submit = jobs.add_parser("submit", help="submit an adapt, train or evaluate job")
+    submit.add_argument("kind", choices=["adapt", "train", "evaluate"])
     submit.add_argument("--model", required=True)
     submit.add_argument("--dataset", required=True)
     submit.add_argument("--params", type=_json_arg, default={}, help="JSON object")
@@ -297,7 +345,9 @@ def _parser() -> argparse.ArgumentParser:
     cancel = jobs.add_parser("cancel")
     cancel.add_argument("job_id")
     cancel.set_defaults(func=cmd_jobs_cancel)
-    download = jobs.add_parser("download", help="the new weights and the report")
+    download = jobs.add_parser(
+        "download", help="the new weights and the report (evaluate jobs: the report)"
+    )
     download.add_argument("job_id")
     download.add_argument("--out", default=".")
     download.set_defaults(func=cmd_jobs_download)

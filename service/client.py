@@ -5,7 +5,9 @@ model = client.add_model("digits_cnn", weights=Path("w.safetensors"))
 dataset = client.add_dataset(Path("target.npz"))
 job = client.submit("adapt", model.id, dataset.id, {"estimator": "cumulative"})
 job = client.wait(job.id, on_progress=print)
-client.download_weights(job.result.model_id, Path("adapted.safetensors"))
+client.download_weights(new_model_id(job), Path("adapted.safetensors"))
+check = client.wait(client.submit("evaluate", new_model_id(job), dataset.id).id)
+print(client.report(check.id).metrics_before)  # an evaluate job's result: accuracy, loss
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from api_schemas import ArchitecturePublic, DatasetPublic, JobPublic, ModelPubli
 from api_schemas.reports import Report
 from service.errors import BnadaptError
 
-__all__ = ["ApiClientError", "Client"]
+__all__ = ["ApiClientError", "Client", "new_model_id"]
 
 DEFAULT_TIMEOUT_S: Final = 120.0
 POLL_INTERVAL_S: Final = 0.25
@@ -35,6 +37,19 @@ class ApiClientError(BnadaptError):
         super().__init__(f"HTTP {status}: {detail}")
         self.status = status
         self.detail = detail
+
+
+def new_model_id(job: JobPublic) -> str:
+    """The id of the model a succeeded ``adapt`` or ``train`` job registered; raises
+    :class:`BnadaptError` for a job that has none (not succeeded, or an ``evaluate`` job)."""
+    if job.result is None:
+        raise BnadaptError(f"job {job.id} is {job.status.value}: it has no new model (yet)")
+    if job.result.model_id is None:
+        raise BnadaptError(
+            f"job {job.id} ({job.kind}) registers no model; its result is the report at "
+            f"{job.result.report_url}"
+        )
+    return job.result.model_id
 
 
 class Client:

@@ -3,27 +3,69 @@
 Starts everything (``bnadapt up``'s stack), trains the digits CNN through the service, uploads a
 shifted copy of the held-out digits (contrast halved, brightness raised), BN-adapts the trained
 model to it, downloads the adapted weights, and prints accuracy before and after with the
-report's summary.
+report's summary. bench/quality_bench.py reuses its data split and training.
 """
 
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
 from api_schemas import JobPublic
 from api_schemas.reports import Report
-from service.client import Client
+from service.client import Client, new_model_id
 from service.up import LocalStack
 
-__all__ = ["run_demo", "shift"]
+__all__ = [
+    "SPLIT_SEED",
+    "TRAIN_PARAMS",
+    "TRAIN_SAMPLES",
+    "DigitsSplit",
+    "digits_split",
+    "run_demo",
+    "shift",
+    "train_digits_cnn",
+    "write_npz",
+]
 
 TRAIN_SAMPLES: Final = 1200
+SPLIT_SEED: Final = 0
+# The train job's params: 15 epochs of SGD (lr 0.05, momentum 0.9) on 90% of the train split.
+TRAIN_PARAMS: Final[dict[str, Any]] = {
+    "epochs": 15,
+    "batch_size": 32,
+    "lr": 0.05,
+    "validation_fraction": 0.1,
+}
 CONTRAST: Final = 0.5
 BRIGHTNESS: Final = 0.3
+
+
+@dataclass(frozen=True)
+class DigitsSplit:
+    """scikit-learn's 1,797 bundled digits as (N, 1, 8, 8) float32 in [0, 1] with int64
+    labels, split once by a fixed permutation: :data:`TRAIN_SAMPLES` to train, the rest to
+    test."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+def digits_split() -> DigitsSplit:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32)[:, None]  # (N, 1, 8, 8) in [0, 1]
+    y = digits.target.astype(np.int64)
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
+    train, test = order[:TRAIN_SAMPLES], order[TRAIN_SAMPLES:]
+    return DigitsSplit(x[train], y[train], x[test], y[test])
 
 
 def shift(x: np.ndarray) -> np.ndarray:
@@ -31,7 +73,7 @@ def shift(x: np.ndarray) -> np.ndarray:
     return np.clip(x * CONTRAST + BRIGHTNESS, 0.0, 1.0).astype(np.float32)
 
 
-def _npz(path: Path, x: np.ndarray, y: np.ndarray) -> Path:
+def write_npz(path: Path, x: np.ndarray, y: np.ndarray) -> Path:
     buffer = io.BytesIO()
     np.savez(buffer, x=x, y=y)
     path.write_bytes(buffer.getvalue())
@@ -47,6 +89,16 @@ def _succeeded(client: Client, job: JobPublic) -> JobPublic:
     return done
 
 
+def train_digits_cnn(client: Client, train_file: Path, epochs: int | None = None) -> str:
+    """Registers the digits CNN with fresh weights (seed 0), uploads ``train_file`` and trains
+    the model on it through the service with :data:`TRAIN_PARAMS` (``epochs`` replaces
+    theirs); the trained model's id."""
+    model = client.add_model("digits_cnn", seed=0)
+    train_set = client.add_dataset(train_file, "digits train")
+    params = TRAIN_PARAMS if epochs is None else {**TRAIN_PARAMS, "epochs": epochs}
+    return new_model_id(_succeeded(client, client.submit("train", model.id, train_set.id, params)))
+
+
 def _accuracy(report: Report, when: str) -> float:
     metrics = report.metrics_before if when == "before" else report.metrics_after
     if metrics is None or metrics.accuracy is None:
@@ -55,18 +107,14 @@ def _accuracy(report: Report, when: str) -> float:
 
 
 def run_demo(data_dir: Path, port: int) -> int:
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[:, None]  # (N, 1, 8, 8) in [0, 1]
-    y = digits.target.astype(np.int64)
-    order = np.random.default_rng(0).permutation(len(x))
-    train, test = order[:TRAIN_SAMPLES], order[TRAIN_SAMPLES:]
+    split = digits_split()
     work = data_dir / "demo"
     work.mkdir(parents=True, exist_ok=True)
-    train_file = _npz(work / "digits-train.npz", x=x[train], y=y[train])
-    clean_file = _npz(work / "digits-test.npz", x=x[test], y=y[test])
-    shifted_file = _npz(work / "digits-test-shifted.npz", x=shift(x[test]), y=y[test])
+    train_file = write_npz(work / "digits-train.npz", x=split.x_train, y=split.y_train)
+    clean_file = write_npz(work / "digits-test.npz", x=split.x_test, y=split.y_test)
+    shifted_file = write_npz(
+        work / "digits-test-shifted.npz", x=shift(split.x_test), y=split.y_test
+    )
 
     with LocalStack(data_dir, port=port) as stack:
         assert stack.client_config is not None
@@ -74,21 +122,9 @@ def run_demo(data_dir: Path, port: int) -> int:
         print(f"bnadapt is up at {stack.url}; state in {stack.data_dir}\n")
 
         print("1. register the digits CNN (fresh weights) and train it on 1,200 clean digits")
-        model = client.add_model("digits_cnn", seed=0)
-        train_set = client.add_dataset(train_file, "digits train")
-        trained = _succeeded(
-            client,
-            client.submit(
-                "train",
-                model.id,
-                train_set.id,
-                {"epochs": 15, "batch_size": 32, "lr": 0.05, "validation_fraction": 0.1},
-            ),
-        )
-        assert trained.result is not None
-        source_id = trained.result.model_id
+        source_id = train_digits_cnn(client, train_file)
 
-        print(f"\n2. upload the {len(test)} held-out digits, clean and shifted")
+        print(f"\n2. upload the {len(split.x_test)} held-out digits, clean and shifted")
         clean_set = client.add_dataset(clean_file, "digits test")
         shifted_set = client.add_dataset(
             shifted_file, f"digits test, contrast x{CONTRAST}, brightness +{BRIGHTNESS}"
@@ -98,8 +134,7 @@ def run_demo(data_dir: Path, port: int) -> int:
         params = {"estimator": "cumulative", "batch_size": 64}
         on_clean = _succeeded(client, client.submit("adapt", source_id, clean_set.id, params))
         adapted = _succeeded(client, client.submit("adapt", source_id, shifted_set.id, params))
-        assert adapted.result is not None
-        weights = client.download_weights(adapted.result.model_id, work / "adapted.safetensors")
+        weights = client.download_weights(new_model_id(adapted), work / "adapted.safetensors")
         report = client.report(adapted.id)
         (work / "adapt-report.json").write_text(report.model_dump_json(indent=2))
         clean_report = client.report(on_clean.id)

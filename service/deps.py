@@ -10,10 +10,12 @@ from fastapi import Depends, Header, Path, Request
 from api_schemas import ID_PATTERN, DatasetPublic, JobPublic, ModelPublic
 from service.problems import ApiError, not_found
 from service.records import Records
+from service.records_async import AsyncRecords
 from service.settings import Settings
 from service.store import Store
 
 __all__ = [
+    "AsyncRecordsDep",
     "DatasetDep",
     "IdPath",
     "JobDep",
@@ -27,27 +29,35 @@ __all__ = [
 _BEARER: Final = re.compile(r"^Bearer\s+(\S+)$", re.IGNORECASE)
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_records(request: Request) -> Records:
+async def get_records(request: Request) -> Records:
     records: Records = request.app.state.records
     return records
 
 
-def get_store(request: Request) -> Store:
+async def get_store(request: Request) -> Store:
     store: Store = request.app.state.store
     return store
+
+
+async def get_async_records(request: Request) -> AsyncRecords:
+    records: AsyncRecords = request.app.state.async_records
+    return records
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RecordsDep = Annotated[Records, Depends(get_records)]
 StoreDep = Annotated[Store, Depends(get_store)]
+AsyncRecordsDep = Annotated[AsyncRecords, Depends(get_async_records)]
 
 
-def get_tenant(records: RecordsDep, authorization: Annotated[str | None, Header()] = None) -> str:
+async def get_tenant(
+    records: AsyncRecordsDep, authorization: Annotated[str | None, Header()] = None
+) -> str:
     unauthorized = {"WWW-Authenticate": "Bearer"}
     if authorization is None:
         raise ApiError(
@@ -57,7 +67,7 @@ def get_tenant(records: RecordsDep, authorization: Annotated[str | None, Header(
             headers=unauthorized,
         )
     match = _BEARER.match(authorization)
-    tenant_id = records.tenant_for_key(match.group(1)) if match else None
+    tenant_id = await records.tenant_for_key(match.group(1)) if match else None
     if tenant_id is None:
         raise ApiError(
             401, "the API key is not valid; check it or create a new one", headers=unauthorized
@@ -89,8 +99,8 @@ def owned_dataset(dataset_id: IdPath, tenant: TenantDep, records: RecordsDep) ->
     return dataset
 
 
-def owned_job(job_id: IdPath, tenant: TenantDep, records: RecordsDep) -> JobPublic:
-    job = records.get_job(tenant, job_id)
+async def owned_job(job_id: IdPath, tenant: TenantDep, records: AsyncRecordsDep) -> JobPublic:
+    job = await records.get_job(tenant, job_id)
     if job is None:
         raise not_found("job", job_id)
     return job

@@ -20,6 +20,9 @@ __all__ = [
     "job_cancel",
     "job_heartbeat",
     "job_progress",
+    "job_shard_progress",
+    "job_shard_result",
+    "job_shards",
     "record",
     "sha_refs",
     "tenant",
@@ -79,8 +82,24 @@ def job_cancel(job_id: str) -> str:
 
 
 def job_heartbeat(job_id: str) -> str:
-    """Refreshed by a running job; its absence means the job's process is gone."""
+    """Refreshed by a running job (or a running shard or merge job of a sharded one, under
+    its RQ job id); its absence means the job's process is gone."""
     return f"{PREFIX}:job:{job_id}:heartbeat"
+
+
+def job_shards(job_id: str) -> str:
+    """Hash: the state of each shard and merge job of a sharded job (service.shard_records)."""
+    return f"{PREFIX}:job:{job_id}:shards"
+
+
+def job_shard_progress(job_id: str) -> str:
+    """Hash: each shard's own progress (JSON), summed into ``job_progress(job_id)``."""
+    return f"{PREFIX}:job:{job_id}:shard-progress"
+
+
+def job_shard_result(job_id: str, index: int) -> str:
+    """The statistics shard ``index`` collected (JSON), for the merge; with a TTL."""
+    return f"{PREFIX}:job:{job_id}:shard-result:{index}"
 
 
 def idempotency(tenant_id: str, key: str) -> str:

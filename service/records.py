@@ -9,17 +9,13 @@ missing one, so the API can only ever say 404.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
-import hmac
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any, Final, TypeVar, cast
 
 import redis
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from api_schemas import (
     DatasetPublic,
@@ -34,13 +30,24 @@ from api_schemas import (
     utc_now,
 )
 from service import keys
-from service.errors import InvalidPageTokenError
+from service.record_format import (
+    API_KEY_FIELDS,
+    API_KEY_PREFIX,
+    RESOURCE_FIELDS,
+    decode_token,
+    encode_token,
+    hash_secret,
+    index_member,
+    job_from_fields,
+    owned_resource,
+    split_api_key,
+    text,
+    verify_api_key,
+)
 
 __all__ = ["ApiKey", "Records"]
 
 R = TypeVar("R", bound=BaseModel)
-
-API_KEY_PREFIX: Final = "bna"
 
 # KEYS[1]: the job hash, KEYS[2]: the running-jobs set. ARGV[1]: allowed current statuses,
 # comma-separated; ARGV[2]: the new status; ARGV[3..]: field, value pairs to set with it.
@@ -68,39 +75,6 @@ class ApiKey(BaseModel):
     key: str
 
 
-def _hash_secret(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def _index_member(created_at: datetime, resource_id: str) -> str:
-    # Zero-padded microseconds sort as strings in time order; the id breaks ties.
-    return f"{int(created_at.timestamp() * 1_000_000):017d}:{resource_id}"
-
-
-def _encode_token(member: str) -> str:
-    return base64.urlsafe_b64encode(member.encode()).decode().rstrip("=")
-
-
-def _decode_token(token: str) -> str:
-    try:
-        member = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-    except (binascii.Error, UnicodeDecodeError) as exc:
-        raise InvalidPageTokenError(
-            "page_token is not one this service issued; pass the next_page_token of the "
-            "previous page, or none for the first page"
-        ) from exc
-    if ":" not in member:
-        raise InvalidPageTokenError(
-            "page_token is not one this service issued; pass the next_page_token of the "
-            "previous page, or none for the first page"
-        )
-    return member
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class Records:
     """All record reads and writes, over one redis-py client (thread-safe, pooled)."""
 
@@ -120,7 +94,7 @@ class Records:
             keys.api_key(key_id),
             mapping={
                 "tenant_id": tenant_id,
-                "secret_sha256": _hash_secret(secret),
+                "secret_sha256": hash_secret(secret),
                 "created_at": utc_now().isoformat(),
             },
         )
@@ -130,7 +104,7 @@ class Records:
         candidate = new_id("tn")
         # SET NX makes two concurrent creations agree on one id.
         self.client.set(keys.tenant_by_name(name), candidate, nx=True)
-        tenant_id = _text(self.client.get(keys.tenant_by_name(name)))
+        tenant_id = text(self.client.get(keys.tenant_by_name(name)))
         if tenant_id == candidate:
             self.client.hset(
                 keys.tenant(tenant_id), mapping={"name": name, "created_at": utc_now().isoformat()}
@@ -138,21 +112,14 @@ class Records:
         return tenant_id
 
     def tenant_for_key(self, presented: str) -> str | None:
-        """The tenant a presented key belongs to, or None. The secret is compared in constant
-        time; the key id only selects which stored hash to compare with."""
-        parts = presented.split("_", 2)
-        if len(parts) != 3 or parts[0] != API_KEY_PREFIX or not parts[1].isalnum():
+        """The tenant a presented key belongs to, or None (see :func:`verify_api_key`)."""
+        parts = split_api_key(presented)
+        if parts is None:
             return None
         stored = cast(
-            "list[bytes | None]",
-            self.client.hmget(keys.api_key(parts[1]), ["tenant_id", "secret_sha256"]),
+            "list[bytes | None]", self.client.hmget(keys.api_key(parts[0]), API_KEY_FIELDS)
         )
-        tenant_id, expected = stored
-        if tenant_id is None or expected is None:
-            return None
-        if not hmac.compare_digest(_hash_secret(parts[2]).encode(), expected):
-            return None
-        return tenant_id.decode()
+        return verify_api_key(parts[1], stored)
 
     # --- models and datasets --------------------------------------------------------------
 
@@ -185,6 +152,18 @@ class Records:
     def get_dataset(self, tenant_id: str, dataset_id: str) -> DatasetPublic | None:
         return self._get(tenant_id, "dataset", dataset_id, DatasetPublic)
 
+    def get_model_and_dataset(
+        self, tenant_id: str, model_id: str, dataset_id: str
+    ) -> tuple[ModelPublic | None, DatasetPublic | None]:
+        """Both in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hmget(keys.record("model", model_id), RESOURCE_FIELDS)
+        pipe.hmget(keys.record("dataset", dataset_id), RESOURCE_FIELDS)
+        model, dataset = pipe.execute()
+        return owned_resource(tenant_id, model, ModelPublic), owned_resource(
+            tenant_id, dataset, DatasetPublic
+        )
+
     def list_datasets(
         self, tenant_id: str, page_size: int, token: str | None
     ) -> Page[DatasetPublic]:
@@ -207,13 +186,29 @@ class Records:
 
     # --- jobs -----------------------------------------------------------------------------
 
-    def create_job(self, tenant_id: str, job: JobPublic, payload: JobPayload) -> None:
+    def create_job(
+        self,
+        tenant_id: str,
+        job: JobPublic,
+        payload: JobPayload,
+        uses: Iterable[str] = (),
+        enqueue: Callable[[redis.client.Pipeline], object] | None = None,
+    ) -> None:
+        """Writes the job's record, marks the store objects ``uses`` as used by it (the job
+        keeps its inputs: deleting the model or dataset later leaves their files) and runs
+        ``enqueue`` on the same pipeline: all in one MULTI, so a job is never queued without
+        its record or recorded without being queued."""
         pipe = self.client.pipeline()
+        pipe.multi()
         self._put(pipe, tenant_id, "job", job.id, job, job.created_at)
         pipe.hset(
             keys.record("job", job.id),
             mapping={"status": job.status.value, "payload": payload.model_dump_json()},
         )
+        for sha256 in uses:
+            pipe.sadd(keys.sha_refs(sha256), job.id)
+        if enqueue is not None:
+            enqueue(pipe)
         pipe.execute()
 
     def delete_job(self, tenant_id: str, job: JobPublic) -> None:
@@ -223,10 +218,11 @@ class Records:
         pipe.execute()
 
     def get_job(self, tenant_id: str, job_id: str) -> JobPublic | None:
-        fields = self._fields(keys.record("job", job_id))
-        if fields is None or fields["tenant_id"] != tenant_id:
-            return None
-        return self._job_from_fields(job_id, fields)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(keys.record("job", job_id))
+        pipe.get(keys.job_progress(job_id))
+        fields, progress = pipe.execute()
+        return job_from_fields(tenant_id, fields, progress)
 
     def job_owner_and_payload(self, job_id: str) -> tuple[str, JobPayload, JobStatus] | None:
         """For workers: whose job it is, what to run, and its status now."""
@@ -238,7 +234,7 @@ class Records:
 
     def job_status(self, job_id: str) -> JobStatus | None:
         status = self.client.hget(keys.record("job", job_id), "status")
-        return None if status is None else JobStatus(_text(status))
+        return None if status is None else JobStatus(text(status))
 
     def list_jobs(
         self,
@@ -266,7 +262,7 @@ class Records:
         for name, value in (fields or {}).items():
             args += [name, value]
         result = self._transition(keys=[keys.record("job", job_id), keys.RUNNING_JOBS], args=args)
-        return None if result is None else JobStatus(_text(result))
+        return None if result is None else JobStatus(text(result))
 
     def mark_started(self, job_id: str, worker: str) -> bool:
         new = self.transition(
@@ -298,14 +294,14 @@ class Records:
 
     def report_sha256(self, job_id: str) -> str | None:
         value = self.client.hget(keys.record("job", job_id), "report_sha256")
-        return None if value is None else _text(value)
+        return None if value is None else text(value)
 
     def started_at(self, job_id: str) -> datetime | None:
         value = self.client.hget(keys.record("job", job_id), "started_at")
-        return None if not value else datetime.fromisoformat(_text(value))
+        return None if not value else datetime.fromisoformat(text(value))
 
     def running_jobs(self) -> list[str]:
-        return sorted(_text(m) for m in self.client.smembers(keys.RUNNING_JOBS))
+        return sorted(text(m) for m in self.client.smembers(keys.RUNNING_JOBS))
 
     def request_cancel(self, job_id: str) -> None:
         self.client.set(keys.job_cancel(job_id), "1")
@@ -327,8 +323,10 @@ class Records:
     ) -> tuple[str, str]:
         """Binds ``key`` to (body hash, job id) unless already bound; returns the binding."""
         name = keys.idempotency(tenant_id, key)
-        self.client.set(name, f"{body_sha256}:{job_id}", nx=True, ex=ttl_s)
-        bound = _text(self.client.get(name))
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(name, f"{body_sha256}:{job_id}", nx=True, ex=ttl_s)
+        pipe.get(name)
+        bound = text(pipe.execute()[1])
         body, _, bound_job = bound.partition(":")
         return body, bound_job
 
@@ -336,24 +334,6 @@ class Records:
         self.client.delete(keys.idempotency(tenant_id, key))
 
     # --- shared ---------------------------------------------------------------------------
-
-    def _job_from_fields(self, job_id: str, fields: dict[str, str]) -> JobPublic:
-        job = JobPublic.model_validate_json(fields["data"])
-        update: dict[str, Any] = {"status": JobStatus(fields["status"])}
-        for name in ("started_at", "finished_at"):
-            if fields.get(name):
-                update[name] = datetime.fromisoformat(fields[name])
-        if fields.get("error"):
-            update["error"] = fields["error"]
-        if fields.get("result"):
-            update["result"] = JobResultLinks.model_validate_json(fields["result"])
-        progress = self.client.get(keys.job_progress(job_id))
-        if progress is not None:
-            try:
-                update["progress"] = Progress.model_validate_json(progress)
-            except ValidationError:
-                update["progress"] = None  # a half-upgraded worker; progress is best effort
-        return job.model_copy(update=update)
 
     def _fields(self, name: str) -> dict[str, str] | None:
         raw = cast("dict[bytes, bytes]", self.client.hgetall(name))
@@ -374,7 +354,7 @@ class Records:
             keys.record(kind, resource_id),
             mapping={"tenant_id": tenant_id, "data": resource.model_dump_json()},
         )
-        pipe.zadd(keys.tenant_index(tenant_id, kind), {_index_member(created_at, resource_id): 0})
+        pipe.zadd(keys.tenant_index(tenant_id, kind), {index_member(created_at, resource_id): 0})
 
     def _delete(
         self,
@@ -385,18 +365,13 @@ class Records:
         created_at: datetime,
     ) -> None:
         pipe.delete(keys.record(kind, resource_id))
-        pipe.zrem(keys.tenant_index(tenant_id, kind), _index_member(created_at, resource_id))
+        pipe.zrem(keys.tenant_index(tenant_id, kind), index_member(created_at, resource_id))
 
     def _get(
         self, tenant_id: str, kind: keys.ResourceKind, resource_id: str, schema: type[R]
     ) -> R | None:
-        owner, data = cast(
-            "list[bytes | None]",
-            self.client.hmget(keys.record(kind, resource_id), ["tenant_id", "data"]),
-        )
-        if owner is None or data is None or owner.decode() != tenant_id:
-            return None
-        return schema.model_validate_json(data)
+        stored = self.client.hmget(keys.record(kind, resource_id), RESOURCE_FIELDS)
+        return owned_resource(tenant_id, cast("list[bytes | None]", stored), schema)
 
     def _list(
         self,
@@ -426,13 +401,13 @@ class Records:
         paging never shift later pages. With a filter, scans at most 20 pages' worth of index
         per call; a short page with a token just means more may follow."""
         index = keys.tenant_index(tenant_id, kind)
-        upper = "+" if token is None else "(" + _decode_token(token)
+        upper = "+" if token is None else "(" + decode_token(token)
         items: list[Any] = []
         last: str | None = None
         scanned = 0
         while len(items) < page_size and scanned < 20 * page_size:
             batch = [
-                _text(m)
+                text(m)
                 for m in self.client.zrevrangebylex(index, upper, "-", start=0, num=page_size)
             ]
             if not batch:
@@ -451,4 +426,4 @@ class Records:
                 return Page(items=items, next_page_token=None)
         assert last is not None
         more = self.client.zrevrangebylex(index, "(" + last, "-", start=0, num=1)
-        return Page(items=items, next_page_token=_encode_token(last) if more else None)
+        return Page(items=items, next_page_token=encode_token(last) if more else None)

@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     # Longest a job may run before RQ stops it.
     job_timeout_s: int = Field(default=7 * 24 * 3600, ge=1)
     page_size_max: int = Field(default=200, ge=1)
+    # torch threads of each job; None: torch's default, a thread per core. Fewer leave cores
+    # to the API and Redis where they share a small machine.
+    worker_threads: int | None = Field(default=None, ge=1)
 
     @property
     def store_path(self) -> Path:

@@ -31,6 +31,7 @@ from service.redis_conn import redis_client
 
 __all__ = [
     "CLIENT_FILE",
+    "DEFAULT_API_PROCESSES",
     "LocalStack",
     "StackError",
     "api_command",
@@ -45,6 +46,8 @@ PASSWORD_FILE: Final = "redis.password"  # noqa: S105 - a file name, not a passw
 TENANT: Final = "local"
 START_TIMEOUT_S: Final = 90.0
 STOP_TIMEOUT_S: Final = 30.0
+# Two API processes serve about twice the status reads of one on 2 cores (bench/RESULTS.md).
+DEFAULT_API_PROCESSES: Final = 2
 
 
 class StackError(BnadaptError):
@@ -78,8 +81,10 @@ def _password(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def api_command(host: str, port: int) -> list[str]:
-    """The API under uvicorn, in a new interpreter."""
+def api_command(host: str, port: int, processes: int = 1) -> list[str]:
+    """The API under uvicorn, in a new interpreter; ``processes`` > 1 runs uvicorn's process
+    manager with that many API processes on one port."""
+    workers = ["--workers", str(processes)] if processes > 1 else []
     return [
         sys.executable,
         "-m",
@@ -92,6 +97,7 @@ def api_command(host: str, port: int) -> list[str]:
         str(port),
         "--log-level",
         "warning",
+        *workers,
     ]
 
 
@@ -104,12 +110,18 @@ class LocalStack:
     """Redis, API and worker as child processes. Use as a context manager."""
 
     def __init__(
-        self, data_dir: Path, host: str = "127.0.0.1", port: int = 8000, device: str = "auto"
+        self,
+        data_dir: Path,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        device: str = "auto",
+        api_processes: int = DEFAULT_API_PROCESSES,
     ) -> None:
         self.data_dir = data_dir.resolve()
         self.host = host
         self.port = port
         self.device = device
+        self.api_processes = api_processes
         self.redis: RedisServer | None = None
         self.api: subprocess.Popen[bytes] | None = None
         self.worker: subprocess.Popen[bytes] | None = None
@@ -140,12 +152,15 @@ class LocalStack:
         self.redis = RedisServer(self.data_dir / "redis", password=_password(self.data_dir))
         self.redis.start()
         env = {
+            # Torch would run a thread per core, and its threads stall each other whenever
+            # the API or Redis takes a core: leave one to them (bench/RESULTS.md).
+            "BNADAPT_WORKER_THREADS": str(max((os.cpu_count() or 1) - 1, 1)),
             **os.environ,
             "BNADAPT_REDIS_URL": self.redis.url,
             "BNADAPT_DATA_DIR": str(self.data_dir),
         }
         self.worker = subprocess.Popen(worker_command(self.device), env=env)  # noqa: S603
-        self.api = subprocess.Popen(api_command(self.host, self.port), env=env)  # noqa: S603
+        self.api = subprocess.Popen(api_command(self.host, self.port, self.api_processes), env=env)  # noqa: S603
         self._wait_ready()
         self.client_config = self._client_config()
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from rq import Worker
 
 from service.embedded import RedisServer, free_port
 from service.records import Records
@@ -45,6 +46,8 @@ class Stack:
     api_port: int = field(default_factory=free_port)
     api: subprocess.Popen[bytes] | None = None
     worker: subprocess.Popen[bytes] | None = None
+    # Workers started by add_worker, beside `worker`: all take jobs from the same queue.
+    more_workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
     def env(self) -> dict[str, str]:
@@ -83,13 +86,28 @@ class Stack:
             stop_process(self.api)
             self.api = None
 
-    def start_worker(self) -> None:
-        self.worker = subprocess.Popen(
+    def _spawn_worker(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             worker_command("cpu"),
             env=self.env,
             cwd=REPO,
             start_new_session=True,  # its own process group, for kill_worker_group
         )
+
+    def add_worker(self) -> None:
+        """One more worker (RQ worker + inspector) on the same Redis and store; returns once
+        every worker's RQ worker is registered."""
+        self.more_workers.append(self._spawn_worker())
+        expected = len(self.more_workers) + (self.worker is not None)
+        client = redis_client(self.redis.url)
+        wait_for(
+            lambda: len(Worker.all(connection=client)) >= expected,
+            timeout_s=60,
+            what=f"{expected} RQ workers to register",
+        )
+
+    def start_worker(self) -> None:
+        self.worker = self._spawn_worker()
         client = redis_client(self.redis.url)
         wait_for(
             lambda: bool(client.exists("bnadapt:inspectors-alive")),
@@ -113,6 +131,8 @@ class Stack:
     def stop(self) -> None:
         self.stop_api()
         self.stop_worker()
+        while self.more_workers:
+            stop_process(self.more_workers.pop(), timeout_s=40)
 
     def client(self, tenant: str) -> Client:
         key = self.records().create_api_key(tenant).key
@@ -121,14 +141,16 @@ class Stack:
 
 @contextmanager
 def running_stack(
-    data_dir: Path, env_overrides: Mapping[str, str] | None = None
+    data_dir: Path, env_overrides: Mapping[str, str] | None = None, workers: int = 1
 ) -> Iterator[Stack]:
-    """A Redis-compatible server, a worker and the API with all state under ``data_dir``;
-    everything stopped on exit."""
+    """A Redis-compatible server, ``workers`` workers and the API with all state under
+    ``data_dir``; everything stopped on exit."""
     redis = new_redis_server(data_dir / "redis")
     stack = Stack(data_dir, redis, env_overrides or {})
     try:
         stack.start_worker()
+        for _ in range(workers - 1):
+            stack.add_worker()
         stack.start_api()
         yield stack
     finally:

@@ -27,11 +27,15 @@ from workers.compute import compute
 pytestmark = pytest.mark.slow
 
 MAX_DATASET_BYTES = 3 * 1024 * 1024
+WORKER_THREADS = 1
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    limits = {"BNADAPT_MAX_DATASET_BYTES": str(MAX_DATASET_BYTES)}
+    limits = {
+        "BNADAPT_MAX_DATASET_BYTES": str(MAX_DATASET_BYTES),
+        "BNADAPT_WORKER_THREADS": str(WORKER_THREADS),
+    }
     with running_stack(tmp_path_factory.mktemp("stack"), limits) as stack:
         yield stack
 
@@ -72,11 +76,17 @@ def store_of(stack: Stack) -> LocalStore:
 
 
 def in_process(stack: Stack, job_id: str) -> dict[str, torch.Tensor]:
-    """The same job function, run here on the same payload: the reference result."""
+    """The same job function, run here on the same payload and on as many torch threads as
+    the worker (training's reductions depend on the thread count): the reference result."""
     found = stack.records().job_owner_and_payload(job_id)
     assert found is not None
     payload: JobPayload = found[1]
-    return compute(payload, store_of(stack)).state_dict
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WORKER_THREADS)
+    try:
+        return compute(payload, store_of(stack)).state_dict
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_architectures_catalog(stack: Stack) -> None:
@@ -135,6 +145,7 @@ def test_adapt_job_end_to_end(stack: Stack) -> None:
         assert torch.equal(state[key], value), key
 
     report = client.http.get(done["result"]["report_url"]).json()
+    assert report["torch_threads"] == WORKER_THREADS  # the worker's BNADAPT_WORKER_THREADS
     assert report["batches"] == 18  # ceil(1797 / 100)
     for layer in report["batchnorm"]:
         # cumulative resets first: the counter restarts at 0 and counts each batch once

@@ -195,7 +195,7 @@ def test_parse_job_create_picks_kind() -> None:
 
 def test_unknown_kind() -> None:
     with pytest.raises(ValidationError) as exc:
-        parse_job_create(job_body(kind="evaluate"))
+        parse_job_create(job_body(kind="finetune"))
     assert error_types(exc) == [((), "union_tag_invalid")]
 
 

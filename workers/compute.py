@@ -1,14 +1,17 @@
 """One job's computation, from payload to new weights and report; no Redis here.
 
 :func:`compute` is what a worker runs for a job, and what a test runs in-process to check the
-worker's output bitwise. The model always runs through workers/checkpoint.py with the job's
-checkpoint policy, so its statistics are right whatever the policy.
+worker's output bitwise (:func:`compute_evaluation` for ``evaluate`` jobs). The model always
+runs through workers/checkpoint.py with the job's checkpoint policy, so its statistics are
+right whatever the policy.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Final, Literal, Protocol, assert_never
 
@@ -16,7 +19,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from api_schemas import AdaptParams, JobPayload, TrainParams
+from api_schemas import AdaptParams, EvaluateParams, JobPayload, TrainParams
 from api_schemas.reports import (
     BatchNormChange,
     EpochLog,
@@ -28,6 +31,7 @@ from api_schemas.reports import (
 from service.arrays import read_arrays
 from service.store import Store
 from workers.architectures import (
+    Architecture,
     batchnorm_layers,
     build_model,
     named_modules,
@@ -36,7 +40,7 @@ from workers.architectures import (
     resolve_kwargs,
 )
 from workers.data import iter_batches, num_batches, to_tensors
-from workers.errors import ArchitectureError, WorkerError
+from workers.errors import ArchitectureError, DataError, WorkerError
 from workers.estimators import AdaptStats, adapt_batchnorm, select_batchnorm
 from workers.evaluation import Metrics as EvalMetrics
 from workers.evaluation import evaluate, loss_for
@@ -48,10 +52,14 @@ from workers.training import train_model
 
 __all__ = [
     "WORKER_DEVICE_ENV",
+    "Estimate",
     "JobHooks",
     "JobOutcome",
+    "LoadedJob",
     "NoHooks",
     "compute",
+    "compute_evaluation",
+    "load_job",
     "load_model",
     "resolve_device",
     "weights_bytes",
@@ -126,6 +134,41 @@ def load_model(payload: JobPayload, store: Store) -> nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class LoadedJob:
+    """An adapt or train job's inputs, ready to run."""
+
+    model: nn.Module  # on `device`, run through the job's checkpoint policy
+    x: torch.Tensor  # (N, ...) on the CPU; batches move to `device`
+    y: torch.Tensor | None  # (N,) labels or (N, ...) targets, on the CPU
+    device: torch.device
+    arch: Architecture
+
+
+def load_job(payload: JobPayload, store: Store) -> LoadedJob:
+    """Seeds torch, builds the input model on the job's device with its checkpoint policy and
+    reads the dataset: where :func:`compute` and each shard of a sharded job start."""
+    params = payload.params
+    assert not isinstance(params, EvaluateParams), "evaluate jobs run compute_evaluation"
+    torch.manual_seed(params.seed)
+    device = resolve_device(params.device)
+    model = load_model(payload, store).to(device)
+    arrays = read_arrays(store.local_path(payload.dataset.sha256), payload.dataset.format)
+    x, y = to_tensors(arrays.x, arrays.y)
+    arch = registry()[payload.model.architecture]
+    policy = params.checkpoint
+    apply_checkpoint_policy(
+        model, arch, policy.preset, policy.modules, policy.types, policy.offload_to_cpu
+    )
+    return LoadedJob(model, x, y, device, arch)
+
+
+# An adapt job's estimation step on the loaded model and its selected `layers`. By default the
+# job's estimator runs over the dataset (`_adapt`); the merge of a sharded job applies the
+# statistics its shards collected instead (workers/shards.py).
+Estimate = Callable[[nn.Module, AdaptParams, list[str], JobHooks], AdaptStats]
+
+
 def weights_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
     return safetensors.torch.save({k: v.contiguous() for k, v in state_dict.items()})
 
@@ -134,21 +177,19 @@ def _metrics(found: EvalMetrics | None) -> Metrics | None:
     return None if found is None else Metrics(**asdict(found))
 
 
-def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) -> JobOutcome:
-    """Runs the job the payload describes and returns the new weights and the report."""
+def compute(
+    payload: JobPayload,
+    store: Store,
+    hooks: JobHooks | None = None,
+    estimate: Estimate | None = None,
+) -> JobOutcome:
+    """Runs the adapt or train job the payload describes and returns the new weights and the
+    report; ``estimate`` replaces an adapt job's estimator (see :data:`Estimate`)."""
     hooks = hooks or NoHooks()
     started = time.perf_counter()
     params = payload.params
-    torch.manual_seed(params.seed)
-    device = resolve_device(params.device)
-    model = load_model(payload, store).to(device)
-    arrays = read_arrays(store.local_path(payload.dataset.sha256), payload.dataset.format)
-    x, y = to_tensors(arrays.x, arrays.y)  # (N, ...) on the CPU; batches move to `device`
-    arch = registry()[payload.model.architecture]
-    policy = params.checkpoint
-    apply_checkpoint_policy(
-        model, arch, policy.preset, policy.modules, policy.types, policy.offload_to_cpu
-    )
+    job = load_job(payload, store)
+    model, x, y, device, arch = job.model, job.x, job.y, job.device, job.arch
     loss = None if y is None else (getattr(params, "loss", None) or loss_for(y))
 
     def measure(phase: str) -> EvalMetrics | None:
@@ -170,7 +211,8 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
     if isinstance(params, AdaptParams):
         adapted = select_batchnorm(model, params.include, params.exclude)
         reset = params.effective_reset()
-        stats = _adapt(model, x, params, adapted, reset, device, hooks)
+        run = estimate or functools.partial(_adapt, x=x, reset=reset, device=device)
+        stats = run(model, params, adapted, hooks)
         # `batches` is what each adapted layer ran in train mode (entropy: one per step), so
         # num_batches_tracked_after == (0 if reset else before) + batches in the report.
         batches, samples, estimator = stats.batches, stats.samples, params.estimator
@@ -215,6 +257,7 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
         output_model_id=payload.model.id,  # replaced by the caller once registered
         device=str(device),
         torch_version=torch.__version__,
+        torch_threads=torch.get_num_threads(),
         estimator=estimator,
         batches=batches,
         samples=samples,
@@ -242,14 +285,64 @@ def compute(payload: JobPayload, store: Store, hooks: JobHooks | None = None) ->
     )
 
 
+def compute_evaluation(payload: JobPayload, store: Store, hooks: JobHooks | None = None) -> Report:
+    """Runs an ``evaluate`` job: the input model's metrics on the labelled dataset, as the
+    report's ``metrics_before``; the model is not changed and nothing is registered."""
+    hooks = hooks or NoHooks()
+    started = time.perf_counter()
+    params = payload.params
+    assert isinstance(params, EvaluateParams), f"{payload.kind} jobs run compute"
+    device = resolve_device(params.device)
+    model = load_model(payload, store).to(device)
+    arrays = read_arrays(store.local_path(payload.dataset.sha256), payload.dataset.format)
+    x, y = to_tensors(arrays.x, arrays.y)  # (N, ...) on the CPU; batches move to `device`
+    if y is None:
+        raise DataError(
+            f"dataset {payload.dataset.id} has no labels (y) to evaluate the model against; "
+            "upload it with y"
+        )
+    loaded = time.perf_counter()
+    batches = num_batches(len(x), params.batch_size)
+    hooks.start_phase("evaluate", batches, "batches", float(params.batch_size))
+    found = evaluate(
+        model,
+        x,
+        y,
+        batch_size=params.batch_size,
+        loss=params.loss or loss_for(y),
+        device=device,
+        progress=hooks.report,
+        should_stop=hooks.should_stop,
+    )
+    computed = time.perf_counter()
+    return Report(
+        job_id=payload.job_id,
+        kind=payload.kind,
+        input_model_id=payload.model.id,
+        output_model_id=None,
+        device=str(device),
+        torch_version=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        batches=batches,
+        samples=len(x),
+        timings=Timings(
+            load_s=loaded - started, compute_s=computed - loaded, total_s=computed - started
+        ),
+        batchnorm=[],
+        tensors=[],
+        metrics_before=_metrics(found),
+    )
+
+
 def _adapt(
     model: nn.Module,
-    x: torch.Tensor,
     params: AdaptParams,
     layers: list[str],
+    hooks: JobHooks,
+    *,
+    x: torch.Tensor,
     reset: bool,
     device: torch.device,
-    hooks: JobHooks,
 ) -> AdaptStats:
     """Runs the job's estimator on ``x`` (N, ...) on the CPU, batch by batch on ``device``."""
     total = num_batches(len(x), params.batch_size, params.max_batches)

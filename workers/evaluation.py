@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - torch's own convention
 
-from workers.errors import DataError
+from workers.errors import DataError, JobCanceled
 
 __all__ = [
     "Loss",
@@ -119,10 +119,13 @@ def evaluate(
     batch_size: int,
     loss: Loss,
     device: torch.device | str | None = None,
+    progress: Callable[[int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Metrics:
     """Metrics of ``model`` on ``x`` (N, ...) and ``y`` (N, ...), in eval mode under
     ``no_grad``; every module's training flag is restored. Batches go to ``device``
-    (default: the model's)."""
+    (default: the model's). ``progress`` sees the number of batches done; ``should_stop``
+    is asked before each batch."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     num_samples = x.shape[0]
@@ -136,7 +139,9 @@ def evaluate(
     correct = torch.zeros((), dtype=torch.int64, device=target)
     with training_flags(model), torch.no_grad():
         model.eval()
-        for start in range(0, num_samples, batch_size):
+        for done, start in enumerate(range(0, num_samples, batch_size)):
+            if should_stop is not None and should_stop():
+                raise JobCanceled(f"evaluation canceled after {done} batches")
             xb = x[start : start + batch_size].to(target)  # (B, ...)
             yb = y[start : start + batch_size].to(target)
             outputs = model(xb)  # (B, ...)
@@ -145,6 +150,8 @@ def evaluate(
             total += compute_loss(outputs, yb, loss, "sum").double()
             if loss == "cross_entropy":
                 correct += (outputs.argmax(dim=1) == yb).sum()
+            if progress is not None:
+                progress(done + 1)
     if loss == "cross_entropy":
         mean = total.item() / num_samples
         return Metrics(num_samples, mean, correct.item() / num_samples, None)

@@ -4,10 +4,11 @@
   from the mean) in float64, mergeable (Chan et al.) and JSON-friendly, so shards computed by
   different workers combine into the statistics of all their data.
 - :func:`collect_statistics` — one pass over the data, the model left as it was.
-- :func:`apply_statistics` — writes them as BatchNorm would: the mean, the unbiased variance.
+- :func:`apply_statistics` — writes them as BatchNorm would: the mean, the unbiased variance
+  (pooled per element, or averaged per batch as ``cumulative`` does).
 - :func:`precise_batchnorm` — both; :func:`prior_batchnorm` — mixes the source statistics with
   the target ones (Schneider et al. 2020, "Improving robustness against common corruptions by
-  covariate shift adaptation").
+  covariate shift adaptation"), by :func:`mix_with_source`.
 
 See NOTE [ Precise statistics ] for what the pass computes and how.
 """
@@ -35,14 +36,19 @@ from workers.evaluation import training_flags
 __all__ = [
     "LayerStatistics",
     "PriorBase",
+    "Weighting",
     "apply_statistics",
     "collect_statistics",
     "mix_statistics",
+    "mix_with_source",
     "precise_batchnorm",
     "prior_batchnorm",
 ]
 
 PriorBase = Literal["precise", "cumulative"]
+# How batches combine into running statistics: every element alike (`precise`), or every batch
+# alike (`cumulative`, BatchNorm's momentum None).
+Weighting = Literal["elements", "batches"]
 
 # NOTE [ Precise statistics ]
 #
@@ -76,12 +82,19 @@ PriorBase = Literal["precise", "cumulative"]
 class LayerStatistics:
     """Per-channel sufficient statistics of one layer's input: ``count`` elements per channel
     (N * H * W summed over batches), their ``mean`` (C,) and ``m2`` (C,), the sum of squared
-    deviations from the mean, both float64; ``batches`` is how many batches contributed."""
+    deviations from the mean, both float64; ``batches`` is how many batches contributed.
+
+    ``mean_sum`` and ``var_sum`` (C,) float64 are the sums over those batches of each batch's
+    mean and unbiased variance, what ``cumulative`` averages with equal weight per batch; None
+    where unknown (statistics not collected batch by batch), zeros when there are no batches.
+    """
 
     count: int
     mean: torch.Tensor  # (C,) float64
     m2: torch.Tensor  # (C,) float64
     batches: int = field(default=0)
+    mean_sum: torch.Tensor | None = None  # (C,) float64
+    var_sum: torch.Tensor | None = None  # (C,) float64
 
     def __post_init__(self) -> None:
         if self.count < 0 or self.batches < 0:
@@ -92,6 +105,18 @@ class LayerStatistics:
             )
         self.mean = self.mean.to(torch.float64)
         self.m2 = self.m2.to(torch.float64)
+        if self.batches == 0:
+            self.mean_sum = torch.zeros_like(self.mean) if self.mean_sum is None else self.mean_sum
+            self.var_sum = torch.zeros_like(self.mean) if self.var_sum is None else self.var_sum
+        for name in ("mean_sum", "var_sum"):
+            value = getattr(self, name)
+            if value is not None:
+                if value.shape != self.mean.shape:
+                    raise ValueError(
+                        f"{name} {tuple(value.shape)} must be (C,) like mean "
+                        f"{tuple(self.mean.shape)}"
+                    )
+                setattr(self, name, value.to(torch.float64))
 
     @property
     def channels(self) -> int:
@@ -107,6 +132,21 @@ class LayerStatistics:
             )
         return self.m2 / denominator
 
+    def running(self, weighting: Weighting = "elements") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(running_mean, running_var)`` (C,) float64 as BatchNorm keeps them, the variance
+        unbiased: ``elements`` pools every element (``precise``), ``batches`` averages the
+        batch means and unbiased batch variances with equal weight (``cumulative``)."""
+        if weighting == "elements":
+            return self.mean, self.variance()
+        if self.mean_sum is None or self.var_sum is None:
+            raise AdaptError(
+                "per-batch averages need statistics collected batch by batch "
+                "(collect_statistics); these have only pooled ones: use weighting 'elements'"
+            )
+        if self.batches < 1:
+            raise AdaptError("per-batch averages need at least one batch; adapt on more samples")
+        return self.mean_sum / self.batches, self.var_sum / self.batches
+
     def merge(self, other: LayerStatistics) -> LayerStatistics:
         """The statistics of both data sets together (Chan et al.'s parallel combination)."""
         if other.channels != self.channels:
@@ -114,17 +154,20 @@ class LayerStatistics:
                 f"cannot merge statistics of {self.channels} and {other.channels} channels; "
                 "merge shards of the same layer only"
             )
+        batches = self.batches + other.batches
+        mean_sum = _add(self.mean_sum, other.mean_sum)
+        var_sum = _add(self.var_sum, other.var_sum)
         if other.count == 0:
-            return LayerStatistics(self.count, self.mean, self.m2, self.batches + other.batches)
+            return LayerStatistics(self.count, self.mean, self.m2, batches, mean_sum, var_sum)
         if self.count == 0:
-            return LayerStatistics(other.count, other.mean, other.m2, self.batches + other.batches)
+            return LayerStatistics(other.count, other.mean, other.m2, batches, mean_sum, var_sum)
         other_mean = other.mean.to(self.mean.device)
         count = self.count + other.count
         delta = other_mean - self.mean  # (C,)
         weight = other.count / count
         mean = self.mean + delta * weight
         m2 = self.m2 + other.m2.to(self.m2.device) + delta * delta * (self.count * weight)
-        return LayerStatistics(count, mean, m2, self.batches + other.batches)
+        return LayerStatistics(count, mean, m2, batches, mean_sum, var_sum)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types; floats round-trip exactly through JSON (repr of a float64)."""
@@ -133,27 +176,46 @@ class LayerStatistics:
             "mean": self.mean.cpu().tolist(),
             "m2": self.m2.cpu().tolist(),
             "batches": self.batches,
+            "mean_sum": None if self.mean_sum is None else self.mean_sum.cpu().tolist(),
+            "var_sum": None if self.var_sum is None else self.var_sum.cpu().tolist(),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LayerStatistics:
+        def tensor(name: str) -> torch.Tensor | None:
+            value = data.get(name)
+            return None if value is None else torch.tensor(value, dtype=torch.float64)
+
+        mean, m2 = tensor("mean"), tensor("m2")
+        if mean is None or m2 is None:
+            raise ValueError(f"statistics need a mean and an m2, got keys {sorted(data)}")
         return cls(
             count=int(data["count"]),
-            mean=torch.tensor(data["mean"], dtype=torch.float64),
-            m2=torch.tensor(data["m2"], dtype=torch.float64),
+            mean=mean,
+            m2=m2,
             batches=int(data["batches"]),
+            mean_sum=tensor("mean_sum"),
+            var_sum=tensor("var_sum"),
         )
 
 
-def _batch_statistics(bn: _BatchNorm, inputs: tuple[Any, ...]) -> LayerStatistics:
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return None if a is None or b is None else a + b.to(a.device)
+
+
+def _batch_statistics(
+    bn: _BatchNorm, inputs: tuple[Any, ...], weighting: Weighting
+) -> LayerStatistics:
     """What the layer just computed; see NOTE [ Precise statistics ]."""
     x = inputs[0]  # (B, C, ...)
     channels = x.shape[1]
     count = x.numel() // channels
     running_mean, running_var = _running(bn)
     mean = running_mean.detach().to(torch.float64)  # (C,)
-    m2 = running_var.detach().to(torch.float64) * (count - 1)  # unbiased var -> M2
-    return LayerStatistics(count, mean, m2, batches=1)
+    var = running_var.detach().to(torch.float64)  # (C,) unbiased
+    if weighting == "elements":  # the per-batch sums would cost time for nothing
+        return LayerStatistics(count, mean, var * (count - 1), batches=1)
+    return LayerStatistics(count, mean, var * (count - 1), batches=1, mean_sum=mean, var_sum=var)
 
 
 def collect_statistics(
@@ -163,10 +225,12 @@ def collect_statistics(
     layers: Sequence[str],
     progress: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    weighting: Weighting = "elements",
 ) -> dict[str, LayerStatistics]:
     """Statistics of the inputs of ``layers`` over ``batches`` (``(B, ...)`` on the model's
-    device), from one train-mode pass under ``no_grad``; the model is left unchanged. Raises
-    :class:`AdaptError` on empty data or a layer the pass never reached."""
+    device), from one train-mode pass under ``no_grad``; the model is left unchanged. With
+    ``weighting="batches"`` they also hold the per-batch sums that ``cumulative`` averages.
+    Raises :class:`AdaptError` on empty data or a layer the pass never reached."""
     selected = resolve_batchnorm(model, layers)
     checked = nonempty(batches)
     found: dict[str, LayerStatistics] = {}
@@ -174,7 +238,7 @@ def collect_statistics(
     def hook_for(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             assert isinstance(module, _BatchNorm)
-            stats = _batch_statistics(module, inputs)
+            stats = _batch_statistics(module, inputs, weighting)
             found[name] = found[name].merge(stats) if name in found else stats
 
         return hook
@@ -219,11 +283,15 @@ def collect_statistics(
 
 
 def apply_statistics(
-    model: nn.Module, stats: Mapping[str, LayerStatistics], layers: Sequence[str]
+    model: nn.Module,
+    stats: Mapping[str, LayerStatistics],
+    layers: Sequence[str],
+    weighting: Weighting = "elements",
 ) -> None:
-    """Writes ``running_mean = mean``, ``running_var = m2 / (count - 1)`` (unbiased, as
-    BatchNorm does) and ``num_batches_tracked = batches`` into each of ``layers``. Everything
-    is checked before anything is written."""
+    """Writes the running mean and unbiased variance that :meth:`LayerStatistics.running`
+    gives for ``weighting`` (``elements``: ``mean`` and ``m2 / (count - 1)``), and
+    ``num_batches_tracked = batches``, into each of ``layers``. Everything is checked before
+    anything is written."""
     selected = resolve_batchnorm(model, layers)
     values = []
     for name, bn in zip(layers, selected, strict=True):
@@ -235,7 +303,7 @@ def apply_statistics(
                 f"statistics of {found.channels} channels for layer {name!r} of "
                 f"{bn.num_features}; they were collected on another model"
             )
-        values.append((bn, found.mean, found.variance(), found.batches))
+        values.append((bn, *found.running(weighting), found.batches))
     with torch.no_grad():
         for bn, mean, var, batches in values:
             running_mean, running_var = _running(bn)
@@ -291,18 +359,16 @@ def prior_batchnorm(
     should_stop: Callable[[], bool] | None = None,
 ) -> AdaptStats:
     """Estimates the target statistics with ``base`` (``precise`` or ``cumulative``), then
-    mixes each selected layer's running mean and variance with its statistics from before
-    the call (the source) by :func:`mix_statistics`. ``num_batches_tracked`` is the base's."""
-    if strength < 0:
-        raise AdaptError(f"prior strength must be >= 0, got {strength}")
-    selected = resolve_batchnorm(model, layers)
-    source = [tuple(t.clone() for t in _running(bn)) for bn in selected]
-    if base == "precise":
-        stats = precise_batchnorm(
-            model, batches, layers=layers, progress=progress, should_stop=should_stop
-        )
-    elif base == "cumulative":
-        stats = adapt_batchnorm(
+    mixes them with the source ones by :func:`mix_with_source`."""
+    if base not in ("precise", "cumulative"):
+        raise AdaptError(f"unknown prior base {base!r}; use 'precise' or 'cumulative'")
+
+    def estimate() -> AdaptStats:
+        if base == "precise":
+            return precise_batchnorm(
+                model, batches, layers=layers, progress=progress, should_stop=should_stop
+            )
+        return adapt_batchnorm(
             model,
             batches,
             estimator="cumulative",
@@ -311,8 +377,22 @@ def prior_batchnorm(
             progress=progress,
             should_stop=should_stop,
         )
-    else:
-        raise AdaptError(f"unknown prior base {base!r}; use 'precise' or 'cumulative'")
+
+    return mix_with_source(model, layers, strength, estimate)
+
+
+def mix_with_source(
+    model: nn.Module, layers: Sequence[str], strength: float, estimate: Callable[[], AdaptStats]
+) -> AdaptStats:
+    """Runs ``estimate()``, which writes target statistics into ``layers``, then mixes each
+    layer's running mean and variance with its values from before the call (the source) by
+    :func:`mix_statistics`, ``n`` the samples ``estimate`` saw. ``num_batches_tracked`` is the
+    estimate's."""
+    if strength < 0:
+        raise AdaptError(f"prior strength must be >= 0, got {strength}")
+    selected = resolve_batchnorm(model, layers)
+    source = [tuple(t.clone() for t in _running(bn)) for bn in selected]
+    stats = estimate()
     with torch.no_grad():
         for bn, (mean, var) in zip(selected, source, strict=True):
             running_mean, running_var = _running(bn)

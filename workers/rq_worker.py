@@ -13,6 +13,7 @@ import os
 import resource
 import socket
 
+import torch
 from rq import Queue, Worker
 from rq.job import Job
 
@@ -23,6 +24,7 @@ from service.redis_conn import redis_client
 from service.settings import get_settings
 from workers.architectures import registry
 from workers.compute import WORKER_DEVICE_ENV
+from workers.shards import fail_killed_child
 
 __all__ = ["main"]
 
@@ -44,13 +46,15 @@ def main() -> None:
         # The job's process died without raising (out of memory, a signal): fail the record
         # now rather than when the reaper notices the missing heartbeat.
         how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"status {status}"
-        records.mark_finished(
-            job.id,
-            JobStatus.FAILED,
-            error=f"the job's process died ({how}; max RSS {usage.ru_maxrss} KiB); it may "
-            "have run out of memory: try a smaller batch_size, or a machine with more memory",
+        error = (
+            f"the job's process died ({how}; max RSS {usage.ru_maxrss} KiB); it may have run "
+            "out of memory: try a smaller batch_size, or a machine with more memory"
         )
+        if not fail_killed_child(records, job.func_name, job.args, error):
+            records.mark_finished(job.id, JobStatus.FAILED, error=error)
 
+    if settings.worker_threads is not None:
+        torch.set_num_threads(settings.worker_threads)  # a setting, no op: survives the fork
     # Built once here, inherited by every forked job: scanning entry points per job cost
     # 9-36 ms of each job's load time (bench/RESULTS.md). Builds no model: no torch op runs.
     registry()

@@ -104,13 +104,21 @@ class JobRuntime:
             log.warning("could not read the cancel flag of job %s", self._job_id, exc_info=True)
         return self._canceled.is_set()
 
+    def _beat(self) -> None:
+        """Refreshes the heartbeat the reaper watches (a shard of a sharded job has its own)."""
+        self._records.beat(self._job_id, self._ttl_s)
+
+    def _write_progress(self, progress: Progress) -> None:
+        """Publishes the progress (a shard of a sharded job adds it to its parent's)."""
+        self._records.write_progress(self._job_id, progress)
+
     def _publish(self) -> None:
         try:
-            self._records.beat(self._job_id, self._ttl_s)
+            self._beat()
             with self._lock:
                 progress = self._progress
             if progress is not None:
-                self._records.write_progress(self._job_id, progress)
+                self._write_progress(progress)
             if self._records.cancel_requested(self._job_id):
                 self._canceled.set()
             status = self._records.job_status(self._job_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from typing import Annotated, Any, Final
@@ -11,8 +12,10 @@ from fastapi import APIRouter, Body, Header, Query, Request, Response
 from rq import Queue
 
 from api_schemas import (
-    AdaptJobCreate,
+    AdaptParams,
     DatasetPublic,
+    EvaluateJobCreate,
+    JobCreate,
     JobPayload,
     JobPayloadDataset,
     JobPayloadModel,
@@ -51,9 +54,7 @@ def _shape_fits(expected: list[int | None], got: list[int]) -> bool:
     )
 
 
-def _check_fit(
-    request: AdaptJobCreate | TrainJobCreate, model: ModelPublic, dataset: DatasetPublic
-) -> None:
+def _check_fit(request: JobCreate, model: ModelPublic, dataset: DatasetPublic) -> None:
     if not _shape_fits(model.input_shape, dataset.sample_shape):
         wanted = "x".join("any" if d is None else str(d) for d in model.input_shape)
         raise ApiError(
@@ -62,11 +63,12 @@ def _check_fit(
             f"{model.id} ({model.architecture}) takes samples of shape [{wanted}]; upload x as "
             f"(N, {', '.join('any' if d is None else str(d) for d in model.input_shape)})",
         )
-    if isinstance(request, TrainJobCreate):
+    if isinstance(request, TrainJobCreate | EvaluateJobCreate):
         if not dataset.has_labels:
+            job = "a train job" if isinstance(request, TrainJobCreate) else "an evaluate job"
             raise ApiError(
                 422,
-                f"a train job needs labels but dataset {dataset.id} has no y; upload a dataset "
+                f"{job} needs labels but dataset {dataset.id} has no y; upload a dataset "
                 "with y (int64 class labels or float targets)",
             )
         loss = request.params.loss
@@ -76,9 +78,28 @@ def _check_fit(
                 f"loss cross_entropy needs int64 class labels but dataset {dataset.id} has "
                 "float targets; use loss mse, or upload class labels",
             )
+        if loss == "mse" and dataset.label_kind != "target":
+            raise ApiError(
+                422,
+                f"loss mse needs float targets but dataset {dataset.id} has int64 class "
+                "labels; use loss cross_entropy, or upload float targets",
+            )
+    params = request.params
+    if isinstance(params, AdaptParams) and params.shards > 1:
+        batches = -(-dataset.num_samples // params.batch_size)  # the last one may be short
+        if params.max_batches is not None:
+            batches = min(batches, params.max_batches)
+        if params.shards > batches:
+            raise ApiError(
+                422,
+                f"shards={params.shards} but the job runs only {batches} batches "
+                f"({dataset.num_samples} samples of dataset {dataset.id}, batch_size "
+                f"{params.batch_size}, max_batches {params.max_batches}) and each shard needs "
+                f"at least one whole batch; use shards <= {batches}, or a smaller batch_size",
+            )
 
 
-def _body_sha256(request: AdaptJobCreate | TrainJobCreate) -> str:
+def _body_sha256(request: JobCreate) -> str:
     return hashlib.sha256(request.model_dump_json().encode()).hexdigest()
 
 
@@ -115,18 +136,22 @@ def create_job(
     settings: SettingsDep,
     request: Request,
     response: Response,
-    body: Annotated[dict[str, Any], Body(description="AdaptJobCreate or TrainJobCreate")],
+    body: Annotated[
+        dict[str, Any], Body(description="AdaptJobCreate, TrainJobCreate or EvaluateJobCreate")
+    ],
     idempotency_key: Annotated[
         str | None, Header(pattern=_IDEMPOTENCY_KEY_PATTERN, alias="Idempotency-Key")
     ] = None,
 ) -> JobPublic:
-    """Submit an ``adapt`` or ``train`` job; answers 202 with the job's ``Location``. With an
-    ``Idempotency-Key`` header, repeating the same request returns the same job."""
+    """Submit an ``adapt``, ``train`` or ``evaluate`` job; answers 202 with the job's
+    ``Location``. With an ``Idempotency-Key`` header, repeating the same request returns the
+    same job."""
     job_request = parse_job_create(body)
-    model = records.get_model(tenant, job_request.model_id)
+    model, dataset = records.get_model_and_dataset(
+        tenant, job_request.model_id, job_request.dataset_id
+    )
     if model is None:
         raise not_found("model", job_request.model_id)
-    dataset = records.get_dataset(tenant, job_request.dataset_id)
     if dataset is None:
         raise not_found("dataset", job_request.dataset_id)
     _check_fit(job_request, model, dataset)
@@ -162,25 +187,31 @@ def create_job(
         dataset=JobPayloadDataset(id=dataset.id, sha256=dataset.sha256, format=dataset.format),
         params=job_request.params,
     )
-    records.create_job(tenant, job, payload)
-    # The job keeps its inputs: deleting the model or dataset later leaves their files.
-    records.add_sha_ref(model.sha256, job_id)
-    records.add_sha_ref(dataset.sha256, job_id)
+    queue: Queue = request.app.state.queue
     try:
-        queue: Queue = request.app.state.queue
-        queue.enqueue_call(
-            JOB_FUNCTION,
-            args=(payload.model_dump(mode="json"),),
-            job_id=job_id,
-            timeout=settings.job_timeout_s,
-            result_ttl=RQ_RESULT_TTL_S,
-            failure_ttl=RQ_FAILURE_TTL_S,
-            description=f"{job.kind} {model.id} on {dataset.id}",
+        records.create_job(
+            tenant,
+            job,
+            payload,
+            uses=(model.sha256, dataset.sha256),
+            enqueue=lambda pipe: queue.enqueue_call(
+                JOB_FUNCTION,
+                args=(payload.model_dump(mode="json"),),
+                job_id=job_id,
+                timeout=settings.job_timeout_s,
+                result_ttl=RQ_RESULT_TTL_S,
+                failure_ttl=RQ_FAILURE_TTL_S,
+                description=f"{job.kind} {model.id} on {dataset.id}",
+                pipeline=pipe,
+            ),
         )
     except redis.RedisError:
-        records.delete_job(tenant, job)
-        if idempotency_key is not None:
-            records.forget_idempotency(tenant, idempotency_key)
+        # The MULTI wrote all or nothing, but its answer may have been lost: undo it, so that
+        # a retry with the same Idempotency-Key makes the job anew.
+        with contextlib.suppress(redis.RedisError):
+            records.delete_job(tenant, job)
+            if idempotency_key is not None:
+                records.forget_idempotency(tenant, idempotency_key)
         raise
     response.headers["Location"] = f"/v1/jobs/{job_id}"
     return job
@@ -200,7 +231,7 @@ def list_jobs(
 
 
 @router.get("/{job_id}")
-def get_job(job: JobDep) -> JobPublic:
+async def get_job(job: JobDep) -> JobPublic:
     return job
 
 

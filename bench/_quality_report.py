@@ -1,0 +1,152 @@
+"""Tables and target verdicts of bench/quality_bench.py, from its results (no service here)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = [
+    "Results",
+    "Verdict",
+    "accuracy_tables",
+    "main_table",
+    "target_lines",
+    "verdicts",
+]
+
+# The issue's targets, in accuracy points (percent of the test set).
+PRECISE_WITHIN_CLEAN_POINTS: Final = 3.0
+PRECISE_SHIFTS: Final = ("contrast", "brightness", "scale")
+NOISE_GAIN_POINTS: Final = 5.0
+NOISE_SHIFT: Final = "gaussian_noise"
+CLEAN_LOSS_POINTS: Final = 1.0
+
+
+@dataclass
+class Results:
+    """Accuracies in [0, 1] on the whole test set of each condition. ``adapted`` is keyed by
+    (condition, estimator, n) with ``n`` the number of target samples (``num_test`` = all);
+    a missing key is a job that failed (its message in ``failures``)."""
+
+    conditions: list[str]
+    estimators: list[str]
+    sample_counts: list[int]
+    num_test: int
+    source: dict[str, float]
+    adapted: dict[tuple[str, str, int], float]
+    failures: list[str]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: str
+    condition: str
+    detail: str
+    holds: bool
+
+
+def _pct(value: float | None) -> str:
+    return "failed" if value is None else f"{100 * value:.1f}"
+
+
+def _n_label(n: int, num_test: int) -> str:
+    return f"all ({num_test})" if n == num_test else str(n)
+
+
+def main_table(results: Results, estimator_labels: dict[str, str]) -> list[str]:
+    """Conditions by estimators, adapted on the whole shifted test set."""
+    n = results.num_test
+    head = ["condition", "source", *(estimator_labels[e] for e in results.estimators)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for condition in results.conditions:
+        cells = [_pct(results.adapted.get((condition, e, n))) for e in results.estimators]
+        lines.append(
+            f"| {condition} | {_pct(results.source.get(condition))} | {' | '.join(cells)} |"
+        )
+    return lines
+
+
+def accuracy_tables(results: Results, estimator_labels: dict[str, str]) -> list[str]:
+    """One table per estimator: conditions by number of target samples."""
+    lines: list[str] = []
+    head = [
+        "condition",
+        "source",
+        *(f"n={_n_label(n, results.num_test)}" for n in results.sample_counts),
+    ]
+    for estimator in results.estimators:
+        lines += [f"`{estimator_labels[estimator]}`:", ""]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for condition in results.conditions:
+            cells = [
+                _pct(results.adapted.get((condition, estimator, n))) for n in results.sample_counts
+            ]
+            lines.append(
+                f"| {condition} | {_pct(results.source.get(condition))} | {' | '.join(cells)} |"
+            )
+        lines.append("")
+    return lines
+
+
+def _severities(results: Results, shift: str) -> list[str]:
+    return [c for c in results.conditions if c.rpartition("-")[0] == shift]
+
+
+def verdicts(results: Results, clean: str) -> list[Verdict]:
+    """Each target checked at every severity (and, for clean data, every estimator)."""
+    n = results.num_test
+    clean_acc = results.source[clean]
+    found: list[Verdict] = []
+    for shift in PRECISE_SHIFTS:
+        for condition in _severities(results, shift):
+            acc = results.adapted.get((condition, "precise", n))
+            gap = None if acc is None else 100 * (clean_acc - acc)
+            found.append(
+                Verdict(
+                    f"precise within {PRECISE_WITHIN_CLEAN_POINTS:g} points of clean",
+                    condition,
+                    f"{_pct(acc)} vs clean {_pct(clean_acc)}"
+                    + ("" if gap is None else f" (gap {gap:+.1f})"),
+                    gap is not None and gap <= PRECISE_WITHIN_CLEAN_POINTS,
+                )
+            )
+    for condition in _severities(results, NOISE_SHIFT):
+        acc = results.adapted.get((condition, "precise", n))
+        source = results.source[condition]
+        gain = None if acc is None else 100 * (acc - source)
+        found.append(
+            Verdict(
+                f"precise gains >= {NOISE_GAIN_POINTS:g} points on noise",
+                condition,
+                f"{_pct(acc)} vs source {_pct(source)}"
+                + ("" if gain is None else f" (gain {gain:+.1f})")
+                + f"; the source is {100 * (clean_acc - source):.1f} below clean",
+                gain is not None and gain >= NOISE_GAIN_POINTS,
+            )
+        )
+    for estimator in results.estimators:
+        # The worst case over the numbers of target samples.
+        accs = {c: results.adapted.get((clean, estimator, c)) for c in results.sample_counts}
+        missing = [c for c, acc in accs.items() if acc is None]
+        worst = min(results.sample_counts, key=lambda c: accs[c] or 0.0)
+        loss = 100 * (clean_acc - (accs[worst] or 0.0))
+        found.append(
+            Verdict(
+                f"clean: loses <= {CLEAN_LOSS_POINTS:g} point",
+                f"{estimator}, every n",
+                f"worst {_pct(accs[worst])} at n={_n_label(worst, n)} vs {_pct(clean_acc)} "
+                f"(loss {loss:+.1f})",
+                not missing and loss <= CLEAN_LOSS_POINTS,
+            )
+        )
+    return found
+
+
+def target_lines(found: Sequence[Verdict]) -> list[str]:
+    lines = ["| target | where | accuracy (%) | holds |", "|---|---|---|---|"]
+    lines += [
+        f"| {v.target} | {v.condition} | {v.detail} | {'yes' if v.holds else '**no**'} |"
+        for v in found
+    ]
+    return lines

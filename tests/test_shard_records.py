@@ -1,0 +1,202 @@
+"""A sharded job's records and the reaper's verdicts on it, on a real Redis-compatible server with
+real RQ jobs (no worker takes them: each test plays the children's part itself)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rq.job import Job
+
+from api_schemas import (
+    AdaptParams,
+    JobPayload,
+    JobPublic,
+    JobStatus,
+    Progress,
+    new_id,
+    utc_now,
+)
+from service.reaper import reap_stale_jobs
+from service.records import Records
+from service.redis_conn import redis_client
+from service.settings import Settings
+from service.shard_records import MERGE, ChildState, ShardRecords, child_job_id
+from service.store import LocalStore
+from tests.stack import npz_bytes
+from tests.test_shards import adapt_payload
+from workers.runtime import JobRuntime
+from workers.shards import start_shards
+
+TENANT = "tn_shards"
+TIMEOUT_S = 0.5  # heartbeat timeout: short, so the tests can outwait it
+
+
+@pytest.fixture
+def records(redis_url: str) -> Records:
+    return Records(redis_client(redis_url))
+
+
+def new_job(records: Records, store: LocalStore, params: AdaptParams) -> JobPayload:
+    """A job record, as the API makes it, marked running as the worker that takes it does."""
+    x = np.random.default_rng(0).random((20, 1, 8, 8), dtype=np.float32)
+    job_id = new_id("job")
+    payload = adapt_payload(store, npz_bytes(x=x), params, 4, job_id, TENANT)
+    public = JobPublic(
+        id=job_id,
+        kind="adapt",
+        status=JobStatus.QUEUED,
+        model_id=payload.model.id,
+        dataset_id=payload.dataset.id,
+        params=params,
+        created_at=utc_now(),
+    )
+    records.create_job(TENANT, public, payload)
+    assert records.mark_started(job_id, "test")
+    return payload
+
+
+@pytest.fixture
+def sharded(records: Records, redis_url: str, tmp_path: Path) -> JobPayload:
+    """A running job of 20 samples in 5 batches, split into 2 shards (3 + 2 batches) and
+    dispatched by the real start_shards: its children wait in a queue no worker serves."""
+    store = LocalStore(tmp_path / "store")
+    job = new_job(records, store, AdaptParams(estimator="precise", batch_size=4, shards=2))
+    settings = Settings(redis_url=redis_url, data_dir=tmp_path, queue="shard-tests")
+    with JobRuntime(records, job.job_id, TIMEOUT_S) as runtime:
+        answer = start_shards(job, records, store, runtime, settings)
+    assert answer == {"job_id": job.job_id, "status": "running", "shards": "2"}
+    return job
+
+
+def rq_status(records: Records, job_id: str, child: str) -> str:
+    job = Job.fetch(child_job_id(job_id, child), connection=records.client, serializer="json")
+    return str(job.get_status().value)
+
+
+def test_dispatch_records_the_plan_and_queues_the_children(
+    records: Records, sharded: JobPayload
+) -> None:
+    shard_records = ShardRecords(records.client)
+    children = shard_records.children(sharded.job_id)
+    assert children == {"shard-0": "queued", "shard-1": "queued", MERGE: "queued"}
+    assert [rq_status(records, sharded.job_id, c) for c in children] == [
+        "queued",
+        "queued",
+        "deferred",  # the merge waits for both shards
+    ]
+    job = records.get_job(TENANT, sharded.job_id)
+    assert job is not None
+    assert job.status is JobStatus.RUNNING
+    assert job.progress is not None
+    assert (job.progress.done, job.progress.total, job.progress.phase) == (0, 5, "adapt")
+    # Shard jobs are no jobs of the tenant's.
+    assert [j.id for j in records.list_jobs(TENANT, 10, None).items] == [sharded.job_id]
+
+
+def test_queued_shards_keep_their_job_running(
+    records: Records, sharded: JobPayload, tmp_path: Path
+) -> None:
+    # A plain job without a heartbeat, for comparison: the same sweep reaps it.
+    plain = new_job(records, LocalStore(tmp_path / "store"), AdaptParams())
+    records.client.hset(f"bnadapt:job:{plain.job_id}", "started_at", "2000-01-01T00:00:00+00:00")
+    time.sleep(TIMEOUT_S * 2)  # the dispatching process's heartbeat is long gone
+    assert not records.heartbeat_alive(sharded.job_id)
+    assert reap_stale_jobs(records, TIMEOUT_S) == [plain.job_id]
+    assert records.job_status(sharded.job_id) is JobStatus.RUNNING
+    assert records.job_status(plain.job_id) is JobStatus.FAILED
+
+
+def test_a_dead_shard_fails_its_job_and_cancels_the_queued_ones(
+    records: Records, sharded: JobPayload
+) -> None:
+    shard_records = ShardRecords(records.client)
+    assert shard_records.claim(sharded.job_id, "shard-0", "host:1", TIMEOUT_S) is None
+    assert shard_records.claim(sharded.job_id, "shard-0", "host:2", TIMEOUT_S) == (
+        "shard-0 is running"
+    )
+    assert reap_stale_jobs(records, TIMEOUT_S) == []  # its heartbeat is alive
+    time.sleep(TIMEOUT_S * 2)  # the process that claimed it died: no beat since
+    assert reap_stale_jobs(records, TIMEOUT_S) == [sharded.job_id]
+    job = records.get_job(TENANT, sharded.job_id)
+    assert job is not None
+    assert job.status is JobStatus.FAILED
+    assert job.error is not None
+    assert job.error.startswith("shard 1 of 2 stopped sending heartbeats for 0.5 s")
+    assert shard_records.children(sharded.job_id) == {
+        "shard-0": "running",  # as its dead process left it
+        "shard-1": "canceled",
+        MERGE: "canceled",
+    }
+    assert rq_status(records, sharded.job_id, "shard-1") == "canceled"
+    assert rq_status(records, sharded.job_id, MERGE) == "canceled"
+    assert shard_records.claim(sharded.job_id, "shard-1", "host:3", TIMEOUT_S) == (
+        "the job is failed"
+    )
+
+
+def test_a_cancel_with_no_shard_running_cancels_the_job(
+    records: Records, sharded: JobPayload
+) -> None:
+    records.request_cancel(sharded.job_id)
+    assert reap_stale_jobs(records, TIMEOUT_S) == [sharded.job_id]
+    assert records.job_status(sharded.job_id) is JobStatus.CANCELED
+    children = ShardRecords(records.client).children(sharded.job_id)
+    assert children == dict.fromkeys(("shard-0", "shard-1", MERGE), ChildState.CANCELED)
+    assert {rq_status(records, sharded.job_id, c) for c in children} == {"canceled"}
+
+
+def test_a_shard_lost_from_the_queue_fails_its_job(records: Records, sharded: JobPayload) -> None:
+    Job.fetch(
+        child_job_id(sharded.job_id, "shard-1"), connection=records.client, serializer="json"
+    ).delete()
+    assert reap_stale_jobs(records, TIMEOUT_S) == [sharded.job_id]
+    job = records.get_job(TENANT, sharded.job_id)
+    assert job is not None
+    assert job.error is not None
+    assert job.error.startswith("shard 2 of 2 will never run: its queue entry is gone")
+
+
+def test_a_failed_shard_whose_error_was_lost_fails_its_job(
+    records: Records, sharded: JobPayload
+) -> None:
+    shard_records = ShardRecords(records.client)
+    assert shard_records.claim(sharded.job_id, "shard-1", "host:1", TIMEOUT_S) is None
+    shard_records.finish(sharded.job_id, "shard-1", ChildState.FAILED)
+    assert reap_stale_jobs(records, TIMEOUT_S) == [sharded.job_id]
+    job = records.get_job(TENANT, sharded.job_id)
+    assert job is not None
+    assert job.error is not None
+    assert job.error.startswith("shard 2 of 2 failed before the job finished")
+
+
+def progress(done: int, total: int, eta: float | None) -> Progress:
+    return Progress(
+        done=done,
+        total=total,
+        unit="batches",
+        samples_per_second=10.0 if done < total else 0.0,
+        eta_seconds=eta,
+        phase="adapt",
+        updated_at=utc_now(),
+    )
+
+
+def test_the_job_progress_sums_its_shards(records: Records, sharded: JobPayload) -> None:
+    shard_records = ShardRecords(records.client)
+
+    def shown() -> tuple[int, int, float, float | None]:
+        job = records.get_job(TENANT, sharded.job_id)  # what GET /v1/jobs/{id} reads
+        assert job is not None
+        assert job.progress is not None
+        p = job.progress
+        return p.done, p.total, p.samples_per_second, p.eta_seconds
+
+    shard_records.publish_progress(sharded.job_id, "shard-0", progress(1, 3, 4.0))
+    assert shown() == (1, 5, 10.0, None)  # shard-1 has not started: no ETA yet
+    shard_records.publish_progress(sharded.job_id, "shard-1", progress(2, 2, 0.0))
+    assert shown() == (3, 5, 10.0, 4.0)
+    shard_records.publish_progress(sharded.job_id, "shard-0", progress(3, 3, 0.0))
+    assert shown() == (5, 5, 0.0, 0.0)

@@ -1,0 +1,218 @@
+"""Sharded adaptation end to end: a real Redis-compatible server, the API under uvicorn and two
+real workers taking the shards of one job."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from service.shard_records import MERGE, ChildState, ShardRecords
+from tests.servers import stop_process, wait_for
+from tests.stack import Client, Stack, npz_bytes, running_stack
+from tests.test_e2e import created, digits, digits_npz
+from tests.test_shards import assert_same_adaptation
+
+pytestmark = pytest.mark.slow
+
+SHARDS = ("shard-0", "shard-1", "shard-2", "shard-3")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("stack"), workers=2) as stack:
+        yield stack
+
+
+def adapt(model: dict[str, Any], dataset: dict[str, Any], **params: Any) -> dict[str, Any]:
+    return {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"], "params": params}
+
+
+def weights(client: Client, job: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load(client.http.get(job["result"]["weights_url"]).content)
+
+
+def once_ended(shard_records: ShardRecords, job_id: str, child: str) -> dict[str, ChildState]:
+    """The states of the job's children once ``child`` is not (or no longer) running."""
+
+    def ended() -> dict[str, ChildState] | None:
+        children = shard_records.children(job_id) or {}
+        return children if children.get(child) not in (None, ChildState.RUNNING) else None
+
+    children = wait_for(ended, timeout_s=30, what=f"{child} to end")
+    assert children is not None
+    return children
+
+
+def registered_by_jobs(client: Client) -> list[str]:
+    return [m["id"] for m in client.http.get("/v1/models").json()["items"] if m["source"] == "job"]
+
+
+def test_sharded_jobs_equal_one_worker(stack: Stack) -> None:
+    client = stack.client("equal")
+    model = created(client.add_model("digits_cnn", {"width": 8}, seed=3))
+    dataset = created(client.add_dataset(digits_npz(shifted=True)))  # 1797 samples
+    cases: list[dict[str, Any]] = [
+        {"estimator": "precise"},
+        {"estimator": "cumulative"},
+        {"estimator": "prior", "prior_strength": 300.0},
+    ]
+    jobs = [
+        created(client.submit(adapt(model, dataset, batch_size=100, shards=k, **p)), 202)["id"]
+        for p in cases
+        for k in (1, 3)
+    ]
+    done = [client.wait(job_id, timeout_s=300) for job_id in jobs]
+    assert [job["status"] for job in done] == ["succeeded"] * 6, done
+    shard_records = ShardRecords(stack.records().client)
+    for single, sharded in zip(done[::2], done[1::2], strict=True):
+        # 18 batches, the last of 97 samples, in 3 shards of 6.
+        assert_same_adaptation(weights(client, sharded), weights(client, single), 18)
+        report = client.http.get(sharded["result"]["report_url"]).json()
+        assert [(s["index"], s["first_batch"], s["batches"]) for s in report["shards"]] == [
+            (0, 0, 6),
+            (1, 6, 6),
+            (2, 12, 6),
+        ]
+        assert [s["samples"] for s in report["shards"]] == [600, 600, 597]
+        assert all(s["worker"].startswith("bnadapt-") for s in report["shards"])  # RQ's names
+        assert (report["batches"], report["samples"]) == (18, 1797)
+        assert client.http.get(single["result"]["report_url"]).json()["shards"] == []
+        # Three shard jobs and a merge ran, each once.
+        assert shard_records.children(sharded["id"]) == dict.fromkeys(
+            ("shard-0", "shard-1", "shard-2", MERGE), "done"
+        )
+        assert shard_records.children(single["id"]) is None
+    # Shard jobs are no jobs of the user's.
+    listed = [job["id"] for job in client.http.get("/v1/jobs").json()["items"]]
+    assert sorted(listed) == sorted(jobs)
+
+
+def test_a_failed_shard_fails_its_job_with_the_shards_message(stack: Stack) -> None:
+    # 33 samples in batches of 8: the 5th batch holds 1 sample, which BatchNorm1d refuses in
+    # train mode. Shard 2 of 2 runs it; shard 1 alone would succeed.
+    client = stack.client("failing")
+    model = created(client.add_model("mlp", {"in_features": 64}))
+    x, _ = digits(n=33)
+    dataset = created(client.add_dataset(npz_bytes(x=x.reshape(33, 64))))
+    body = adapt(model, dataset, estimator="precise", batch_size=8)
+    single = client.wait(created(client.submit(body), 202)["id"])
+    body["params"]["shards"] = 2
+    sharded = client.wait(created(client.submit(body), 202)["id"])
+    assert single["status"] == sharded["status"] == "failed"
+    assert "Expected more than 1 value per channel when training" in single["error"]
+    assert sharded["error"].startswith("shard 2 of 2 (batches 3 to 4) failed: ")
+    assert sharded["error"].endswith(single["error"])
+    # Shard 1 ends as it may: done, stopped at its next batch, or never started.
+    children = once_ended(ShardRecords(stack.records().client), sharded["id"], "shard-0")
+    assert children["shard-0"] in ("done", "stopped", "canceled")
+    assert children["shard-1"] == "failed"
+    assert children[MERGE] == "canceled"
+    assert registered_by_jobs(client) == []
+
+
+def long_sharded_job(client: Client, shards: int) -> str:
+    """256 batches of a deep resnet on 32x32 images (seconds per shard), in ``shards``."""
+    model = created(client.add_model("resnet", {"in_channels": 1, "depth": 8, "width": 64}))
+    x = np.random.default_rng(0).random((2048, 1, 32, 32), dtype=np.float32)
+    dataset = created(client.add_dataset(npz_bytes(x=x)))
+    body = adapt(model, dataset, estimator="precise", batch_size=8, shards=shards)
+    return str(created(client.submit(body), 202)["id"])
+
+
+def test_progress_counts_all_shards_and_cancel_stops_them(stack: Stack) -> None:
+    client = stack.client("cancel")
+    job_id = long_sharded_job(client, shards=4)  # 4 shards of 64 batches, 2 workers
+    shard_records = ShardRecords(stack.records().client)
+    seen: list[dict[str, Any]] = []
+
+    def two_shards_past_one_shards_worth() -> bool:
+        progress = client.http.get(f"/v1/jobs/{job_id}").json()["progress"]
+        if progress is not None:
+            seen.append(progress)
+        running = [c for c, s in (shard_records.children(job_id) or {}).items() if s == "running"]
+        # No single shard can count more than its own 64 batches: two shards on two workers
+        # are counted together.
+        return len(running) == 2 and progress is not None and progress["done"] > 64
+
+    wait_for(two_shards_past_one_shards_worth, timeout_s=180, what="two shards to progress")
+    adapting = [p for p in seen if p["phase"] == "adapt"]
+    assert {(p["total"], p["unit"]) for p in adapting} == {(256, "batches")}
+    assert [p["done"] for p in adapting] == sorted(p["done"] for p in adapting)
+    running = [c for c, s in (shard_records.children(job_id) or {}).items() if s == "running"]
+
+    assert client.http.post(f"/v1/jobs/{job_id}:cancel").status_code == 202
+    assert client.wait(job_id, timeout_s=60)["status"] == "canceled"
+    for child in running:  # the first to see the cancel ended the job; the other follows
+        children = once_ended(shard_records, job_id, child)
+    queued = [c for c in SHARDS if c not in running]
+    assert {children[c] for c in running} == {"stopped"}  # stopped at their next batch
+    assert {children[c] for c in [*queued, MERGE]} == {"canceled"}
+    assert set(shard_records.processes(job_id)) == set(running)  # the queued ones never ran
+    assert registered_by_jobs(client) == []
+
+
+def test_a_killed_shard_fails_its_job_and_the_workers_go_on(stack: Stack) -> None:
+    client = stack.client("killed")
+    job_id = long_sharded_job(client, shards=2)
+    shard_records = ShardRecords(stack.records().client)
+
+    def running_shard_process() -> int | None:
+        processes = shard_records.processes(job_id)
+        if "shard-1" not in processes:
+            return None
+        return int(processes["shard-1"].rsplit(":", 1)[1])
+
+    pid = wait_for(running_shard_process, timeout_s=120, what="shard 2 to start")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)  # as the OOM killer would
+    done = client.wait(job_id, timeout_s=60)  # failed at once by the worker that saw it die
+    assert done["status"] == "failed"
+    assert done["error"].startswith("shard 2 of 2 died: the job's process died (signal 9;")
+    children = once_ended(shard_records, job_id, "shard-0")
+    assert children["shard-0"] in ("stopped", "canceled")
+    assert children[MERGE] == "canceled"
+    assert registered_by_jobs(client) == []
+
+    # Both workers still serve a sharded job.
+    small = created(client.add_model("digits_cnn", {"width": 8}))
+    data = created(client.add_dataset(digits_npz(n=64)))
+    body = adapt(small, data, estimator="cumulative", batch_size=16, shards=4)
+    assert client.wait(created(client.submit(body), 202)["id"])["status"] == "succeeded"
+
+
+def test_shards_are_checked_at_submit(stack: Stack) -> None:
+    client = stack.client("refused")
+    model = created(client.add_model("digits_cnn", {"width": 8}))
+    dataset = created(client.add_dataset(digits_npz(n=64)))
+    too_many = client.submit(adapt(model, dataset, batch_size=16, shards=5))
+    assert too_many.status_code == 422
+    assert "shards=5 but the job runs only 4 batches" in too_many.json()["detail"]
+    capped = client.submit(adapt(model, dataset, batch_size=8, max_batches=2, shards=3))
+    assert "use shards <= 2" in capped.json()["detail"]
+    ema = client.submit(adapt(model, dataset, estimator="ema", shards=2))
+    assert ema.status_code == 422
+    assert "sequential" in ema.json()["detail"]
+    assert "use shards=1" in ema.json()["detail"]
+
+
+def test_one_worker_runs_every_shard_of_a_job(stack: Stack) -> None:
+    # The worker that starts a sharded job does not wait for its shards: alone, it then runs
+    # them one after the other, and the merge. (Last in this module: it stops a worker.)
+    while stack.more_workers:
+        stop_process(stack.more_workers.pop(), timeout_s=40)
+    client = stack.client("alone")
+    model = created(client.add_model("digits_cnn", {"width": 8}))
+    dataset = created(client.add_dataset(digits_npz(n=200)))
+    body = adapt(model, dataset, estimator="precise", batch_size=16, shards=3)
+    done = client.wait(created(client.submit(body), 202)["id"], timeout_s=120)
+    assert done["status"] == "succeeded", done
+    report = client.http.get(done["result"]["report_url"]).json()
+    assert [s["batches"] for s in report["shards"]] == [5, 4, 4]  # 13 batches
+    assert len({s["worker"] for s in report["shards"]}) == 1

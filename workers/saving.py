@@ -1,0 +1,94 @@
+"""Saving a computed adapt or train job, for one worker (workers/jobs.py) and for the merge of
+a sharded job (workers/shards.py) alike.
+
+Ordering keeps every artifact whole: weights and report are written atomically to the store
+first, then the new model is registered, then the job is marked succeeded. A cancel seen before
+registering leaves nothing registered; a job the reaper failed meanwhile keeps that verdict and
+its model is dropped again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from api_schemas import (
+    BatchNormLayer,
+    JobPayload,
+    JobResultLinks,
+    JobStatus,
+    ModelPublic,
+    new_id,
+    utc_now,
+)
+from service.records import Records
+from service.store import Store
+from workers.compute import JobOutcome, weights_bytes
+from workers.errors import JobCanceled
+from workers.runtime import JobRuntime
+
+__all__ = ["SavedOutcome", "error_message", "mark_succeeded", "save_outcome"]
+
+MAX_ERROR_CHARS: Final = 2000
+
+
+@dataclass(frozen=True)
+class SavedOutcome:
+    model: ModelPublic  # registered
+    report_sha256: str  # in the store
+
+
+def save_outcome(
+    job: JobPayload, outcome: JobOutcome, records: Records, store: Store, runtime: JobRuntime
+) -> SavedOutcome:
+    """Writes weights and report to the store, then registers the new model. Raises
+    :class:`JobCanceled` before registering anything when the job was asked to stop."""
+    if runtime.check_cancel_now():
+        raise JobCanceled(f"job {job.job_id} was canceled")
+    runtime.start_phase("saving", 1, "batches", 0.0)
+    weights = weights_bytes(outcome.state_dict)
+    weights_sha256 = store.put_bytes(weights)
+    model_id = new_id("mdl")
+    report = outcome.report.model_copy(update={"output_model_id": model_id})
+    report_sha256 = store.put_bytes(report.model_dump_json(indent=2).encode())
+    model = ModelPublic(
+        id=model_id,
+        architecture=job.model.architecture,
+        kwargs=job.model.kwargs,
+        sha256=weights_sha256,
+        size_bytes=len(weights),
+        parameter_count=outcome.parameter_count,
+        batchnorm_layers=[BatchNormLayer(**layer) for layer in outcome.batchnorm_layers],
+        input_shape=outcome.input_shape,
+        parent=job.model.id,
+        source="job",
+        job_id=job.job_id,
+        created_at=utc_now(),
+    )
+    records.add_sha_ref(report_sha256, job.job_id)
+    records.put_model(job.tenant_id, model)
+    runtime.report(1)
+    return SavedOutcome(model, report_sha256)
+
+
+def mark_succeeded(job: JobPayload, saved: SavedOutcome, records: Records) -> dict[str, str]:
+    """Marks the job succeeded with links to its output, and returns the RQ job's result."""
+    model = saved.model
+    links = JobResultLinks(
+        model_id=model.id,
+        weights_url=f"/v1/models/{model.id}/weights",
+        report_url=f"/v1/jobs/{job.job_id}/report",
+    )
+    if not records.mark_finished(
+        job.job_id, JobStatus.SUCCEEDED, result=links, report_sha256=saved.report_sha256
+    ):
+        # The reaper gave up on this job meanwhile: keep its verdict, drop the output.
+        records.delete_model(job.tenant_id, model)
+        return {"job_id": job.job_id, "status": str(records.job_status(job.job_id))}
+    return {"job_id": job.job_id, "status": JobStatus.SUCCEEDED.value, "model_id": model.id}
+
+
+def error_message(exc: BaseException) -> str:
+    """What a failed job's record says: the exception's message, bounded."""
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " [...]"
