@@ -1,8 +1,8 @@
 """Records of a sharded adapt job's children (its shard jobs and their merge job), in Redis.
 
-Workers write them (workers/shards.py, whose NOTE [ Sharded adaptation ] describes the design);
-the reaper reads them (service/reaper.py) to tell a sharded job that waits for free workers from
-one whose children died. Per parent job ``P``:
+Workers write them (workers/shard_jobs.py; the design is NOTE [ Sharded adaptation ] in
+workers/shards.py); the reaper reads them (service/reaper.py) to tell a sharded job that waits
+for free workers from one whose children died. Per parent job ``P``:
 
 - ``keys.job_shards(P)``, a hash: per child (``shard-0`` ... ``shard-{K-1}``, ``merge``) its
   :class:`ChildState`; ``<child>.process``: host:pid of the process that claimed it;

@@ -28,7 +28,7 @@ from service.store import LocalStore
 from tests.stack import npz_bytes
 from tests.test_shards import adapt_payload
 from workers.runtime import JobRuntime
-from workers.shards import start_shards
+from workers.shard_jobs import start_shards
 
 TENANT = "tn_shards"
 TIMEOUT_S = 0.5  # heartbeat timeout: short, so the tests can outwait it

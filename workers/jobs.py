@@ -5,7 +5,7 @@ Thin on purpose: it validates the payload, moves the job record through its life
 to the store first, then the new model, then the job marked succeeded). A cancel seen before
 registering leaves nothing registered; an exception marks the job failed with its message and
 propagates to RQ. An ``evaluate`` job writes its report only and registers no model. An adapt
-job with ``shards > 1`` only enqueues its shards and their merge here (workers/shards.py).
+job with ``shards > 1`` only enqueues its shards and their merge here (workers/shard_jobs.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from workers.compute import compute, compute_evaluation
 from workers.errors import JobCanceled
 from workers.runtime import JobRuntime
 from workers.saving import error_message, mark_succeeded, save_outcome
-from workers.shards import start_shards
+from workers.shard_jobs import start_shards
 
 __all__ = ["run_job"]
 

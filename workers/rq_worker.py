@@ -24,7 +24,7 @@ from service.redis_conn import redis_client
 from service.settings import get_settings
 from workers.architectures import registry
 from workers.compute import WORKER_DEVICE_ENV
-from workers.shards import fail_killed_child
+from workers.shard_jobs import fail_killed_child
 
 __all__ = ["main"]
 

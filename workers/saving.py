@@ -1,5 +1,5 @@
 """Saving a computed adapt or train job, for one worker (workers/jobs.py) and for the merge of
-a sharded job (workers/shards.py) alike.
+a sharded job (workers/shard_jobs.py) alike.
 
 Ordering keeps every artifact whole: weights and report are written atomically to the store
 first, then the new model is registered, then the job is marked succeeded. A cancel seen before
