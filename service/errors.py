@@ -8,7 +8,11 @@ Exception tree::
     │   └── ObjectNotFoundError  no object with that sha256
     ├── ArrayFileError           a dataset file is unreadable or breaks the dataset rules
     ├── InvalidPageTokenError    a page token this service did not hand out
-    └── WeightsFileError         a weights file is not an acceptable safetensors file
+    ├── WeightsFileError         a weights file is not an acceptable safetensors file
+    └── EmbeddedServerError      the private Redis-compatible server (service/embedded.py)
+        ├── ServerBinaryNotFoundError  no server binary to run
+        ├── DataDirInUseError          another server holds the data directory
+        └── ServerStartError           the server exited, or did not answer in time
 
 Messages are meant for the user: they say what is wrong, with the values involved, and what to do.
 """
@@ -16,8 +20,12 @@ Messages are meant for the user: they say what is wrong, with the values involve
 __all__ = [
     "ArrayFileError",
     "BnadaptError",
+    "DataDirInUseError",
+    "EmbeddedServerError",
     "InvalidPageTokenError",
     "ObjectNotFoundError",
+    "ServerBinaryNotFoundError",
+    "ServerStartError",
     "StoreError",
     "StoreTooLargeError",
     "WeightsFileError",
@@ -50,3 +58,19 @@ class WeightsFileError(BnadaptError):
 
 class InvalidPageTokenError(BnadaptError):
     """A page token that this service did not hand out."""
+
+
+class EmbeddedServerError(BnadaptError):
+    """The private Redis-compatible server could not be found, started or locked."""
+
+
+class ServerBinaryNotFoundError(EmbeddedServerError):
+    """No redis-server or valkey-server binary to run."""
+
+
+class DataDirInUseError(EmbeddedServerError):
+    """Another server holds the data directory's lock."""
+
+
+class ServerStartError(EmbeddedServerError):
+    """The server exited during start-up or did not answer PING in time."""
