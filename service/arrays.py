@@ -1,4 +1,5 @@
-"""Dataset and weights files: recognized by their content, checked, then read with numpy.
+"""Dataset files: recognized by their content (service/file_sniff.py), checked, then read with
+numpy. Weights files: service/weights_file.py.
 
 A dataset holds ``x`` of shape (N, *sample_shape) and an optional ``y`` with one entry per
 sample, in an ``.npz`` (never unpickled) or a ``.safetensors`` file. The rules:
@@ -18,43 +19,33 @@ import math
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Final, Literal
+from typing import IO, Any, Final
 
 import numpy as np
 import numpy.typing as npt
 from safetensors import SafetensorError, safe_open
 
 from api_schemas.datasets import ArrayFormat, LabelKind, SampleDtype
-from service.errors import ArrayFileError, BnadaptError, WeightsFileError
+from service.errors import ArrayFileError
+from service.file_sniff import check_safetensors_header, safetensors_specs, sniff, what_it_is
 
 __all__ = [
     "DEFAULT_MAX_CLASSES",
     "DEFAULT_MAX_ELEMENTS",
-    "DEFAULT_MAX_WEIGHTS_HEADER_BYTES",
-    "DEFAULT_MAX_WEIGHT_KEYS",
     "ArrayFacts",
     "LoadedArrays",
-    "WeightSpec",
     "describe_arrays",
     "read_arrays",
-    "read_weights_header",
     "sniff_format",
 ]
 
 DEFAULT_MAX_ELEMENTS: Final = 1 << 30  # x and y together: 4 GiB as float32
 DEFAULT_MAX_CLASSES: Final = 100_000
-DEFAULT_MAX_WEIGHT_KEYS: Final = 100_000
-# Parsing a header costs time and memory in proportion to its size (a 27 MB header with 300,000
-# entries took 2 s); 16 MiB leaves ~160 bytes per key at the key limit.
-DEFAULT_MAX_WEIGHTS_HEADER_BYTES: Final = 16 << 20
 _MAX_ARRAYS_HEADER_BYTES: Final = 1 << 20  # two tensors and some metadata
 
 _HOW_TO_SAVE: Final = (
     "save the arrays with numpy.savez(path, x=x, y=y) or "
     "safetensors.numpy.save_file({'x': x, 'y': y}, path)"
-)
-_HOW_TO_SAVE_WEIGHTS: Final = (
-    "convert with safetensors.torch.save_file(model.state_dict(), path) and upload that"
 )
 _ARRAY_NAMES: Final = ("x", "y")
 _X_DTYPES: Final = ("float32", "uint8")
@@ -76,8 +67,6 @@ _SAFETENSORS_DTYPES: Final = {
     "U64": "uint64",
 }
 _INT_DTYPES: Final = frozenset(v for k, v in _SAFETENSORS_DTYPES.items() if k[0] in "IU")
-
-_FileKind = Literal["zip", "safetensors", "pickle", "npy", "empty", "unknown"]
 
 
 @dataclass(frozen=True)
@@ -115,47 +104,9 @@ class ArrayFacts:
 
 
 @dataclass(frozen=True)
-class WeightSpec:
-    """One tensor of a weights file, from its header."""
-
-    shape: tuple[int, ...]
-    dtype: str  # safetensors' code: "F32", "BF16", "I64", ...
-
-
-@dataclass(frozen=True)
 class _Spec:
     shape: tuple[int, ...]
     dtype: str  # numpy's name where numpy has one
-
-
-def _sniff(path: Path) -> tuple[_FileKind, bytes]:
-    with path.open("rb") as file:
-        head = file.read(9)
-    if not head:
-        return "empty", head
-    if head.startswith(b"PK\x03\x04"):
-        return "zip", head
-    if head.startswith(b"\x93NUMPY"):
-        return "npy", head
-    # safetensors: u64 little-endian header length, then a JSON object. Tested before pickle:
-    # a header length of e.g. 640 also begins with the bytes 0x80 0x02.
-    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 1 << 32:
-        return "safetensors", head
-    if head[0] == 0x80 and len(head) > 1 and 2 <= head[1] <= 5:
-        return "pickle", head  # PROTO opcode; also the legacy (non-zip) torch.save format
-    return "unknown", head
-
-
-def _what_it_is(kind: _FileKind, head: bytes) -> str:
-    return {
-        "zip": "a zip file, such as a PyTorch checkpoint from torch.save",
-        "safetensors": "a safetensors file",
-        "pickle": "a Python pickle (pickle.dump, or torch.save's legacy format), refused because "
-        "loading a pickle can run code",
-        "npy": "a single numpy .npy array",
-        "empty": "an empty file",
-        "unknown": f"a file of unknown type (it starts with {head!r})",
-    }[kind]
 
 
 def sniff_format(path: Path) -> ArrayFormat:
@@ -163,30 +114,14 @@ def sniff_format(path: Path) -> ArrayFormat:
 
     Raises ``ArrayFileError`` for anything but a zip (npz) or safetensors file.
     """
-    kind, head = _sniff(path)
+    kind, head = sniff(path)
     if kind == "zip":
         return "npz"
     if kind == "safetensors":
         return "safetensors"
     raise ArrayFileError(
-        f"this is {_what_it_is(kind, head)}, not an .npz or .safetensors dataset: {_HOW_TO_SAVE}"
+        f"this is {what_it_is(kind, head)}, not an .npz or .safetensors dataset: {_HOW_TO_SAVE}"
     )
-
-
-def _check_safetensors_header(path: Path, max_header_bytes: int, error: type[BnadaptError]) -> None:
-    size = path.stat().st_size
-    with path.open("rb") as file:
-        declared = int.from_bytes(file.read(8), "little")
-    if declared > size - 8:
-        raise error(
-            f"truncated safetensors file: its header declares {declared} bytes but only "
-            f"{max(size - 8, 0)} follow; upload the complete file"
-        )
-    if declared > max_header_bytes:
-        raise error(
-            f"the safetensors header is {declared} bytes, more than the limit of "
-            f"{max_header_bytes}; it lists too many tensors or too much metadata"
-        )
 
 
 def _check_names(names: list[str]) -> None:
@@ -308,21 +243,12 @@ def _read_npz(path: Path, max_elements: int) -> dict[str, npt.NDArray[Any]]:
         ) from exc
 
 
-def _safetensors_specs(opened: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Shapes and dtype codes from an open ``safe_open`` handle (an untyped API)."""
-    specs = {}
-    for key in opened.keys():  # noqa: SIM118  # safe_open has no __iter__
-        tensor_slice = opened.get_slice(key)
-        specs[str(key)] = (tuple(tensor_slice.get_shape()), str(tensor_slice.get_dtype()))
-    return specs
-
-
 def _read_safetensors(path: Path, max_elements: int) -> dict[str, npt.NDArray[Any]]:
-    _check_safetensors_header(path, _MAX_ARRAYS_HEADER_BYTES, ArrayFileError)
+    check_safetensors_header(path, _MAX_ARRAYS_HEADER_BYTES, ArrayFileError)
     try:
         with safe_open(str(path), framework="numpy") as opened:
             _check_names([str(key) for key in opened.keys()])  # noqa: SIM118  # no __iter__
-            raw = _safetensors_specs(opened)
+            raw = safetensors_specs(opened)
             specs = {
                 k: _Spec(shape, _SAFETENSORS_DTYPES.get(d, d)) for k, (shape, d) in raw.items()
             }
@@ -416,36 +342,3 @@ def describe_arrays(
         label_kind=arrays.label_kind,
         num_classes=arrays.num_classes,
     )
-
-
-def read_weights_header(
-    path: Path,
-    *,
-    max_keys: int = DEFAULT_MAX_WEIGHT_KEYS,
-    max_header_bytes: int = DEFAULT_MAX_WEIGHTS_HEADER_BYTES,
-) -> dict[str, WeightSpec]:
-    """The tensors a safetensors weights file declares, read from its header only.
-
-    Raises ``WeightsFileError`` for anything but a complete safetensors file within the limits.
-    """
-    kind, head = _sniff(path)
-    if kind != "safetensors":
-        raise WeightsFileError(
-            f"this is {_what_it_is(kind, head)}; weights are accepted as safetensors only, "
-            f"because loading pickles can run code: {_HOW_TO_SAVE_WEIGHTS}"
-        )
-    _check_safetensors_header(path, max_header_bytes, WeightsFileError)
-    try:
-        with safe_open(str(path), framework="numpy") as opened:
-            if len(opened.keys()) > max_keys:
-                raise WeightsFileError(
-                    f"the weights file holds {len(opened.keys())} tensors, more than the limit "
-                    f"of {max_keys}"
-                )
-            raw = _safetensors_specs(opened)
-    except SafetensorError as exc:
-        raise WeightsFileError(
-            f"not a valid safetensors file ({exc}); it may be truncated or corrupt: "
-            f"upload it again, or {_HOW_TO_SAVE_WEIGHTS}"
-        ) from exc
-    return {key: WeightSpec(shape, dtype) for key, (shape, dtype) in raw.items()}

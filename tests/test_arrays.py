@@ -14,15 +14,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from service.arrays import (
-    ArrayFacts,
-    WeightSpec,
-    describe_arrays,
-    read_arrays,
-    read_weights_header,
-    sniff_format,
-)
+from service.arrays import ArrayFacts, describe_arrays, read_arrays, sniff_format
 from service.errors import ArrayFileError, BnadaptError, WeightsFileError
+from service.weights_file import WeightSpec, read_weights_header
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((12, 1, 4, 4)).astype(np.float32)

@@ -24,11 +24,11 @@ from pydantic import ValidationError
 from api_schemas import ArchitecturePublic, BatchNormLayer, ProblemItem
 from api_schemas.inspection import InspectFailure, InspectRequest, InspectSuccess
 from service import keys
-from service.arrays import read_weights_header
 from service.errors import ObjectNotFoundError, WeightsFileError
 from service.redis_conn import redis_client
 from service.settings import Settings, get_settings
 from service.store import LocalStore, Store
+from service.weights_file import read_weights_header
 from workers.architectures import (
     batchnorm_layers,
     build_model,

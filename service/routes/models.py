@@ -10,13 +10,13 @@ from pydantic import ValidationError
 
 from api_schemas import ModelCreate, ModelPublic, Page, new_id, utc_now
 from api_schemas.inspection import InspectRequest
-from service.arrays import read_weights_header
 from service.deps import ModelDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.errors import WeightsFileError
 from service.inspection import inspect_model, new_request_id
 from service.problems import ApiError, problem_items
 from service.settings import DEFAULT_MAX_WEIGHTS_BYTES
 from service.uploads import discard_unreferenced, store_upload
+from service.weights_file import read_weights_header
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
