@@ -108,7 +108,13 @@ class AdaptParams(RequestModel):
     ``shards=K`` splits the batches into K contiguous runs of whole batches, collected by K
     jobs that may run on different workers and then merged: the same result as one worker
     (up to float rounding). Only for ``precise``, ``cumulative`` and ``prior``, whose result
-    is a function of pooled per-batch statistics."""
+    is a function of pooled per-batch statistics.
+
+    ``layerwise`` (``precise`` only) estimates one layer at a time in forward order, the layers
+    before it already adapted and in eval mode: every layer's statistics then do not depend on
+    how the data is split into batches (one pass estimates all layers at once, each normalizing
+    with its batch statistics, so a layer's input depends a little on the batch size), at the
+    cost of one pass over the data per layer."""
 
     batch_size: BatchSize = 64
     max_batches: int | None = Field(default=None, ge=1)
@@ -127,6 +133,22 @@ class AdaptParams(RequestModel):
     seed: Seed = 0
     device: Device = "auto"
     shards: int = Field(default=1, ge=1, le=MAX_SHARDS)
+    layerwise: bool = False
+
+    @model_validator(mode="after")
+    def _layerwise_fits(self) -> Self:
+        if self.layerwise and self.estimator != "precise":
+            raise ValueError(
+                f"layerwise is an option of the precise estimator, not of {self.estimator}; "
+                "use estimator 'precise', or drop layerwise"
+            )
+        if self.layerwise and self.shards > 1:
+            raise ValueError(
+                "layerwise estimates one layer after another, each pass starting from the "
+                "layers before it, so it cannot be split into shards; use shards=1, or drop "
+                "layerwise (one pass, which shards can split)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _shards_fit_estimator(self) -> Self:

@@ -24,6 +24,7 @@ from workers.precise import (
     LayerStatistics,
     apply_statistics,
     collect_statistics,
+    layerwise_precise_batchnorm,
     mix_statistics,
     precise_batchnorm,
     prior_batchnorm,
@@ -152,6 +153,74 @@ def test_precise_does_not_depend_on_the_batch_split(layer: str) -> None:
         for key in before:
             if not key.startswith(f"{layer}."):
                 assert torch.equal(after[key], before[key]), key
+
+
+def layerwise_reference(x: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer in forward order: the statistics of all its inputs concatenated, computed
+    directly with the layers before it already holding theirs (written, in eval mode)."""
+    model = resnet()
+    modules = dict(model.named_modules())
+    expected = {}
+    for name in ALL:  # registration order is the forward order in this architecture
+        mean, var = direct_statistics(model, [x], [name])[name]
+        bn = modules[name]
+        assert isinstance(bn, _BatchNorm)
+        with torch.no_grad():
+            bn.running_mean.copy_(mean)  # type: ignore[union-attr]
+            bn.running_var.copy_(var)  # type: ignore[union-attr]
+        expected[name] = (mean, var)
+    return expected
+
+
+def test_layerwise_precise_equals_the_direct_computation_for_every_split() -> None:
+    """All layers at once, and still independent of the split (to 1e-6): each layer's input
+    comes from the layers before it in eval mode with their new statistics."""
+    x = data()
+    expected = layerwise_reference(x)
+    for size in (2, 3, 8, 32, 64):
+        model = resnet()
+        passes: list[int] = []
+        stats = layerwise_precise_batchnorm(
+            model, lambda size=size: split(x, size), layers=ALL, progress=passes.append
+        )
+        batches = math.ceil(SAMPLES / size)
+        assert stats == AdaptStats(batches=batches, samples=SAMPLES)
+        assert passes[-1] == batches * len(ALL), "progress counts every pass"
+        assert_precise(model, expected, batches)
+
+
+def test_one_pass_precise_depends_on_the_split_where_layerwise_does_not() -> None:
+    """Why ``layerwise`` exists: with every layer estimated in one pass, layers below the first
+    see inputs normalized with batch statistics, which depend on the batch size."""
+    x = data()
+    one_pass = {}
+    for size in (2, SAMPLES):
+        model = resnet()
+        precise_batchnorm(model, split(x, size), layers=ALL)
+        one_pass[size] = model.state_dict()["blocks.2.bn2.running_var"]
+    relative = ((one_pass[2] - one_pass[SAMPLES]).abs() / one_pass[SAMPLES]).max().item()
+    assert relative > 1e-4
+
+
+class WithSpareLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = resnet()
+        self.spare = nn.BatchNorm2d(4)  # registered, never called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
+
+def test_layerwise_refuses_layers_the_forward_never_reaches() -> None:
+    model = WithSpareLayer()
+    with pytest.raises(AdaptError, match=r"\['spare'\] received no input"):
+        layerwise_precise_batchnorm(
+            model, lambda: split(data(), 32), layers=["net.stem.bn", "spare"]
+        )
+    with pytest.raises(AdaptError, match="no batches"):
+        layerwise_precise_batchnorm(model, list, layers=["net.stem.bn"])
 
 
 def test_wrapped_model_gives_the_same_statistics() -> None:

@@ -437,3 +437,11 @@ def test_report_keeps_nan_through_json() -> None:
     assert again.metrics_after is not None
     assert math.isnan(again.metrics_after.loss)
     assert again.epochs == []
+
+
+def test_layerwise_is_a_precise_option_for_one_worker() -> None:
+    assert AdaptParams(estimator="precise", layerwise=True).layerwise
+    with pytest.raises(ValidationError, match="layerwise is an option of the precise estimator"):
+        AdaptParams(estimator="cumulative", layerwise=True)
+    with pytest.raises(ValidationError, match="cannot be split into shards; use shards=1"):
+        AdaptParams(estimator="precise", layerwise=True, shards=2)

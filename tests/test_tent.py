@@ -19,6 +19,7 @@ from workers.compute import compute, weights_bytes
 from workers.errors import AdaptError, JobCanceled
 from workers.estimators import AdaptStats, select_batchnorm
 from workers.policy import apply_checkpoint_policy
+from workers.precise import layerwise_precise_batchnorm
 from workers.tent import SGD_MOMENTUM, entropy_adapt, entropy_loss
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -207,10 +208,13 @@ def test_entropy_loss() -> None:
 # --- through compute ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("estimator", ESTIMATOR_NAMES)
-def test_every_estimator_through_compute(tmp_path: Path, estimator: str) -> None:
+@pytest.mark.parametrize(
+    ("estimator", "layerwise"), [(name, False) for name in ESTIMATOR_NAMES] + [("precise", True)]
+)
+def test_every_estimator_through_compute(tmp_path: Path, estimator: str, layerwise: bool) -> None:
     """The job's computation with the blocks checkpointed: a consistent report for every
-    BatchNorm layer, and for entropy nothing changed but BN affine parameters and buffers."""
+    BatchNorm layer, and for entropy nothing changed but BN affine parameters and buffers;
+    layerwise precise gives bitwise what the function gives on the unwrapped model."""
     store = LocalStore(tmp_path / "store")
     source = resnet()
     weights = store.put_bytes(weights_bytes(source.state_dict()))
@@ -237,10 +241,17 @@ def test_every_estimator_through_compute(tmp_path: Path, estimator: str) -> None
                 "steps": 6,
                 "lr": 0.01,
                 "device": "cpu",
+                "layerwise": layerwise,
             },
         }
     )
-    report = compute(payload, store).report
+    outcome = compute(payload, store)
+    report = outcome.report
+    if layerwise:
+        layers = [name for name in select_batchnorm(source, ["*"], []) if "stem" not in name]
+        batches = list(torch.from_numpy(x).split(16))
+        layerwise_precise_batchnorm(source, lambda: batches, layers=layers)
+        assert_same_state_dict(source, outcome.state_dict)
     expected_batches = 6 if estimator == "entropy" else 4
     assert report.estimator == estimator
     assert report.batches == expected_batches

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Final, Literal, Protocol, assert_never
 
@@ -45,7 +45,7 @@ from workers.estimators import AdaptStats, adapt_batchnorm, select_batchnorm
 from workers.evaluation import Metrics as EvalMetrics
 from workers.evaluation import evaluate, loss_for
 from workers.policy import apply_checkpoint_policy
-from workers.precise import precise_batchnorm, prior_batchnorm
+from workers.precise import layerwise_precise_batchnorm, precise_batchnorm, prior_batchnorm
 from workers.reporting import batchnorm_changes, state_snapshot, tensor_changes
 from workers.tent import entropy_adapt
 from workers.training import train_model
@@ -346,7 +346,11 @@ def _adapt(
 ) -> AdaptStats:
     """Runs the job's estimator on ``x`` (N, ...) on the CPU, batch by batch on ``device``."""
     total = num_batches(len(x), params.batch_size, params.max_batches)
-    data = (batch.to(device) for batch in iter_batches(x, params.batch_size, params.max_batches))
+
+    def fresh_data() -> Iterator[torch.Tensor]:  # (B, ...) on the device, batch by batch
+        return (b.to(device) for b in iter_batches(x, params.batch_size, params.max_batches))
+
+    data = fresh_data()
     progress, should_stop = hooks.report, hooks.should_stop
     estimator = params.estimator
     match estimator:
@@ -358,6 +362,17 @@ def _adapt(
                 estimator=estimator,
                 layers=layers,
                 reset=reset,
+                progress=progress,
+                should_stop=should_stop,
+            )
+        case "precise" if params.layerwise:
+            hooks.start_phase("adapt", total * len(layers), "batches", float(params.batch_size))
+            return layerwise_precise_batchnorm(
+                model,
+                lambda: (
+                    b.to(device) for b in iter_batches(x, params.batch_size, params.max_batches)
+                ),
+                layers=layers,
                 progress=progress,
                 should_stop=should_stop,
             )
