@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -85,7 +86,9 @@ def test_up_restart_keeps_everything_and_cli_works(tmp_path: Path) -> None:
         done = client.wait(job["id"], timeout_s=120)
         assert done.status.value == "succeeded"
         out = cli(data_dir, "jobs", "download", job["id"], "--out", str(tmp_path / "out"))
-        assert (tmp_path / "out" / f"{job['id']}.report.json").exists()
+        report = json.loads((tmp_path / "out" / f"{job['id']}.report.json").read_text())
+        # `up` leaves a core to the API and Redis: the job ran on cores - 1 torch threads.
+        assert report["torch_threads"] == max((os.cpu_count() or 1) - 1, 1)
         assert done.result is not None
         assert (tmp_path / "out" / f"{done.result.model_id}.safetensors").exists()
         assert str(tmp_path / "out") in out
@@ -113,3 +116,20 @@ def _answers(port: int) -> bool:
 
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["worker", "--threads", "0"], ["up", "--api-processes", "-1"], ["api", "--workers", "x"]],
+)
+def test_process_counts_are_checked(tmp_path: Path, args: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "--data-dir", str(tmp_path), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "expected 1 or more" in result.stderr or "expected a whole number" in result.stderr
