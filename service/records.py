@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
-from typing import Any, Final, TypeVar, cast
+from typing import Final, TypeVar, cast
 
 import redis
 from pydantic import BaseModel
@@ -30,12 +30,11 @@ from api_schemas import (
     utc_now,
 )
 from service import keys
+from service.paging import newest_first
 from service.record_format import (
     API_KEY_FIELDS,
     API_KEY_PREFIX,
     RESOURCE_FIELDS,
-    decode_token,
-    encode_token,
     hash_secret,
     index_member,
     job_from_fields,
@@ -247,7 +246,9 @@ class Records:
             job = self.get_job(tenant_id, job_id)
             return job if job is not None and (status is None or job.status is status) else None
 
-        return self._page(tenant_id, "job", load, page_size, token)
+        return newest_first(
+            self.client, keys.tenant_index(tenant_id, "job"), load, page_size, token
+        )
 
     def transition(
         self,
@@ -381,49 +382,10 @@ class Records:
         page_size: int,
         token: str | None,
     ) -> Page[R]:
-        return self._page(
-            tenant_id,
-            kind,
+        return newest_first(
+            self.client,
+            keys.tenant_index(tenant_id, kind),
             lambda resource_id: self._get(tenant_id, kind, resource_id, schema),
             page_size,
             token,
         )
-
-    def _page(
-        self,
-        tenant_id: str,
-        kind: keys.ResourceKind,
-        load: Any,
-        page_size: int,
-        token: str | None,
-    ) -> Page[Any]:
-        """Newest first. The token is the last index member returned, so items created while
-        paging never shift later pages. With a filter, scans at most 20 pages' worth of index
-        per call; a short page with a token just means more may follow."""
-        index = keys.tenant_index(tenant_id, kind)
-        upper = "+" if token is None else "(" + decode_token(token)
-        items: list[Any] = []
-        last: str | None = None
-        scanned = 0
-        while len(items) < page_size and scanned < 20 * page_size:
-            batch = [
-                text(m)
-                for m in self.client.zrevrangebylex(index, upper, "-", start=0, num=page_size)
-            ]
-            if not batch:
-                return Page(items=items, next_page_token=None)
-            for member in batch:
-                scanned += 1
-                last = member
-                item = load(member.split(":", 1)[1])
-                if item is not None:
-                    items.append(item)
-                    if len(items) == page_size:
-                        break
-            assert last is not None
-            upper = "(" + last
-            if len(batch) < page_size and len(items) < page_size:
-                return Page(items=items, next_page_token=None)
-        assert last is not None
-        more = self.client.zrevrangebylex(index, "(" + last, "-", start=0, num=1)
-        return Page(items=items, next_page_token=encode_token(last) if more else None)
