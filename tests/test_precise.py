@@ -19,9 +19,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from workers.architectures import build_model, registry
 from workers.errors import AdaptError, JobCanceled
 from workers.estimators import AdaptStats, adapt_batchnorm, select_batchnorm
+from workers.layer_statistics import LayerStatistics
 from workers.policy import apply_checkpoint_policy
 from workers.precise import (
-    LayerStatistics,
     apply_statistics,
     collect_statistics,
     layerwise_precise_batchnorm,

@@ -1,12 +1,12 @@
 """Precise BatchNorm statistics from sufficient statistics, and the prior-mixing estimator.
 
-- :class:`LayerStatistics` — per-channel element count, mean and M2 (sum of squared deviations
-  from the mean) in float64, mergeable (Chan et al.) and JSON-friendly, so shards computed by
-  different workers combine into the statistics of all their data.
-- :func:`collect_statistics` — one pass over the data, the model left as it was.
+- :func:`collect_statistics` — one pass over the data, the model left as it was, giving a
+  :class:`~workers.layer_statistics.LayerStatistics` per layer (per-channel count, mean and M2
+  in float64, mergeable and JSON-friendly, so shards computed by different workers combine).
 - :func:`apply_statistics` — writes them as BatchNorm would: the mean, the unbiased variance
   (pooled per element, or averaged per batch as ``cumulative`` does).
-- :func:`precise_batchnorm` — both; :func:`prior_batchnorm` — mixes the source statistics with
+- :func:`precise_batchnorm` — both; :func:`layerwise_precise_batchnorm` — one layer at a time,
+  independent of the batch split; :func:`prior_batchnorm` — mixes the source statistics with
   the target ones (Schneider et al. 2020, "Improving robustness against common corruptions by
   covariate shift adaptation"), by :func:`mix_with_source`.
 
@@ -16,7 +16,6 @@ See NOTE [ Precise statistics ] for what the pass computes and how.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -32,11 +31,10 @@ from workers.estimators import (
     resolve_batchnorm,
 )
 from workers.evaluation import training_flags
+from workers.layer_statistics import LayerStatistics, Weighting
 
 __all__ = [
-    "LayerStatistics",
     "PriorBase",
-    "Weighting",
     "apply_statistics",
     "collect_statistics",
     "layerwise_precise_batchnorm",
@@ -47,9 +45,6 @@ __all__ = [
 ]
 
 PriorBase = Literal["precise", "cumulative"]
-# How batches combine into running statistics: every element alike (`precise`), or every batch
-# alike (`cumulative`, BatchNorm's momentum None).
-Weighting = Literal["elements", "batches"]
 
 # NOTE [ Precise statistics ]
 #
@@ -79,131 +74,6 @@ Weighting = Literal["elements", "batches"]
 # precision; on CUDA in float32 with Welford's algorithm — either way far below 1e-6 relative.
 # The layers' buffers and momenta are put back afterwards: collecting leaves the model as it was,
 # so shards can be collected on copies and merged before anything is written.
-
-
-@dataclass
-class LayerStatistics:
-    """Per-channel sufficient statistics of one layer's input: ``count`` elements per channel
-    (N * H * W summed over batches), their ``mean`` (C,) and ``m2`` (C,), the sum of squared
-    deviations from the mean, both float64; ``batches`` is how many batches contributed.
-
-    ``mean_sum`` and ``var_sum`` (C,) float64 are the sums over those batches of each batch's
-    mean and unbiased variance, what ``cumulative`` averages with equal weight per batch; None
-    where unknown (statistics not collected batch by batch), zeros when there are no batches.
-    """
-
-    count: int
-    mean: torch.Tensor  # (C,) float64
-    m2: torch.Tensor  # (C,) float64
-    batches: int = field(default=0)
-    mean_sum: torch.Tensor | None = None  # (C,) float64
-    var_sum: torch.Tensor | None = None  # (C,) float64
-
-    def __post_init__(self) -> None:
-        if self.count < 0 or self.batches < 0:
-            raise ValueError(f"count {self.count} and batches {self.batches} must be >= 0")
-        if self.mean.shape != self.m2.shape or self.mean.dim() != 1:
-            raise ValueError(
-                f"mean {tuple(self.mean.shape)} and m2 {tuple(self.m2.shape)} must both be (C,)"
-            )
-        self.mean = self.mean.to(torch.float64)
-        self.m2 = self.m2.to(torch.float64)
-        if self.batches == 0:
-            self.mean_sum = torch.zeros_like(self.mean) if self.mean_sum is None else self.mean_sum
-            self.var_sum = torch.zeros_like(self.mean) if self.var_sum is None else self.var_sum
-        for name in ("mean_sum", "var_sum"):
-            value = getattr(self, name)
-            if value is not None:
-                if value.shape != self.mean.shape:
-                    raise ValueError(
-                        f"{name} {tuple(value.shape)} must be (C,) like mean "
-                        f"{tuple(self.mean.shape)}"
-                    )
-                setattr(self, name, value.to(torch.float64))
-
-    @property
-    def channels(self) -> int:
-        return self.mean.shape[0]
-
-    def variance(self, unbiased: bool = True) -> torch.Tensor:
-        """(C,) float64; unbiased (divided by count - 1) as BatchNorm's running_var."""
-        denominator = self.count - 1 if unbiased else self.count
-        if denominator < 1:
-            raise AdaptError(
-                f"the variance needs at least {2 if unbiased else 1} values per channel, got "
-                f"{self.count}; adapt on more samples"
-            )
-        return self.m2 / denominator
-
-    def running(self, weighting: Weighting = "elements") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(running_mean, running_var)`` (C,) float64 as BatchNorm keeps them, the variance
-        unbiased: ``elements`` pools every element (``precise``), ``batches`` averages the
-        batch means and unbiased batch variances with equal weight (``cumulative``)."""
-        if weighting == "elements":
-            return self.mean, self.variance()
-        if self.mean_sum is None or self.var_sum is None:
-            raise AdaptError(
-                "per-batch averages need statistics collected batch by batch "
-                "(collect_statistics); these have only pooled ones: use weighting 'elements'"
-            )
-        if self.batches < 1:
-            raise AdaptError("per-batch averages need at least one batch; adapt on more samples")
-        return self.mean_sum / self.batches, self.var_sum / self.batches
-
-    def merge(self, other: LayerStatistics) -> LayerStatistics:
-        """The statistics of both data sets together (Chan et al.'s parallel combination)."""
-        if other.channels != self.channels:
-            raise ValueError(
-                f"cannot merge statistics of {self.channels} and {other.channels} channels; "
-                "merge shards of the same layer only"
-            )
-        batches = self.batches + other.batches
-        mean_sum = _add(self.mean_sum, other.mean_sum)
-        var_sum = _add(self.var_sum, other.var_sum)
-        if other.count == 0:
-            return LayerStatistics(self.count, self.mean, self.m2, batches, mean_sum, var_sum)
-        if self.count == 0:
-            return LayerStatistics(other.count, other.mean, other.m2, batches, mean_sum, var_sum)
-        other_mean = other.mean.to(self.mean.device)
-        count = self.count + other.count
-        delta = other_mean - self.mean  # (C,)
-        weight = other.count / count
-        mean = self.mean + delta * weight
-        m2 = self.m2 + other.m2.to(self.m2.device) + delta * delta * (self.count * weight)
-        return LayerStatistics(count, mean, m2, batches, mean_sum, var_sum)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON types; floats round-trip exactly through JSON (repr of a float64)."""
-        return {
-            "count": self.count,
-            "mean": self.mean.cpu().tolist(),
-            "m2": self.m2.cpu().tolist(),
-            "batches": self.batches,
-            "mean_sum": None if self.mean_sum is None else self.mean_sum.cpu().tolist(),
-            "var_sum": None if self.var_sum is None else self.var_sum.cpu().tolist(),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LayerStatistics:
-        def tensor(name: str) -> torch.Tensor | None:
-            value = data.get(name)
-            return None if value is None else torch.tensor(value, dtype=torch.float64)
-
-        mean, m2 = tensor("mean"), tensor("m2")
-        if mean is None or m2 is None:
-            raise ValueError(f"statistics need a mean and an m2, got keys {sorted(data)}")
-        return cls(
-            count=int(data["count"]),
-            mean=mean,
-            m2=m2,
-            batches=int(data["batches"]),
-            mean_sum=tensor("mean_sum"),
-            var_sum=tensor("var_sum"),
-        )
-
-
-def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    return None if a is None or b is None else a + b.to(a.device)
 
 
 def _batch_statistics(

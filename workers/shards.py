@@ -28,13 +28,8 @@ from workers.compute import Estimate, JobHooks, JobOutcome, NoHooks, compute, lo
 from workers.data import iter_batches, num_batches
 from workers.errors import AdaptError
 from workers.estimators import AdaptStats, select_batchnorm
-from workers.precise import (
-    LayerStatistics,
-    Weighting,
-    apply_statistics,
-    collect_statistics,
-    mix_with_source,
-)
+from workers.layer_statistics import LayerStatistics, Weighting
+from workers.precise import apply_statistics, collect_statistics, mix_with_source
 
 __all__ = [
     "ShardPlan",
