@@ -42,6 +42,7 @@ __all__ = [
     "Progress",
     "TrainJobCreate",
     "TrainParams",
+    "num_batches",
     "parse_job_create",
 ]
 
@@ -55,6 +56,15 @@ ESTIMATOR_NAMES: Final[tuple[EstimatorName, ...]] = get_args(EstimatorName)
 MAX_BATCH_SIZE: Final = 65536
 # Shards of one adapt job; each is an RQ job with its statistics in Redis (see workers/shards.py).
 MAX_SHARDS: Final = 256
+
+
+def num_batches(num_samples: int, batch_size: int, max_batches: int | None = None) -> int:
+    """How many batches a job runs over ``num_samples``: whole batches of ``batch_size`` in
+    order, the last one possibly short, at most ``max_batches``."""
+    count = -(-num_samples // batch_size)
+    return count if max_batches is None else min(count, max_batches)
+
+
 BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)]
 
 DEVICE_PATTERN: Final = r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$"

@@ -22,7 +22,13 @@ from api_schemas import JobPublic, JobStatus
 from service.client import ApiClientError, Client
 from service.errors import BnadaptError
 from service.settings import get_settings
-from service.up import DEFAULT_API_PROCESSES, LocalStack, read_client_config, worker_command
+from service.up import (
+    DEFAULT_API_PROCESSES,
+    WORKER_THREADS_ENV,
+    LocalStack,
+    read_client_config,
+    worker_command,
+)
 
 __all__ = ["main"]
 
@@ -148,7 +154,7 @@ def cmd_api(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     # A separate interpreter: the service never imports the workers' torch code itself.
     if args.threads is not None:
-        os.environ["BNADAPT_WORKER_THREADS"] = str(args.threads)
+        os.environ[WORKER_THREADS_ENV] = str(args.threads)
     os.execv(sys.executable, worker_command(args.device))  # noqa: S606 - our own argv
 
 

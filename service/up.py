@@ -32,6 +32,7 @@ from service.redis_conn import redis_client
 __all__ = [
     "CLIENT_FILE",
     "DEFAULT_API_PROCESSES",
+    "WORKER_THREADS_ENV",
     "LocalStack",
     "StackError",
     "api_command",
@@ -48,6 +49,8 @@ START_TIMEOUT_S: Final = 90.0
 STOP_TIMEOUT_S: Final = 30.0
 # Two API processes serve about twice the status reads of one on 2 cores (bench/RESULTS.md).
 DEFAULT_API_PROCESSES: Final = 2
+# service.settings.Settings.worker_threads, as the environment names it.
+WORKER_THREADS_ENV: Final = "BNADAPT_WORKER_THREADS"
 
 
 class StackError(BnadaptError):
@@ -154,7 +157,7 @@ class LocalStack:
         env = {
             # Torch would run a thread per core, and its threads stall each other whenever
             # the API or Redis takes a core: leave one to them (bench/RESULTS.md).
-            "BNADAPT_WORKER_THREADS": str(max((os.cpu_count() or 1) - 1, 1)),
+            WORKER_THREADS_ENV: str(max((os.cpu_count() or 1) - 1, 1)),
             **os.environ,
             "BNADAPT_REDIS_URL": self.redis.url,
             "BNADAPT_DATA_DIR": str(self.data_dir),

@@ -42,8 +42,8 @@ def stop_up(process: subprocess.Popen[bytes]) -> None:
     assert process.wait(timeout=90) == 0
 
 
-def cli(data_dir: Path, *args: str) -> str:
-    result = subprocess.run(
+def run_cli(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "service.cli", "--data-dir", str(data_dir), *args],
         cwd=REPO,
         capture_output=True,
@@ -51,6 +51,10 @@ def cli(data_dir: Path, *args: str) -> str:
         timeout=300,
         check=False,
     )
+
+
+def cli(data_dir: Path, *args: str) -> str:
+    result = run_cli(data_dir, *args)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -123,13 +127,6 @@ def _answers(port: int) -> bool:
     [["worker", "--threads", "0"], ["up", "--api-processes", "-1"], ["api", "--workers", "x"]],
 )
 def test_process_counts_are_checked(tmp_path: Path, args: list[str]) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "--data-dir", str(tmp_path), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = run_cli(tmp_path, *args)
     assert result.returncode == 2
     assert "expected 1 or more" in result.stderr or "expected a whole number" in result.stderr

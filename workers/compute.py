@@ -369,9 +369,7 @@ def _adapt(
             hooks.start_phase("adapt", total * len(layers), "batches", float(params.batch_size))
             return layerwise_precise_batchnorm(
                 model,
-                lambda: (
-                    b.to(device) for b in iter_batches(x, params.batch_size, params.max_batches)
-                ),
+                fresh_data,
                 layers=layers,
                 progress=progress,
                 should_stop=should_stop,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from api_schemas.jobs import num_batches
 from workers.errors import DataError
 
 __all__ = ["iter_batches", "num_batches", "to_tensors"]
@@ -36,12 +36,6 @@ def to_tensors(x: np.ndarray, y: np.ndarray | None) -> tuple[torch.Tensor, torch
     if y.dtype.kind == "f":
         return x_t, _tensor(y).to(torch.float32)
     raise DataError(f"y must hold integer class labels or float targets, got {y.dtype}; convert it")
-
-
-def num_batches(num_samples: int, batch_size: int, max_batches: int | None = None) -> int:
-    """How many batches :func:`iter_batches` yields."""
-    count = math.ceil(num_samples / batch_size)
-    return count if max_batches is None else min(count, max_batches)
 
 
 def iter_batches(

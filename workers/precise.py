@@ -15,7 +15,7 @@ See NOTE [ Precise statistics ] for what the pass computes and how.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -146,12 +146,7 @@ def collect_statistics(
                     buffer = bn._buffers[key]
                     assert buffer is not None
                     buffer.copy_(value)  # the same objects: references to them stay valid
-    missing = [name for name in layers if name not in found]
-    if missing:
-        raise AdaptError(
-            f"layers {missing} received no input in {done} batches: the model's forward does "
-            "not use them; exclude them"
-        )
+    _require_reached(layers, found, f" in {done} batches")
     return found
 
 
@@ -258,13 +253,18 @@ def _forward_order(
     finally:
         for handle in handles:
             handle.remove()
-    missing = [name for name in layers if name not in seen]
+    _require_reached(layers, seen, "")
+    return seen
+
+
+def _require_reached(layers: Sequence[str], reached: Container[str], during: str) -> None:
+    """AdaptError naming the ``layers`` a pass never called (not in ``reached``)."""
+    missing = [name for name in layers if name not in reached]
     if missing:
         raise AdaptError(
-            f"layers {missing} received no input: the model's forward does not use them; "
-            "exclude them"
+            f"layers {missing} received no input{during}: the model's forward does not use "
+            "them; exclude them"
         )
-    return seen
 
 
 def mix_statistics(

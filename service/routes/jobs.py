@@ -28,6 +28,7 @@ from api_schemas import (
     parse_job_create,
     utc_now,
 )
+from api_schemas.jobs import num_batches
 from service.deps import JobDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.errors import ObjectNotFoundError
 from service.problems import ApiError, not_found
@@ -86,9 +87,7 @@ def _check_fit(request: JobCreate, model: ModelPublic, dataset: DatasetPublic) -
             )
     params = request.params
     if isinstance(params, AdaptParams) and params.shards > 1:
-        batches = -(-dataset.num_samples // params.batch_size)  # the last one may be short
-        if params.max_batches is not None:
-            batches = min(batches, params.max_batches)
+        batches = num_batches(dataset.num_samples, params.batch_size, params.max_batches)
         if params.shards > batches:
             raise ApiError(
                 422,
