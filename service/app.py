@@ -12,8 +12,8 @@ from typing import Final
 from fastapi import FastAPI
 from rq import Queue
 
+from service.housekeeping import Housekeeping
 from service.problems import install_problem_handlers
-from service.reaper import Reaper
 from service.records import Records
 from service.records_async import AsyncRecords, async_redis_client
 from service.redis_conn import redis_client
@@ -24,7 +24,7 @@ from service.store import LocalStore
 __all__ = ["create_app"]
 
 VERSION: Final = "0.1.0"
-REAPER_INTERVAL_S: Final = 5.0
+HOUSEKEEPING_INTERVAL_S: Final = 5.0
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -40,12 +40,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.queue = Queue(settings.queue, connection=client, serializer="json")
         async_client = async_redis_client(settings.redis_url)
         app.state.async_records = AsyncRecords(async_client)
-        reaper = Reaper(records, settings.heartbeat_timeout_s, REAPER_INTERVAL_S)
-        reaper.start()
+        housekeeping = Housekeeping(records, app.state.store, settings, HOUSEKEEPING_INTERVAL_S)
+        housekeeping.start()
         try:
             yield
         finally:
-            reaper.stop()
+            housekeeping.stop()
             client.close()
             await async_client.aclose()
 

@@ -1,6 +1,6 @@
 """The ``bnadapt`` command.
 
-Servers: ``up`` (everything on one machine), ``api``, ``worker``, ``keys create``.
+Servers: ``up`` (everything on one machine), ``api``, ``worker``, ``keys create``, ``store gc``.
 Client: ``architectures``, ``models add|list``, ``datasets add``, ``jobs
 submit|show|list|cancel|download``; they find the API through ``--url``/``--key``, the
 ``BNADAPT_URL``/``BNADAPT_API_KEY`` variables, or the ``client.json`` that ``bnadapt up`` writes
@@ -10,6 +10,7 @@ in its data directory. ``demo`` runs the README's main job.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -169,6 +170,32 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_store_gc(args: argparse.Namespace) -> int:
+    from service.redis_conn import redis_client
+    from service.store import LocalStore
+    from service.store_gc import collect_now
+
+    settings = get_settings()
+    store = LocalStore(Path(args.store_dir) if args.store_dir else settings.store_path)
+    grace_s = settings.store_gc_grace_s if args.grace_s is None else args.grace_s
+    done = collect_now(redis_client(args.redis_url or settings.redis_url), store, grace_s)
+    if done is None:
+        print("another store collection is running; try again when it ends", file=sys.stderr)
+        return 1
+    _print(dataclasses.asdict(done))
+    return 0
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from exc
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected 0 or more seconds, got {text}")
+    return value
+
+
 def cmd_architectures(args: argparse.Namespace) -> int:
     for arch in _client(args).architectures():
         kwargs = ", ".join(f"{p.name}={p.default!r}" for p in arch.params)
@@ -310,6 +337,22 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--tenant", required=True)
     create.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
     create.set_defaults(func=cmd_keys_create)
+
+    store = sub.add_parser("store", help="the artifact store").add_subparsers(
+        dest="store", required=True
+    )
+    gc = store.add_parser(
+        "gc", help="delete store objects nothing uses (also runs on its own, periodically)"
+    )
+    gc.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
+    gc.add_argument("--store-dir", help="default: BNADAPT_STORE_DIR or <BNADAPT_DATA_DIR>/store")
+    gc.add_argument(
+        "--grace-s",
+        type=_seconds,
+        help="keep objects written or last used within this many seconds (default: "
+        "BNADAPT_STORE_GC_GRACE_S, an hour); less is safe only while no API or worker runs",
+    )
+    gc.set_defaults(func=cmd_store_gc)
 
     sub.add_parser("architectures", help="list what can be registered").set_defaults(
         func=cmd_architectures

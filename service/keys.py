@@ -1,7 +1,8 @@
 """Names of every Redis key the service and the workers use, in one place.
 
 Records never expire: a job, model or dataset stays until it is deleted. Only liveness keys
-(heartbeats, the architecture catalog, inspection replies) and idempotency keys have a TTL.
+(heartbeats, the architecture catalog, inspection replies), idempotency keys and the store
+collector's schedule have a TTL.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ __all__ = [
     "INSPECTORS_ALIVE",
     "INSPECT_REQUESTS",
     "RUNNING_JOBS",
+    "STORE_GC_LOCK",
+    "STORE_GC_STARTED",
+    "STORE_RELEASED",
     "ResourceKind",
     "api_key",
     "idempotency",
@@ -41,6 +45,13 @@ INSPECTORS_ALIVE: Final = f"{PREFIX}:inspectors-alive"
 INSPECT_REQUESTS: Final = f"{PREFIX}:inspect:requests"
 # Set of job ids whose status is `running`, for the reaper.
 RUNNING_JOBS: Final = f"{PREFIX}:jobs:running"
+# Sorted set: store objects whose reference was dropped, scored by when (seconds since the
+# epoch); see NOTE [ Store garbage collection ] in service/store_gc.py.
+STORE_RELEASED: Final = f"{PREFIX}:store:released"
+# Held by the one store collection running (a redis-py lock).
+STORE_GC_LOCK: Final = f"{PREFIX}:store:gc-lock"
+# Present (with a TTL of the collection interval) once a collection started.
+STORE_GC_STARTED: Final = f"{PREFIX}:store:gc-started"
 
 
 def api_key(key_id: str) -> str:

@@ -15,7 +15,6 @@ no child is running to notice it.
 from __future__ import annotations
 
 import logging
-import threading
 from datetime import timedelta
 from typing import Final
 
@@ -23,7 +22,7 @@ from api_schemas import JobStatus, utc_now
 from service.records import Records
 from service.shard_records import ChildState, ShardRecords, describe_child
 
-__all__ = ["Reaper", "judge_sharded", "reap_stale_jobs"]
+__all__ = ["judge_sharded", "reap_stale_jobs"]
 
 # A child in one of these states while its parent still runs means the parent cannot finish.
 _ENDED_EARLY: Final = (ChildState.FAILED, ChildState.STOPPED, ChildState.CANCELED)
@@ -105,28 +104,3 @@ def judge_sharded(
             "(removed from the queue outside bnadapt?); submit the job again"
         )
     return None  # waiting for free workers, however long that takes
-
-
-class Reaper:
-    """Runs :func:`reap_stale_jobs` every ``interval_s`` in a daemon thread."""
-
-    def __init__(self, records: Records, heartbeat_timeout_s: float, interval_s: float) -> None:
-        self._records = records
-        self._timeout_s = heartbeat_timeout_s
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bnadapt-reaper", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                reap_stale_jobs(self._records, self._timeout_s)
-            except Exception:  # Redis down, say: try again next round, never die.
-                log.exception("reaper sweep failed")

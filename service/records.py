@@ -10,6 +10,7 @@ missing one, so the API can only ever say 404.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Final, TypeVar, cast
@@ -134,13 +135,13 @@ class Records:
     def list_models(self, tenant_id: str, page_size: int, token: str | None) -> Page[ModelPublic]:
         return self._list(tenant_id, "model", ModelPublic, page_size, token)
 
-    def delete_model(self, tenant_id: str, model: ModelPublic) -> bool:
-        """Deletes the record; True when nothing else refers to its weights any more."""
+    def delete_model(self, tenant_id: str, model: ModelPublic) -> None:
+        """Deletes the record and drops its reference to the weights, which the store's
+        collector deletes once nothing else uses them (NOTE [ Store garbage collection ])."""
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, "model", model.id, model.created_at)
-        pipe.srem(keys.sha_refs(model.sha256), model.id)
-        pipe.scard(keys.sha_refs(model.sha256))
-        return int(pipe.execute()[-1]) == 0
+        self._release(pipe, model.sha256, model.id)
+        pipe.execute()
 
     def put_dataset(self, tenant_id: str, dataset: DatasetPublic) -> None:
         pipe = self.client.pipeline()
@@ -168,20 +169,21 @@ class Records:
     ) -> Page[DatasetPublic]:
         return self._list(tenant_id, "dataset", DatasetPublic, page_size, token)
 
-    def delete_dataset(self, tenant_id: str, dataset: DatasetPublic) -> bool:
-        """Deletes the record; True when nothing else refers to its file any more."""
+    def delete_dataset(self, tenant_id: str, dataset: DatasetPublic) -> None:
+        """Deletes the record and drops its reference to the file (see :meth:`delete_model`)."""
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, "dataset", dataset.id, dataset.created_at)
-        pipe.srem(keys.sha_refs(dataset.sha256), dataset.id)
-        pipe.scard(keys.sha_refs(dataset.sha256))
-        return int(pipe.execute()[-1]) == 0
+        self._release(pipe, dataset.sha256, dataset.id)
+        pipe.execute()
 
     def add_sha_ref(self, sha256: str, owner_id: str) -> None:
         """Marks a store object as used by ``owner_id`` (a model, dataset or job)."""
         self.client.sadd(keys.sha_refs(sha256), owner_id)
 
-    def sha_referenced(self, sha256: str) -> bool:
-        return bool(self.client.exists(keys.sha_refs(sha256)))
+    @staticmethod
+    def _release(pipe: redis.client.Pipeline, sha256: str, owner_id: str) -> None:
+        pipe.srem(keys.sha_refs(sha256), owner_id)
+        pipe.zadd(keys.STORE_RELEASED, {sha256: time.time()})
 
     # --- jobs -----------------------------------------------------------------------------
 

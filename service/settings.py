@@ -43,6 +43,11 @@ class Settings(BaseSettings):
     # Longest a job may run before RQ stops it.
     job_timeout_s: int = Field(default=7 * 24 * 3600, ge=1)
     page_size_max: int = Field(default=200, ge=1)
+    # Store objects nothing uses are deleted once they were written, and last used, this long
+    # ago (NOTE [ Store garbage collection ] in service/store_gc.py) ...
+    store_gc_grace_s: float = Field(default=3600.0, gt=0)
+    # ... by a collection that starts this often in the whole deployment.
+    store_gc_interval_s: float = Field(default=600.0, gt=0)
     # torch threads of each job; None: torch's default, a thread per core. Fewer leave cores
     # to the API and Redis where they share a small machine.
     worker_threads: int | None = Field(default=None, ge=1)

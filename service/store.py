@@ -4,6 +4,7 @@ Layout under the root::
 
     objects/<first two hex digits>/<sha256>   committed objects, never modified
     tmp/<random>.part                         objects being written
+    trash/<sha256>.<random>                   objects the collector is about to delete
 
 # NOTE [ Atomic commit ]
 An object appears under its name complete or not at all. It is written to a temp file on the
@@ -11,7 +12,9 @@ same filesystem, flushed and fsynced, then renamed over its final name (``os.rep
 on POSIX), and the directory is fsynced so the rename itself survives a power cut. Readers
 therefore never see a partial object, and a crash leaves at most a stray temp file, which
 :meth:`LocalStore.cleanup_tmp` removes. Two writers of the same content race harmlessly: both
-renames install identical bytes.
+renames install identical bytes. A write that finds its object already there sets the
+object's mtime instead, which tells the garbage collector that someone is about to use it
+(NOTE [ Store garbage collection ] in service/store_gc.py).
 """
 
 import contextlib
@@ -20,9 +23,9 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Final, Protocol
+from typing import BinaryIO, Final, NamedTuple, Protocol
 
 from api_schemas.common import SHA256_PATTERN
 from service.errors import ObjectNotFoundError, StoreTooLargeError
@@ -32,6 +35,7 @@ __all__ = [
     "LocalStore",
     "ObjectWriter",
     "Store",
+    "StoredObject",
     "check_sha256",
 ]
 
@@ -55,6 +59,12 @@ def check_sha256(value: str) -> str:
             "characters"
         )
     return value
+
+
+class StoredObject(NamedTuple):
+    sha256: str
+    mtime: float  # seconds since the epoch: when the object was last written
+    size: int  # bytes
 
 
 class ObjectWriter(Protocol):
@@ -98,8 +108,20 @@ class Store(Protocol):
 
     def exists(self, sha256: str) -> bool: ...
 
-    def delete(self, sha256: str) -> None:
-        """Removes an object; deleting an absent one is not an error."""
+    def objects(self) -> Iterator[StoredObject]:
+        """Every committed object."""
+        ...
+
+    def remove_unused(self, sha256: str, cutoff: float, in_use: Callable[[str], bool]) -> bool:
+        """Deletes the object if it was last written before ``cutoff`` and ``in_use`` says
+        no, both checked again once no writer can reach it; True if it was deleted.
+        NOTE [ Store garbage collection ] in service/store_gc.py."""
+        ...
+
+    def settle_trash(self, cutoff: float, in_use: Callable[[str], bool]) -> int:
+        """Finishes what a collector that died left half done: each object it had moved
+        aside is deleted or put back by the rule of :meth:`remove_unused`. Returns how many
+        were deleted."""
         ...
 
     def cleanup_tmp(self, older_than_s: float = DEFAULT_TMP_MAX_AGE_S) -> int:
@@ -172,6 +194,7 @@ class LocalStore:
         self.root = Path(root)
         self._objects = self.root / "objects"
         self._tmp = self.root / "tmp"
+        self._trash = self.root / "trash"
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
@@ -207,8 +230,15 @@ class LocalStore:
     def _commit(self, tmp: Path, sha256: str) -> None:
         """Moves a complete, fsynced temp file to its final name (NOTE [ Atomic commit ])."""
         final = self._path(sha256)
-        if final.exists():
-            tmp.unlink()  # same name, same bytes: keep the existing object
+        try:
+            # Same name, same bytes: keep the existing object and mark it as just written.
+            # One call, so that the collector either sees the new mtime or finds the object
+            # gone from its name and lets this write install it again.
+            os.utime(final)
+        except FileNotFoundError:
+            pass
+        else:
+            tmp.unlink()
             return
         shard = final.parent
         missing = [d for d in (self._objects, shard) if not d.exists()]
@@ -238,8 +268,63 @@ class LocalStore:
     def exists(self, sha256: str) -> bool:
         return self._path(sha256).is_file()
 
-    def delete(self, sha256: str) -> None:
-        self._path(sha256).unlink(missing_ok=True)
+    def objects(self) -> Iterator[StoredObject]:
+        if not self._objects.is_dir():
+            return
+        for shard in sorted(self._objects.iterdir()):
+            for entry in sorted(shard.iterdir()) if shard.is_dir() else ():
+                if _SHA256_RE.fullmatch(entry.name) is None:
+                    continue
+                try:
+                    info = entry.stat()
+                except FileNotFoundError:
+                    continue  # collected meanwhile
+                yield StoredObject(entry.name, info.st_mtime, info.st_size)
+
+    def remove_unused(self, sha256: str, cutoff: float, in_use: Callable[[str], bool]) -> bool:
+        final = self._path(sha256)
+        try:
+            if final.stat().st_mtime >= cutoff or in_use(sha256):
+                return False
+        except FileNotFoundError:
+            return False
+        self._trash.mkdir(parents=True, exist_ok=True)
+        moved = self._trash / f"{sha256}.{secrets.token_hex(8)}"
+        try:
+            os.replace(final, moved)  # from here on a writer finds no object and writes anew
+        except FileNotFoundError:
+            return False
+        return self._settle(moved, sha256, cutoff, in_use)
+
+    def _settle(
+        self, moved: Path, sha256: str, cutoff: float, in_use: Callable[[str], bool]
+    ) -> bool:
+        """Deletes an object moved to the trash, or puts it back if a writer touched it
+        before it moved or someone now refers to it."""
+        if moved.stat().st_mtime < cutoff and not in_use(sha256):
+            moved.unlink()
+            return True
+        final = self._path(sha256)
+        if final.exists():
+            moved.unlink()  # a writer installed the same bytes again meanwhile
+        else:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(moved, final)
+        return False
+
+    def settle_trash(self, cutoff: float, in_use: Callable[[str], bool]) -> int:
+        if not self._trash.is_dir():
+            return 0
+        deleted = 0
+        for entry in sorted(self._trash.iterdir()):
+            sha256 = entry.name.partition(".")[0]
+            if _SHA256_RE.fullmatch(sha256) is None:
+                continue
+            try:
+                deleted += self._settle(entry, sha256, cutoff, in_use)
+            except FileNotFoundError:
+                continue  # settled by another collector whose lock had expired
+        return deleted
 
     def cleanup_tmp(self, older_than_s: float = DEFAULT_TMP_MAX_AGE_S) -> int:
         if older_than_s < 0:

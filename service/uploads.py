@@ -6,17 +6,18 @@ from typing import BinaryIO, Final
 
 from service.errors import StoreTooLargeError
 from service.problems import ApiError
-from service.records import Records
 from service.store import Store
 
-__all__ = ["CHUNK_BYTES", "discard_unreferenced", "store_upload"]
+__all__ = ["CHUNK_BYTES", "store_upload"]
 
 CHUNK_BYTES: Final = 1024 * 1024
 
 
 def store_upload(store: Store, file: BinaryIO, max_bytes: int, what: str) -> tuple[str, int]:
     """Copies ``file`` into the store; returns (sha256, size). Over ``max_bytes``: 413 and
-    nothing stored."""
+    nothing stored. An upload that is refused later, once stored, is left to the store's
+    collector: deleting it here could delete the same bytes that a concurrent upload is about
+    to register (NOTE [ Store garbage collection ] in service/store_gc.py)."""
     try:
         with store.writer(max_bytes=max_bytes) as writer:
             while chunk := file.read(CHUNK_BYTES):
@@ -28,9 +29,3 @@ def store_upload(store: Store, file: BinaryIO, max_bytes: int, what: str) -> tup
             "or raise the limit in the settings",
         ) from exc
     return writer.sha256, writer.size
-
-
-def discard_unreferenced(records: Records, store: Store, sha256: str) -> None:
-    """Deletes an upload that was refused, unless a registered resource uses the same bytes."""
-    if not records.sha_referenced(sha256):
-        store.delete(sha256)

@@ -177,11 +177,11 @@ def test_missing_object(store: LocalStore) -> None:
         store.local_path(missing)
 
 
-def test_delete_is_idempotent(store: LocalStore) -> None:
+def test_a_removed_object_can_be_written_again(store: LocalStore) -> None:
     digest = store.put_bytes(b"bye")
-    store.delete(digest)
+    assert store.remove_unused(digest, time.time() + 60, lambda sha: False)
     assert not store.exists(digest)
-    store.delete(digest)
+    assert not store.remove_unused(digest, time.time() + 60, lambda sha: False)
     assert store.put_bytes(b"bye") == digest
     assert store.exists(digest)
 
@@ -200,7 +200,10 @@ def test_delete_is_idempotent(store: LocalStore) -> None:
     ],
 )
 def test_bad_sha256(store: LocalStore, bad: str) -> None:
-    for method in (store.open, store.local_path, store.exists, store.delete):
+    def remove(sha256: str) -> bool:
+        return store.remove_unused(sha256, time.time(), lambda sha: False)
+
+    for method in (store.open, store.local_path, store.exists, remove):
         with pytest.raises(ValueError, match="64 lowercase hexadecimal"):
             method(bad)
     with pytest.raises(ValueError, match="not a sha256"):

@@ -4,6 +4,9 @@
 worker's output bitwise (:func:`compute_evaluation` for ``evaluate`` jobs). The model always
 runs through workers/checkpoint.py with the job's checkpoint policy, so its statistics are
 right whatever the policy.
+
+What the computation reports to and asks the outside: workers/hooks.py. An adapt job's
+estimation step (which estimator runs, or the merge of a sharded job): workers/estimation.py.
 """
 
 from __future__ import annotations
@@ -11,9 +14,8 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Final, Literal, Protocol, assert_never
+from typing import Any, Final
 
 import safetensors.torch
 import torch
@@ -39,24 +41,21 @@ from workers.architectures import (
     registry,
     resolve_kwargs,
 )
-from workers.data import iter_batches, num_batches, to_tensors
+from workers.data import num_batches, to_tensors
 from workers.errors import ArchitectureError, DataError, WorkerError
-from workers.estimators import AdaptStats, adapt_batchnorm, select_batchnorm
+from workers.estimation import Estimate, run_estimator
+from workers.estimators import select_batchnorm
 from workers.evaluation import Metrics as EvalMetrics
 from workers.evaluation import evaluate, loss_for
+from workers.hooks import JobHooks, NoHooks
 from workers.policy import apply_checkpoint_policy
-from workers.precise import layerwise_precise_batchnorm, precise_batchnorm, prior_batchnorm
 from workers.reporting import batchnorm_changes, state_snapshot, tensor_changes
-from workers.tent import entropy_adapt
 from workers.training import train_model
 
 __all__ = [
     "WORKER_DEVICE_ENV",
-    "Estimate",
-    "JobHooks",
     "JobOutcome",
     "LoadedJob",
-    "NoHooks",
     "compute",
     "compute_evaluation",
     "load_job",
@@ -68,33 +67,6 @@ __all__ = [
 # Set by `bnadapt worker --device`; a job's `device: auto` means this worker's device.
 WORKER_DEVICE_ENV: Final = "BNADAPT_WORKER_DEVICE"
 EVAL_BATCH_SIZE: Final = 512
-
-
-class JobHooks(Protocol):
-    """What the computation reports to, and asks, the outside (see workers/runtime.py)."""
-
-    def start_phase(
-        self, phase: str, total: int, unit: Literal["batches", "steps"], samples_per_unit: float
-    ) -> None: ...
-
-    def report(self, done: int) -> None: ...
-
-    def should_stop(self) -> bool: ...
-
-
-class NoHooks:
-    """For in-process runs: no progress, never stops."""
-
-    def start_phase(
-        self, phase: str, total: int, unit: Literal["batches", "steps"], samples_per_unit: float
-    ) -> None:
-        return None
-
-    def report(self, done: int) -> None:
-        return None
-
-    def should_stop(self) -> bool:
-        return False
 
 
 @dataclass(frozen=True)
@@ -163,12 +135,6 @@ def load_job(payload: JobPayload, store: Store) -> LoadedJob:
     return LoadedJob(model, x, y, device, arch)
 
 
-# An adapt job's estimation step on the loaded model and its selected `layers`. By default the
-# job's estimator runs over the dataset (`_adapt`); the merge of a sharded job applies the
-# statistics its shards collected instead (workers/shards.py).
-Estimate = Callable[[nn.Module, AdaptParams, list[str], JobHooks], AdaptStats]
-
-
 def weights_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
     return safetensors.torch.save({k: v.contiguous() for k, v in state_dict.items()})
 
@@ -211,7 +177,7 @@ def compute(
     if isinstance(params, AdaptParams):
         adapted = select_batchnorm(model, params.include, params.exclude)
         reset = params.effective_reset()
-        run = estimate or functools.partial(_adapt, x=x, reset=reset, device=device)
+        run = estimate or functools.partial(run_estimator, x=x, reset=reset, device=device)
         stats = run(model, params, adapted, hooks)
         # `batches` is what each adapted layer ran in train mode (entropy: one per step), so
         # num_batches_tracked_after == (0 if reset else before) + batches in the report.
@@ -332,82 +298,6 @@ def compute_evaluation(payload: JobPayload, store: Store, hooks: JobHooks | None
         tensors=[],
         metrics_before=_metrics(found),
     )
-
-
-def _adapt(
-    model: nn.Module,
-    params: AdaptParams,
-    layers: list[str],
-    hooks: JobHooks,
-    *,
-    x: torch.Tensor,
-    reset: bool,
-    device: torch.device,
-) -> AdaptStats:
-    """Runs the job's estimator on ``x`` (N, ...) on the CPU, batch by batch on ``device``."""
-    total = num_batches(len(x), params.batch_size, params.max_batches)
-
-    def fresh_data() -> Iterator[torch.Tensor]:  # (B, ...) on the device, batch by batch
-        return (b.to(device) for b in iter_batches(x, params.batch_size, params.max_batches))
-
-    data = fresh_data()
-    progress, should_stop = hooks.report, hooks.should_stop
-    estimator = params.estimator
-    match estimator:
-        case "ema" | "cumulative":
-            hooks.start_phase("adapt", total, "batches", float(params.batch_size))
-            return adapt_batchnorm(
-                model,
-                data,
-                estimator=estimator,
-                layers=layers,
-                reset=reset,
-                progress=progress,
-                should_stop=should_stop,
-            )
-        case "precise" if params.layerwise:
-            hooks.start_phase("adapt", total * len(layers), "batches", float(params.batch_size))
-            return layerwise_precise_batchnorm(
-                model,
-                fresh_data,
-                layers=layers,
-                progress=progress,
-                should_stop=should_stop,
-            )
-        case "precise":
-            hooks.start_phase("adapt", total, "batches", float(params.batch_size))
-            return precise_batchnorm(
-                model, data, layers=layers, progress=progress, should_stop=should_stop
-            )
-        case "prior":
-            hooks.start_phase("adapt", total, "batches", float(params.batch_size))
-            return prior_batchnorm(
-                model,
-                data,
-                layers=layers,
-                strength=params.prior_strength,
-                base=params.prior_base,
-                progress=progress,
-                should_stop=should_stop,
-            )
-        case "entropy":
-            steps = params.steps or total
-            hooks.start_phase("adapt", steps, "steps", float(params.batch_size))
-            # Views of the CPU tensor: each step moves its batch to `device`.
-            views = list(iter_batches(x, params.batch_size, params.max_batches))
-            return entropy_adapt(
-                model,
-                views,
-                layers=layers,
-                lr=params.lr,
-                steps=steps,
-                optimizer=params.optimizer,
-                reset=reset,
-                progress=progress,
-                should_stop=should_stop,
-            )
-        case _:
-            assert_never(estimator)
 
 
 def _batchnorm_names(model: nn.Module) -> list[tuple[str, nn.Module]]:

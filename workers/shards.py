@@ -24,10 +24,12 @@ from torch import nn
 from api_schemas import AdaptParams, JobPayload, RequestModel
 from api_schemas.reports import ShardSummary
 from service.store import Store
-from workers.compute import Estimate, JobHooks, JobOutcome, NoHooks, compute, load_job
+from workers.compute import JobOutcome, compute, load_job
 from workers.data import iter_batches, num_batches
 from workers.errors import AdaptError
+from workers.estimation import Estimate
 from workers.estimators import AdaptStats, select_batchnorm
+from workers.hooks import JobHooks, NoHooks
 from workers.layer_statistics import LayerStatistics, Weighting
 from workers.precise import apply_statistics, collect_statistics, mix_with_source
 

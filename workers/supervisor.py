@@ -1,8 +1,9 @@
 """``bnadapt worker``: keeps one RQ worker and one inspector process running.
 
 A child that exits (Redis went away for a few seconds, say: RQ's worker then exits) is started
-again with a growing delay. The supervisor also sweeps for jobs whose process died (see
-service/reaper.py), so jobs are failed even where no API runs. SIGINT or SIGTERM stops the
+again with a growing delay. The supervisor also does the housekeeping (service/housekeeping.py:
+failing jobs whose process died, collecting unused store objects), so both happen even where no
+API runs. SIGINT or SIGTERM stops the
 children: RQ finishes the current job on the first signal; after ``STOP_GRACE_S`` the
 supervisor signals again (RQ then kills the job) and finally kills what is left.
 """
@@ -20,10 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
-from service.reaper import Reaper
+from service.housekeeping import Housekeeping
 from service.records import Records
 from service.redis_conn import redis_client
 from service.settings import get_settings
+from service.store import LocalStore
 from workers.compute import WORKER_DEVICE_ENV
 
 __all__ = ["main", "worker_commands"]
@@ -34,7 +36,7 @@ STOP_GRACE_S: Final = 20.0
 MAX_RESTART_DELAY_S: Final = 30.0
 # A child that ran this long before exiting restarts at once (its delay resets).
 STABLE_AFTER_S: Final = 60.0
-REAPER_INTERVAL_S: Final = 10.0
+HOUSEKEEPING_INTERVAL_S: Final = 10.0
 
 
 @dataclass
@@ -93,10 +95,13 @@ def _stop_all(children: list[_Child]) -> None:
 
 def supervise(device: str, stop: threading.Event) -> None:
     settings = get_settings()
-    reaper = Reaper(
-        Records(redis_client(settings.redis_url)), settings.heartbeat_timeout_s, REAPER_INTERVAL_S
+    housekeeping = Housekeeping(
+        Records(redis_client(settings.redis_url)),
+        LocalStore(settings.store_path),
+        settings,
+        HOUSEKEEPING_INTERVAL_S,
     )
-    reaper.start()
+    housekeeping.start()
     children = [_Child(name, cmd, env) for name, cmd, env in worker_commands(device)]
     try:
         while not stop.is_set():
@@ -117,7 +122,7 @@ def supervise(device: str, stop: threading.Event) -> None:
             stop.wait(0.5)
     finally:
         _stop_all(children)
-        reaper.stop()
+        housekeeping.stop()
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from service.deps import DatasetDep, RecordsDep, SettingsDep, StoreDep, TenantDe
 from service.errors import ArrayFileError
 from service.problems import ApiError
 from service.settings import DEFAULT_MAX_DATASET_BYTES
-from service.uploads import discard_unreferenced, store_upload
+from service.uploads import store_upload
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -38,7 +38,6 @@ def create_dataset(
             store.local_path(sha256), max_elements=settings.max_dataset_elements
         )
     except ArrayFileError as exc:
-        discard_unreferenced(records, store, sha256)
         raise ApiError(422, str(exc)) from exc
     dataset = DatasetPublic(
         id=new_id("ds"),
@@ -76,9 +75,8 @@ def get_dataset(dataset: DatasetDep) -> DatasetPublic:
 
 
 @router.delete("/{dataset_id}", status_code=204)
-def delete_dataset(
-    dataset: DatasetDep, tenant: TenantDep, records: RecordsDep, store: StoreDep
-) -> Response:
-    if records.delete_dataset(tenant, dataset):
-        store.delete(dataset.sha256)
+def delete_dataset(dataset: DatasetDep, tenant: TenantDep, records: RecordsDep) -> Response:
+    """Deletes the dataset. Its file stays in the store while jobs or other datasets use the
+    same bytes; otherwise the store's collector removes it after the grace period."""
+    records.delete_dataset(tenant, dataset)
     return Response(status_code=204)

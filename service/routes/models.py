@@ -15,7 +15,7 @@ from service.errors import WeightsFileError
 from service.inspection import inspect_model, new_request_id
 from service.problems import ApiError, problem_items
 from service.settings import DEFAULT_MAX_WEIGHTS_BYTES
-from service.uploads import discard_unreferenced, store_upload
+from service.uploads import store_upload
 from service.weights_file import read_weights_header
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
@@ -60,7 +60,6 @@ def create_model(
         try:
             read_weights_header(store.local_path(sha256))
         except WeightsFileError as exc:
-            discard_unreferenced(records, store, sha256)
             raise ApiError(422, str(exc), errors=None) from exc
     request = InspectRequest(
         request_id=new_request_id(),
@@ -69,12 +68,7 @@ def create_model(
         weights_sha256=sha256,
         seed=create.seed,
     )
-    try:
-        found = inspect_model(records.client, request, settings.inspect_timeout_s)
-    except ApiError:
-        if sha256 is not None:
-            discard_unreferenced(records, store, sha256)
-        raise
+    found = inspect_model(records.client, request, settings.inspect_timeout_s)
     model = ModelPublic(
         id=new_id("mdl"),
         architecture=create.architecture,
@@ -128,9 +122,8 @@ def download_weights(
 
 
 @router.delete("/{model_id}", status_code=204)
-def delete_model(
-    model: ModelDep, tenant: TenantDep, records: RecordsDep, store: StoreDep
-) -> Response:
-    if records.delete_model(tenant, model):
-        store.delete(model.sha256)
+def delete_model(model: ModelDep, tenant: TenantDep, records: RecordsDep) -> Response:
+    """Deletes the model. Its weights stay in the store while jobs or other models use the
+    same bytes; otherwise the store's collector removes them after the grace period."""
+    records.delete_model(tenant, model)
     return Response(status_code=204)
