@@ -22,10 +22,10 @@ __all__ = [
     "idempotency",
     "inspect_reply",
     "job_cancel",
+    "job_child_result",
     "job_heartbeat",
     "job_progress",
     "job_shard_progress",
-    "job_shard_result",
     "job_shards",
     "record",
     "sha_refs",
@@ -108,9 +108,10 @@ def job_shard_progress(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:shard-progress"
 
 
-def job_shard_result(job_id: str, index: int) -> str:
-    """The statistics shard ``index`` collected (JSON), for the merge; with a TTL."""
-    return f"{PREFIX}:job:{job_id}:shard-result:{index}"
+def job_child_result(job_id: str, child: str) -> str:
+    """What child ``child`` of a sharded job hands on (JSON), e.g. the statistics a shard
+    collected, for the merge; with a TTL."""
+    return f"{PREFIX}:job:{job_id}:result:{child}"
 
 
 def idempotency(tenant_id: str, key: str) -> str:

@@ -20,7 +20,7 @@ from typing import Final
 
 from api_schemas import JobStatus, utc_now
 from service.records import Records
-from service.shard_records import ChildState, ShardRecords, describe_child
+from service.shard_records import ChildState, ShardRecords, describe_child, is_shard
 
 __all__ = ["judge_sharded", "reap_stale_jobs"]
 
@@ -71,7 +71,7 @@ def judge_sharded(
 ) -> tuple[JobStatus, str | None] | None:
     """None while the running sharded job ``job_id`` can still finish; else the status (and
     error) it ends with."""
-    shards = sum(1 for child in children if child.startswith("shard-"))
+    shards = sum(1 for child in children if is_shard(child))
     running = [c for c, state in children.items() if state is ChildState.RUNNING]
     for child in running:
         if not shard_records.alive(job_id, child):
@@ -93,8 +93,8 @@ def judge_sharded(
     queued = [c for c, state in children.items() if state is ChildState.QUEUED]
     if not queued:
         return JobStatus.FAILED, (
-            "the shards and the merge of this job all ended without finishing it; submit the "
-            "job again"
+            "the shards and the other children of this job all ended without finishing it; "
+            "submit the job again"
         )
     lost = shard_records.lost_from_queue(job_id, queued)
     if lost:

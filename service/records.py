@@ -45,7 +45,7 @@ from service.record_format import (
     verify_api_key,
 )
 
-__all__ = ["ApiKey", "Records"]
+__all__ = ["ApiKey", "Records", "release_sha_ref"]
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -73,6 +73,13 @@ return current
 class ApiKey(BaseModel):
     tenant_id: str
     key: str
+
+
+def release_sha_ref(pipe: redis.client.Pipeline, sha256: str, owner_id: str) -> None:
+    """Drops ``owner_id``'s use of a store object, noting when for the store's collector
+    (NOTE [ Store garbage collection ] in service/store_gc.py)."""
+    pipe.srem(keys.sha_refs(sha256), owner_id)
+    pipe.zadd(keys.STORE_RELEASED, {sha256: time.time()})
 
 
 class Records:
@@ -140,7 +147,7 @@ class Records:
         collector deletes once nothing else uses them (NOTE [ Store garbage collection ])."""
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, "model", model.id, model.created_at)
-        self._release(pipe, model.sha256, model.id)
+        release_sha_ref(pipe, model.sha256, model.id)
         pipe.execute()
 
     def put_dataset(self, tenant_id: str, dataset: DatasetPublic) -> None:
@@ -173,17 +180,12 @@ class Records:
         """Deletes the record and drops its reference to the file (see :meth:`delete_model`)."""
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, "dataset", dataset.id, dataset.created_at)
-        self._release(pipe, dataset.sha256, dataset.id)
+        release_sha_ref(pipe, dataset.sha256, dataset.id)
         pipe.execute()
 
     def add_sha_ref(self, sha256: str, owner_id: str) -> None:
         """Marks a store object as used by ``owner_id`` (a model, dataset or job)."""
         self.client.sadd(keys.sha_refs(sha256), owner_id)
-
-    @staticmethod
-    def _release(pipe: redis.client.Pipeline, sha256: str, owner_id: str) -> None:
-        pipe.srem(keys.sha_refs(sha256), owner_id)
-        pipe.zadd(keys.STORE_RELEASED, {sha256: time.time()})
 
     # --- jobs -----------------------------------------------------------------------------
 

@@ -4,18 +4,22 @@ Workers write them (workers/shard_jobs.py; the design is NOTE [ Sharded adaptati
 workers/shards.py); the reaper reads them (service/reaper.py) to tell a sharded job that waits
 for free workers from one whose children died. Per parent job ``P``:
 
-- ``keys.job_shards(P)``, a hash: per child (``shard-0`` ... ``shard-{K-1}``, ``merge``) its
+- ``keys.job_shards(P)``, a hash: per child (``shard-0`` ... ``shard-{K-1}``, ``merge``, and
+  for a dataset with labels ``eval-0`` ... ``eval-{K-1}`` and ``finish``) its
   :class:`ChildState`; ``<child>.process``: host:pid of the process that claimed it;
-  ``dispatched``: set once every child is in the queue.
+  ``dispatched``: set once every child is in the queue; ``merge.weights``: the sha256 of the
+  merged weights while they wait in the store for the evaluation children (referenced by the
+  merge's RQ id until the job ends).
 - ``keys.job_shard_progress(P)``, a hash: each shard's own progress, summed into P's
   ``Progress`` at ``keys.job_progress(P)`` (what ``GET /v1/jobs/{id}`` shows).
-- ``keys.job_shard_result(P, i)``: the statistics shard i collected (JSON), with a TTL.
+- ``keys.job_child_result(P, child)``: what a child hands on (JSON), with a TTL.
 - ``keys.job_heartbeat(<child's RQ id>)``: refreshed while the child runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Final
 
@@ -28,21 +32,29 @@ from rq.job import JobStatus as RQStatus
 from api_schemas import Progress
 from service import keys
 from service.record_format import text
+from service.records import release_sha_ref
 
 __all__ = [
+    "FINISH",
     "MERGE",
     "RESULT_TTL_S",
     "ChildState",
     "ShardRecords",
     "child_job_id",
     "describe_child",
+    "eval_name",
+    "is_shard",
     "shard_name",
 ]
 
 
 MERGE: Final = "merge"
+FINISH: Final = "finish"
+_MERGED_WEIGHTS: Final = f"{MERGE}.weights"
+_SHARD_PREFIX: Final = "shard-"
+_EVAL_PREFIX: Final = "eval-"
 DISPATCHED: Final = "dispatched"
-# Shard results wait this long for their merge; a merge that has not run by then fails.
+# Children's results wait this long for the next child; one that has not run by then fails.
 RESULT_TTL_S: Final = 7 * 24 * 3600
 # RQ states in which a child that has not claimed itself yet will still run.
 _WAITING_IN_RQ: Final = {
@@ -90,7 +102,15 @@ class ChildState(StrEnum):
 
 
 def shard_name(index: int) -> str:
-    return f"shard-{index}"
+    return f"{_SHARD_PREFIX}{index}"
+
+
+def eval_name(index: int) -> str:
+    return f"{_EVAL_PREFIX}{index}"
+
+
+def is_shard(child: str) -> bool:
+    return child.startswith(_SHARD_PREFIX)
 
 
 def child_job_id(parent_id: str, child: str) -> str:
@@ -99,10 +119,13 @@ def child_job_id(parent_id: str, child: str) -> str:
 
 
 def describe_child(child: str, shards: int) -> str:
-    """``shard 2 of 4`` or ``the merge``, for messages."""
-    if child == MERGE:
-        return f"the merge of the {shards} shards"
-    return f"shard {int(child.removeprefix('shard-')) + 1} of {shards}"
+    """``shard 2 of 4``, ``the merge of the 4 shards``, ``evaluation 2 of 4`` or ``the finish
+    of the 4 shards``, for messages."""
+    if child in (MERGE, FINISH):
+        return f"the {child} of the {shards} shards"
+    if child.startswith(_EVAL_PREFIX):
+        return f"evaluation {int(child.removeprefix(_EVAL_PREFIX)) + 1} of {shards}"
+    return f"shard {int(child.removeprefix(_SHARD_PREFIX)) + 1} of {shards}"
 
 
 class _ShardProgress(BaseModel):
@@ -120,10 +143,18 @@ class ShardRecords:
         self._claim = client.register_script(_CLAIM_LUA)
         self._cancel_queued = client.register_script(_CANCEL_QUEUED_LUA)
 
-    def plan(self, parent_id: str, shard_batches: list[int], progress: Progress) -> None:
-        """Records every child as queued, each shard's progress as none yet, and the parent's
-        ``progress``; call before enqueueing the children."""
-        children = [shard_name(i) for i in range(len(shard_batches))] + [MERGE]
+    def plan(
+        self,
+        parent_id: str,
+        shard_batches: list[int],
+        progress: Progress,
+        after_merge: Sequence[str] = (),
+    ) -> None:
+        """Records every child (the shards, the merge and the children ``after_merge``) as
+        queued, each shard's progress as none yet, and the parent's ``progress``; call before
+        enqueueing the children."""
+        shards = [shard_name(i) for i in range(len(shard_batches))]
+        children = [*shards, MERGE, *after_merge]
         pipe = self.client.pipeline()
         pipe.delete(keys.job_shards(parent_id), keys.job_shard_progress(parent_id))
         pipe.hset(keys.job_shards(parent_id), mapping=dict.fromkeys(children, ChildState.QUEUED))
@@ -184,23 +215,41 @@ class ShardRecords:
         return bool(self.client.exists(keys.job_heartbeat(child_job_id(parent_id, child))))
 
     def finish(
-        self, parent_id: str, child: str, state: ChildState, result: tuple[int, str] | None = None
+        self, parent_id: str, child: str, state: ChildState, result: str | None = None
     ) -> None:
-        """Records how ``child`` ended, with shard ``result`` = (index, JSON) when it has one,
-        both at once."""
+        """Records how ``child`` ended, with the ``result`` (JSON) it hands on when it has
+        one, both at once."""
         pipe = self.client.pipeline()
         if result is not None:
-            index, text = result
-            pipe.set(keys.job_shard_result(parent_id, index), text, ex=RESULT_TTL_S)
+            pipe.set(keys.job_child_result(parent_id, child), result, ex=RESULT_TTL_S)
         pipe.hset(keys.job_shards(parent_id), child, state)
         pipe.execute()
 
-    def result(self, parent_id: str, index: int) -> str | None:
-        value = self.client.get(keys.job_shard_result(parent_id, index))
+    def hold_weights(self, parent_id: str, sha256: str) -> None:
+        """Keeps the merged weights in the store (a reference of the merge's) until
+        :meth:`release_weights`: the evaluation children may wait for workers for long."""
+        pipe = self.client.pipeline()
+        pipe.sadd(keys.sha_refs(sha256), child_job_id(parent_id, MERGE))
+        pipe.hset(keys.job_shards(parent_id), _MERGED_WEIGHTS, sha256)
+        pipe.execute()
+
+    def release_weights(self, parent_id: str) -> None:
+        """Drops the merge's reference once the job ended (a registered model keeps its own)."""
+        sha256 = self.client.hget(keys.job_shards(parent_id), _MERGED_WEIGHTS)
+        if sha256 is None:
+            return
+        pipe = self.client.pipeline()
+        release_sha_ref(pipe, text(sha256), child_job_id(parent_id, MERGE))
+        pipe.hdel(keys.job_shards(parent_id), _MERGED_WEIGHTS)
+        pipe.execute()
+
+    def result(self, parent_id: str, child: str) -> str | None:
+        value = self.client.get(keys.job_child_result(parent_id, child))
         return None if value is None else text(value)
 
-    def delete_results(self, parent_id: str, shards: int) -> None:
-        self.client.delete(*(keys.job_shard_result(parent_id, i) for i in range(shards)))
+    def delete_results(self, parent_id: str, children: Sequence[str]) -> None:
+        if children:
+            self.client.delete(*(keys.job_child_result(parent_id, c) for c in children))
 
     def publish_progress(self, parent_id: str, child: str, progress: Progress) -> None:
         """Records shard ``child``'s own ``progress`` and writes the parent's: done and total
@@ -244,8 +293,9 @@ class ShardRecords:
 
     def discard(self, parent_id: str) -> list[str]:
         """Once the parent has ended: marks the children still queued canceled, takes them out
-        of the RQ queue, and deletes the shard results. Returns the canceled children; running
-        ones stop by themselves (their parent is no longer running)."""
+        of the RQ queue, deletes the children's results and releases the merged weights.
+        Returns the canceled children; running ones stop by themselves (their parent is no
+        longer running)."""
         raw = self.client.hgetall(keys.job_shards(parent_id))
         children = [text(k) for k in raw if text(k) != DISPATCHED and "." not in text(k)]
         if not children:
@@ -258,8 +308,8 @@ class ShardRecords:
                 Job.fetch(
                     child_job_id(parent_id, child), connection=self.client, serializer="json"
                 ).cancel()
-        shards = sum(1 for c in children if c != MERGE)
-        self.delete_results(parent_id, shards)
+        self.delete_results(parent_id, children)
+        self.release_weights(parent_id)
         return canceled
 
 

@@ -19,11 +19,12 @@ from api_schemas import (
     new_id,
     utc_now,
 )
+from service import keys
 from service.reaper import reap_stale_jobs
 from service.records import Records
 from service.redis_conn import redis_client
 from service.settings import Settings
-from service.shard_records import MERGE, ChildState, ShardRecords, child_job_id
+from service.shard_records import FINISH, MERGE, ChildState, ShardRecords, child_job_id
 from service.store import LocalStore
 from tests.stack import npz_bytes
 from tests.test_shards import adapt_payload
@@ -39,11 +40,15 @@ def records(redis_url: str) -> Records:
     return Records(redis_client(redis_url))
 
 
-def new_job(records: Records, store: LocalStore, params: AdaptParams) -> JobPayload:
+def new_job(
+    records: Records, store: LocalStore, params: AdaptParams, labels: bool = False
+) -> JobPayload:
     """A job record, as the API makes it, marked running as the worker that takes it does."""
-    x = np.random.default_rng(0).random((20, 1, 8, 8), dtype=np.float32)
+    rng = np.random.default_rng(0)
+    x = rng.random((20, 1, 8, 8), dtype=np.float32)
+    data = npz_bytes(x=x, y=rng.integers(0, 10, 20)) if labels else npz_bytes(x=x)
     job_id = new_id("job")
-    payload = adapt_payload(store, npz_bytes(x=x), params, 4, job_id, TENANT)
+    payload = adapt_payload(store, data, params, 4, job_id, TENANT)
     public = JobPublic(
         id=job_id,
         kind="adapt",
@@ -58,17 +63,28 @@ def new_job(records: Records, store: LocalStore, params: AdaptParams) -> JobPayl
     return payload
 
 
-@pytest.fixture
-def sharded(records: Records, redis_url: str, tmp_path: Path) -> JobPayload:
+def dispatched(records: Records, redis_url: str, tmp_path: Path, labels: bool) -> JobPayload:
     """A running job of 20 samples in 5 batches, split into 2 shards (3 + 2 batches) and
     dispatched by the real start_shards: its children wait in a queue no worker serves."""
     store = LocalStore(tmp_path / "store")
-    job = new_job(records, store, AdaptParams(estimator="precise", batch_size=4, shards=2))
+    params = AdaptParams(estimator="precise", batch_size=4, shards=2)
+    job = new_job(records, store, params, labels)
     settings = Settings(redis_url=redis_url, data_dir=tmp_path, queue="shard-tests")
     with JobRuntime(records, job.job_id, TIMEOUT_S) as runtime:
         answer = start_shards(job, records, store, runtime, settings)
     assert answer == {"job_id": job.job_id, "status": "running", "shards": "2"}
     return job
+
+
+@pytest.fixture
+def sharded(records: Records, redis_url: str, tmp_path: Path) -> JobPayload:
+    return dispatched(records, redis_url, tmp_path, labels=False)
+
+
+@pytest.fixture
+def labelled(records: Records, redis_url: str, tmp_path: Path) -> JobPayload:
+    """As ``sharded``, on data with labels: evaluation children and a finish follow the merge."""
+    return dispatched(records, redis_url, tmp_path, labels=True)
 
 
 def rq_status(records: Records, job_id: str, child: str) -> str:
@@ -200,3 +216,42 @@ def test_the_job_progress_sums_its_shards(records: Records, sharded: JobPayload)
     assert shown() == (3, 5, 10.0, 4.0)
     shard_records.publish_progress(sharded.job_id, "shard-0", progress(3, 3, 0.0))
     assert shown() == (5, 5, 0.0, 0.0)
+
+
+def test_labelled_data_adds_evaluation_children_after_the_merge(
+    records: Records, labelled: JobPayload
+) -> None:
+    shard_records = ShardRecords(records.client)
+    children = shard_records.children(labelled.job_id)
+    order = ["shard-0", "shard-1", MERGE, "eval-0", "eval-1", FINISH]
+    assert children == dict.fromkeys(order, ChildState.QUEUED)
+    assert [rq_status(records, labelled.job_id, c) for c in order] == [
+        "queued",
+        "queued",
+        *["deferred"] * 4,  # the merge waits for the shards, they for it, the finish for them
+    ]
+    # The shards and the merge done, one evaluation waiting for a worker: still running.
+    for child in ("shard-0", "shard-1", MERGE):
+        assert shard_records.claim(labelled.job_id, child, "host:1", TIMEOUT_S) is None
+        shard_records.finish(labelled.job_id, child, ChildState.DONE, "{}")
+    merged = "ab" * 32  # the merged weights wait in the store, referenced by the merge
+    shard_records.hold_weights(labelled.job_id, merged)
+    merge_id = child_job_id(labelled.job_id, MERGE)
+    assert records.client.smembers(keys.sha_refs(merged)) == {merge_id.encode()}
+    time.sleep(TIMEOUT_S * 2)
+    assert reap_stale_jobs(records, TIMEOUT_S) == []
+    # An evaluation child that dies fails the job, naming it; the rest never run.
+    assert shard_records.claim(labelled.job_id, "eval-1", "host:2", TIMEOUT_S) is None
+    time.sleep(TIMEOUT_S * 2)
+    assert reap_stale_jobs(records, TIMEOUT_S) == [labelled.job_id]
+    job = records.get_job(TENANT, labelled.job_id)
+    assert job is not None and job.error is not None
+    assert job.error.startswith("evaluation 2 of 2 stopped sending heartbeats for 0.5 s")
+    children = shard_records.children(labelled.job_id)
+    assert children is not None
+    assert (children["eval-0"], children[FINISH]) == ("canceled", "canceled")
+    assert rq_status(records, labelled.job_id, FINISH) == "canceled"
+    # Every child's hand-over is deleted with the job's end, and the weights released.
+    assert shard_records.result(labelled.job_id, MERGE) is None
+    assert records.client.smembers(keys.sha_refs(merged)) == set()
+    assert records.client.zscore(keys.STORE_RELEASED, merged) is not None

@@ -4,9 +4,11 @@ the single worker's result. No Redis here (the service path: tests/test_shards_e
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from pydantic import ValidationError
 
@@ -17,12 +19,17 @@ from tests.test_e2e import digits
 from workers.architectures import build_model
 from workers.compute import JobOutcome, compute, weights_bytes
 from workers.errors import AdaptError
+from workers.evaluation import Loss, MetricSums, evaluate, evaluate_sums
+from workers.saving import StoredWeights, store_weights
 from workers.shards import (
     ShardPlan,
     ShardResult,
     collect_shard,
     compute_merged,
+    evaluate_adapted,
+    plan_evaluation,
     plan_shards,
+    with_metrics,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,6 +51,42 @@ def test_plan_shards_covers_the_batches_in_contiguous_runs() -> None:
     assert [s.batches for s in plan_shards(18, 4)] == [5, 5, 4, 4]
     with pytest.raises(AdaptError, match="5 shards need at least 5 batches but the job runs 4"):
         plan_shards(4, 5)
+
+
+def test_plan_evaluation_covers_every_sample() -> None:
+    for samples in (1, 2, 7, 1797):
+        for parts in range(1, min(samples, 9) + 1):
+            ranges = plan_evaluation(samples, parts)
+            assert ranges[0].start == 0 and ranges[-1].stop == samples
+            for before, after in itertools.pairwise(ranges):
+                assert after.start == before.stop
+            sizes = [r.stop - r.start for r in ranges]
+            assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError, match="parts <= 3 samples"):
+        plan_evaluation(3, 4)
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+def test_metric_sums_of_parts_add_up_to_the_whole(loss: Loss) -> None:
+    torch.manual_seed(0)
+    model = build_model("mlp", {"in_features": 12, "hidden": 16, "num_classes": 3})
+    x = torch.randn(101, 12)
+    y = torch.randint(0, 3, (101,)) if loss == "cross_entropy" else torch.randn(101, 3)
+    whole = evaluate(model, x, y, batch_size=32, loss=loss)
+    parts = [
+        evaluate_sums(model, x[a:b], y[a:b], batch_size=32, loss=loss)
+        for a, b in [(0, 40), (40, 41), (41, 101)]
+    ]
+    # Through JSON, as they travel between workers.
+    parts = [MetricSums.from_dict(json.loads(json.dumps(p.to_dict()))) for p in parts]
+    summed = (parts[0] + parts[1] + parts[2]).metrics()
+    assert summed.num_samples == whole.num_samples == 101
+    assert summed.loss == pytest.approx(whole.loss, rel=1e-6)
+    assert (summed.accuracy, summed.mse is None) == (whole.accuracy, whole.mse is None)
+    if loss == "mse":
+        assert summed.mse == pytest.approx(whole.mse, rel=1e-6)
+    with pytest.raises(ValueError, match="cannot add metric sums"):
+        _ = parts[0] + MetricSums("mse", 1, 1, 0.0, 0)
 
 
 def test_sequential_estimators_refuse_shards() -> None:
@@ -108,6 +151,29 @@ def run_sharded(job: JobPayload, store: LocalStore, plan: list[ShardPlan]) -> Jo
     return compute_merged(job, store, results)
 
 
+def run_sharded_measured(
+    job: JobPayload, store: LocalStore, plan: list[ShardPlan]
+) -> tuple[JobOutcome, StoredWeights]:
+    """The path of a job on labelled data: the shards also measure the source model on their
+    part, the merge stores the weights unmeasured, K evaluation children measure them, and the
+    finish adds up both rounds (workers/shard_jobs.py runs the same calls)."""
+    parts = plan_evaluation(SAMPLES, len(plan))
+    results = [
+        ShardResult.from_json(collect_shard(job, store, shard, evaluate_part=part).to_json())
+        for shard, part in zip(plan, parts, strict=True)
+    ]
+    merged = compute_merged(job, store, results, measure=False)
+    assert (merged.report.metrics_before, merged.report.metrics_after) == (None, None)
+    weights = StoredWeights.model_validate_json(store_weights(merged, store).model_dump_json())
+    after = [
+        MetricSums.from_dict(
+            json.loads(json.dumps(evaluate_adapted(job, store, weights.sha256, part).to_dict()))
+        )
+        for part in parts
+    ]
+    return merged, with_metrics(weights, results, after)
+
+
 def assert_same_adaptation(
     sharded: dict[str, torch.Tensor], single: dict[str, torch.Tensor], batches: int
 ) -> None:
@@ -163,6 +229,25 @@ def test_merged_shards_equal_one_worker(store: LocalStore, params: dict[str, Any
     assert report.metrics_after is not None
     assert single.report.metrics_after is not None
     assert report.metrics_after.accuracy == single.report.metrics_after.accuracy
+
+
+@pytest.mark.parametrize("shards", [2, 3, 5])
+def test_sharded_evaluation_equals_one_workers(store: LocalStore, shards: int) -> None:
+    job = payload(store, {"estimator": "precise"})
+    single = compute(job, store)
+    merged, measured = run_sharded_measured(job, store, plan_shards(BATCHES, shards))
+    assert_same_adaptation(merged.state_dict, single.state_dict, BATCHES)
+    stored = safetensors.torch.load(store.local_path(measured.sha256).read_bytes())
+    assert all(torch.equal(stored[k], v) for k, v in merged.state_dict.items())
+    for which in ("metrics_before", "metrics_after"):
+        got, want = getattr(measured.report, which), getattr(single.report, which)
+        assert got is not None and want is not None, which
+        assert (got.num_samples, got.accuracy, got.mse) == (want.num_samples, want.accuracy, None)
+        assert got.loss == pytest.approx(want.loss, rel=1e-6), which
+    # Adapting changed the metrics: the sums are not the source model's twice.
+    assert measured.report.metrics_after != measured.report.metrics_before
+    assert measured.report.shards == merged.report.shards
+    assert measured.size_bytes == store.local_path(measured.sha256).stat().st_size
 
 
 def test_statistics_differ_from_the_source(store: LocalStore) -> None:

@@ -13,7 +13,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from service.shard_records import MERGE, ChildState, ShardRecords
+from service import keys
+from service.shard_records import FINISH, MERGE, ChildState, ShardRecords
 from tests.servers import stop_process, wait_for
 from tests.stack import Client, Stack, npz_bytes, running_stack
 from tests.test_e2e import created, digits, digits_npz
@@ -83,12 +84,27 @@ def test_sharded_jobs_equal_one_worker(stack: Stack) -> None:
         assert [s["samples"] for s in report["shards"]] == [600, 600, 597]
         assert all(s["worker"].startswith("bnadapt-") for s in report["shards"])  # RQ's names
         assert (report["batches"], report["samples"]) == (18, 1797)
-        assert client.http.get(single["result"]["report_url"]).json()["shards"] == []
-        # Three shard jobs and a merge ran, each once.
+        single_report = client.http.get(single["result"]["report_url"]).json()
+        assert single_report["shards"] == []
+        # Measured before and after on all 1797 digits, in three parts each: the same
+        # accuracy as one worker's, the loss up to float rounding.
+        for which in ("metrics_before", "metrics_after"):
+            got, want = report[which], single_report[which]
+            assert (got["num_samples"], got["accuracy"]) == (1797, want["accuracy"]), which
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), which
+        assert report["metrics_after"] != report["metrics_before"]  # the adapted model's
+        # Three shards, the merge, three evaluations and the finish ran, each once.
+        evaluations = ("eval-0", "eval-1", "eval-2")
         assert shard_records.children(sharded["id"]) == dict.fromkeys(
-            ("shard-0", "shard-1", "shard-2", MERGE), "done"
+            ("shard-0", "shard-1", "shard-2", MERGE, *evaluations, FINISH), "done"
         )
         assert shard_records.children(single["id"]) is None
+        # The merge's hold on the weights ended with the job: the model's own is left (and
+        # the single worker's model's, if its bytes came out the same).
+        output = client.http.get(f"/v1/models/{sharded['result']['model_id']}").json()
+        owners = shard_records.client.smembers(keys.sha_refs(output["sha256"]))
+        assert output["id"].encode() in owners
+        assert not [owner for owner in owners if owner.endswith(b"-merge")]
     # Shard jobs are no jobs of the user's.
     listed = [job["id"] for job in client.http.get("/v1/jobs").json()["items"]]
     assert sorted(listed) == sorted(jobs)

@@ -58,6 +58,7 @@ __all__ = [
     "LoadedJob",
     "compute",
     "compute_evaluation",
+    "contract_metrics",
     "load_job",
     "load_model",
     "resolve_device",
@@ -139,7 +140,8 @@ def weights_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
     return safetensors.torch.save({k: v.contiguous() for k, v in state_dict.items()})
 
 
-def _metrics(found: EvalMetrics | None) -> Metrics | None:
+def contract_metrics(found: EvalMetrics | None) -> Metrics | None:
+    """The contract's form of evaluation metrics."""
     return None if found is None else Metrics(**asdict(found))
 
 
@@ -148,9 +150,12 @@ def compute(
     store: Store,
     hooks: JobHooks | None = None,
     estimate: Estimate | None = None,
+    measure: bool = True,
 ) -> JobOutcome:
     """Runs the adapt or train job the payload describes and returns the new weights and the
-    report; ``estimate`` replaces an adapt job's estimator (see :data:`Estimate`)."""
+    report; ``estimate`` replaces an adapt job's estimator (see :data:`Estimate`). Without
+    ``measure`` the model is not evaluated before and after (a sharded job's evaluation
+    children do it)."""
     hooks = hooks or NoHooks()
     started = time.perf_counter()
     params = payload.params
@@ -158,8 +163,8 @@ def compute(
     model, x, y, device, arch = job.model, job.x, job.y, job.device, job.arch
     loss = None if y is None else (getattr(params, "loss", None) or loss_for(y))
 
-    def measure(phase: str) -> EvalMetrics | None:
-        if y is None or loss is None:
+    def measure_on_all(phase: str) -> EvalMetrics | None:
+        if y is None or loss is None or not measure:
             return None
         hooks.start_phase(phase, 1, "batches", float(len(x)))
         found = evaluate(model, x, y, batch_size=EVAL_BATCH_SIZE, loss=loss, device=device)
@@ -168,7 +173,7 @@ def compute(
 
     loaded = time.perf_counter()
     before = state_snapshot(model)
-    metrics_before = measure("evaluate before")
+    metrics_before = measure_on_all("evaluate before")
     computing = time.perf_counter()
     all_bn = [name for name, _ in _batchnorm_names(model)]
     epochs: list[EpochLog] = []
@@ -214,7 +219,7 @@ def compute(
         batches, samples, estimator = trained.steps, trained.samples, None
         adapted = all_bn
     computed = time.perf_counter()
-    metrics_after = measure("evaluate after")
+    metrics_after = measure_on_all("evaluate after")
     after = state_snapshot(model)
     report = Report(
         job_id=payload.job_id,
@@ -237,8 +242,8 @@ def compute(
             for c in batchnorm_changes(before, after, all_bn, set(adapted), batches, reset)
         ],
         tensors=[TensorChange(**asdict(c)) for c in tensor_changes(before, after)],
-        metrics_before=_metrics(metrics_before),
-        metrics_after=_metrics(metrics_after),
+        metrics_before=contract_metrics(metrics_before),
+        metrics_after=contract_metrics(metrics_after),
         epochs=epochs,
     )
     kwargs = resolve_kwargs(payload.model.architecture, payload.model.kwargs)
@@ -296,7 +301,7 @@ def compute_evaluation(payload: JobPayload, store: Store, hooks: JobHooks | None
         ),
         batchnorm=[],
         tensors=[],
-        metrics_before=_metrics(found),
+        metrics_before=contract_metrics(found),
     )
 
 

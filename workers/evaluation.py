@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -16,10 +17,12 @@ from workers.errors import DataError, JobCanceled
 
 __all__ = [
     "Loss",
+    "MetricSums",
     "Metrics",
     "check_targets",
     "compute_loss",
     "evaluate",
+    "evaluate_sums",
     "loss_for",
     "model_device",
     "training_flags",
@@ -36,6 +39,46 @@ class Metrics:
     loss: float
     accuracy: float | None
     mse: float | None
+
+
+@dataclass(frozen=True)
+class MetricSums:
+    """What :class:`Metrics` are computed from. Sums over disjoint parts of a dataset add up
+    to those over the whole (the parts of a sharded job: workers/shards.py)."""
+
+    loss: Loss
+    num_samples: int
+    values_per_sample: int  # target elements per sample: mse averages over all of them
+    loss_sum: float  # accumulated in float64
+    correct: int  # cross_entropy: samples whose largest output is the label
+
+    def __add__(self, other: MetricSums) -> MetricSums:
+        if (self.loss, self.values_per_sample) != (other.loss, other.values_per_sample):
+            raise ValueError(
+                f"cannot add metric sums of {self.loss} over {self.values_per_sample} values "
+                f"per sample to those of {other.loss} over {other.values_per_sample}"
+            )
+        return MetricSums(
+            self.loss,
+            self.num_samples + other.num_samples,
+            self.values_per_sample,
+            self.loss_sum + other.loss_sum,
+            self.correct + other.correct,
+        )
+
+    def metrics(self) -> Metrics:
+        if self.loss == "cross_entropy":
+            mean = self.loss_sum / self.num_samples
+            return Metrics(self.num_samples, mean, self.correct / self.num_samples, None)
+        mean = self.loss_sum / (self.num_samples * self.values_per_sample)
+        return Metrics(self.num_samples, mean, None, mean)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> MetricSums:
+        return cls(**fields)
 
 
 @contextmanager
@@ -126,6 +169,30 @@ def evaluate(
     ``no_grad``; every module's training flag is restored. Batches go to ``device``
     (default: the model's). ``progress`` sees the number of batches done; ``should_stop``
     is asked before each batch."""
+    return evaluate_sums(
+        model,
+        x,
+        y,
+        batch_size=batch_size,
+        loss=loss,
+        device=device,
+        progress=progress,
+        should_stop=should_stop,
+    ).metrics()
+
+
+def evaluate_sums(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    batch_size: int,
+    loss: Loss,
+    device: torch.device | str | None = None,
+    progress: Callable[[int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> MetricSums:
+    """:func:`evaluate`'s sums, before they become means."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     num_samples = x.shape[0]
@@ -152,8 +219,4 @@ def evaluate(
                 correct += (outputs.argmax(dim=1) == yb).sum()
             if progress is not None:
                 progress(done + 1)
-    if loss == "cross_entropy":
-        mean = total.item() / num_samples
-        return Metrics(num_samples, mean, correct.item() / num_samples, None)
-    mean = total.item() / (num_samples * y[0].numel())
-    return Metrics(num_samples, mean, None, mean)
+    return MetricSums(loss, num_samples, y[0].numel(), total.item(), int(correct.item()))

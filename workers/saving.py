@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from pydantic import BaseModel
+
 from api_schemas import (
     BatchNormLayer,
     JobPayload,
@@ -21,13 +23,22 @@ from api_schemas import (
     new_id,
     utc_now,
 )
+from api_schemas.reports import Report
 from service.records import Records
 from service.store import Store
 from workers.compute import JobOutcome, weights_bytes
 from workers.errors import JobCanceled
 from workers.runtime import JobRuntime
 
-__all__ = ["SavedOutcome", "error_message", "mark_succeeded", "save_outcome"]
+__all__ = [
+    "SavedOutcome",
+    "StoredWeights",
+    "error_message",
+    "mark_succeeded",
+    "register_output",
+    "save_outcome",
+    "store_weights",
+]
 
 MAX_ERROR_CHARS: Final = 2000
 
@@ -38,6 +49,30 @@ class SavedOutcome:
     report_sha256: str  # in the store
 
 
+class StoredWeights(BaseModel):
+    """A computed job's weights, already in the store, and what to register them with; the
+    merge of a sharded job hands this to the job's finish (as JSON)."""
+
+    sha256: str
+    size_bytes: int
+    report: Report
+    parameter_count: int
+    batchnorm_layers: list[BatchNormLayer]
+    input_shape: list[int | None]
+
+
+def store_weights(outcome: JobOutcome, store: Store) -> StoredWeights:
+    weights = weights_bytes(outcome.state_dict)
+    return StoredWeights(
+        sha256=store.put_bytes(weights),
+        size_bytes=len(weights),
+        report=outcome.report,
+        parameter_count=outcome.parameter_count,
+        batchnorm_layers=[BatchNormLayer(**layer) for layer in outcome.batchnorm_layers],
+        input_shape=outcome.input_shape,
+    )
+
+
 def save_outcome(
     job: JobPayload, outcome: JobOutcome, records: Records, store: Store, runtime: JobRuntime
 ) -> SavedOutcome:
@@ -46,20 +81,27 @@ def save_outcome(
     if runtime.check_cancel_now():
         raise JobCanceled(f"job {job.job_id} was canceled")
     runtime.start_phase("saving", 1, "batches", 0.0)
-    weights = weights_bytes(outcome.state_dict)
-    weights_sha256 = store.put_bytes(weights)
+    saved = register_output(job, store_weights(outcome, store), records, store)
+    runtime.report(1)
+    return saved
+
+
+def register_output(
+    job: JobPayload, weights: StoredWeights, records: Records, store: Store
+) -> SavedOutcome:
+    """Writes the report to the store and registers the new model with ``weights``."""
     model_id = new_id("mdl")
-    report = outcome.report.model_copy(update={"output_model_id": model_id})
+    report = weights.report.model_copy(update={"output_model_id": model_id})
     report_sha256 = store.put_bytes(report.model_dump_json(indent=2).encode())
     model = ModelPublic(
         id=model_id,
         architecture=job.model.architecture,
         kwargs=job.model.kwargs,
-        sha256=weights_sha256,
-        size_bytes=len(weights),
-        parameter_count=outcome.parameter_count,
-        batchnorm_layers=[BatchNormLayer(**layer) for layer in outcome.batchnorm_layers],
-        input_shape=outcome.input_shape,
+        sha256=weights.sha256,
+        size_bytes=weights.size_bytes,
+        parameter_count=weights.parameter_count,
+        batchnorm_layers=weights.batchnorm_layers,
+        input_shape=weights.input_shape,
         parent=job.model.id,
         source="job",
         job_id=job.job_id,
@@ -67,7 +109,6 @@ def save_outcome(
     )
     records.add_sha_ref(report_sha256, job.job_id)
     records.put_model(job.tenant_id, model)
-    runtime.report(1)
     return SavedOutcome(model, report_sha256)
 
 

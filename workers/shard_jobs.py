@@ -2,7 +2,8 @@
 
 - :func:`start_shards` — run by the worker that takes a job with ``shards > 1``: plans the
   shards, enqueues them and their merge, and returns.
-- :func:`run_shard`, :func:`run_merge` — the RQ entry points of the children.
+- :func:`run_shard`, :func:`run_merge`, :func:`run_eval`, :func:`run_finish` — the RQ entry
+  points of the children.
 - :func:`fail_killed_child` — for the RQ worker, when a child's process died.
 
 The computations are in workers/shards.py; see NOTE [ Sharded adaptation ] there.
@@ -10,6 +11,7 @@ The computations are in workers/shards.py; see NOTE [ Sharded adaptation ] there
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -26,30 +28,49 @@ from service.records import Records
 from service.redis_conn import redis_client
 from service.settings import Settings, get_settings
 from service.shard_records import (
+    FINISH,
     MERGE,
     ChildState,
     ShardRecords,
     child_job_id,
     describe_child,
+    eval_name,
+    is_shard,
     shard_name,
 )
 from service.store import LocalStore, Store
 from workers.data import num_batches
 from workers.errors import AdaptError, JobCanceled
+from workers.evaluation import MetricSums
 from workers.runtime import JobRuntime
-from workers.saving import SavedOutcome, error_message, mark_succeeded, save_outcome
+from workers.saving import (
+    SavedOutcome,
+    StoredWeights,
+    error_message,
+    mark_succeeded,
+    register_output,
+    save_outcome,
+    store_weights,
+)
 from workers.shards import (
     ShardedJob,
     ShardResult,
     collect_shard,
     compute_merged,
+    evaluate_adapted,
+    plan_evaluation,
     plan_shards,
+    with_metrics,
 )
 
 __all__ = [
+    "EVAL_FUNCTION",
+    "FINISH_FUNCTION",
     "MERGE_FUNCTION",
     "SHARD_FUNCTION",
     "fail_killed_child",
+    "run_eval",
+    "run_finish",
     "run_merge",
     "run_shard",
     "start_shards",
@@ -61,7 +82,9 @@ R = TypeVar("R")
 
 SHARD_FUNCTION: Final = "workers.shard_jobs.run_shard"
 MERGE_FUNCTION: Final = "workers.shard_jobs.run_merge"
-# The children's RQ results are tiny; their statistics live under keys.job_shard_result.
+EVAL_FUNCTION: Final = "workers.shard_jobs.run_eval"
+FINISH_FUNCTION: Final = "workers.shard_jobs.run_finish"
+# The children's RQ results are tiny; what they hand on lives under keys.job_child_result.
 RQ_RESULT_TTL_S: Final = 24 * 3600
 RQ_FAILURE_TTL_S: Final = 7 * 24 * 3600
 
@@ -86,10 +109,11 @@ class _ChildRuntime(JobRuntime):
         self._records.beat(child_job_id(self._job_id, self._child), self._ttl_s)
 
     def _write_progress(self, progress: Progress) -> None:
-        if self._child == MERGE:
-            super()._write_progress(progress)  # the merge's phases, as one worker writes them
-        else:
+        if is_shard(self._child):
             self._shard_records.publish_progress(self._job_id, self._child, progress)
+        elif self._child in (MERGE, FINISH):
+            super()._write_progress(progress)  # their phases, as one worker writes them
+        # An evaluation child's pass is one of K at once: the merge announced their phase.
 
 
 def _process_name() -> str:
@@ -110,9 +134,12 @@ def start_shards(
     the settings' queue; returns the RQ result of the job that started them."""
     params = job.params
     assert isinstance(params, AdaptParams)
-    num_samples = len(read_arrays(store.local_path(job.dataset.sha256), job.dataset.format).x)
+    arrays = read_arrays(store.local_path(job.dataset.sha256), job.dataset.format)
+    num_samples = len(arrays.x)
     total = num_batches(num_samples, params.batch_size, params.max_batches)
     plan = plan_shards(total, params.shards)
+    evaluation = None if arrays.y is None else plan_evaluation(num_samples, len(plan))
+    after_merge = [] if evaluation is None else [eval_name(i) for i in range(len(plan))]
     if runtime.check_cancel_now():
         raise JobCanceled(f"job {job.job_id} was canceled")
     shard_records = ShardRecords(records.client)
@@ -124,8 +151,10 @@ def start_shards(
         phase="adapt",
         updated_at=utc_now(),
     )
-    shard_records.plan(job.job_id, [shard.batches for shard in plan], progress)
-    spec = ShardedJob(payload=job, plan=plan).model_dump(mode="json")
+    if evaluation is not None:
+        after_merge.append(FINISH)
+    shard_records.plan(job.job_id, [shard.batches for shard in plan], progress, after_merge)
+    spec = ShardedJob(payload=job, plan=plan, evaluation=evaluation).model_dump(mode="json")
     queue = Queue(settings.queue, connection=records.client, serializer="json")
     options: dict[str, Any] = {
         "timeout": settings.job_timeout_s,
@@ -142,7 +171,7 @@ def start_shards(
         )
         for shard in plan
     ]
-    queue.enqueue_call(
+    merge = queue.enqueue_call(
         MERGE_FUNCTION,
         args=(spec,),
         job_id=child_job_id(job.job_id, MERGE),
@@ -150,6 +179,26 @@ def start_shards(
         description=f"merge of the {len(plan)} shards of {job.job_id}",
         **options,
     )
+    if evaluation is not None:
+        evaluations: list[Dependency | Job | str] = [
+            queue.enqueue_call(
+                EVAL_FUNCTION,
+                args=(spec, index),
+                job_id=child_job_id(job.job_id, eval_name(index)),
+                depends_on=merge,
+                description=f"{describe_child(eval_name(index), len(plan))} of {job.job_id}",
+                **options,
+            )
+            for index in range(len(plan))
+        ]
+        queue.enqueue_call(
+            FINISH_FUNCTION,
+            args=(spec,),
+            job_id=child_job_id(job.job_id, FINISH),
+            depends_on=evaluations,
+            description=f"finish of the {len(plan)} shards of {job.job_id}",
+            **options,
+        )
     shard_records.mark_dispatched(job.job_id)
     log.info("job %s: %d batches in %d shards queued", job.job_id, total, len(plan))
     return {"job_id": job.job_id, "status": JobStatus.RUNNING.value, "shards": str(len(plan))}
@@ -160,8 +209,9 @@ def run_shard(spec: dict[str, Any], index: int) -> dict[str, str]:
     sharded = ShardedJob.model_validate(spec)
 
     def work(run: _ChildRun) -> ShardResult:
+        part = None if sharded.evaluation is None else sharded.evaluation[index]
         result = collect_shard(
-            sharded.payload, run.store, sharded.plan[index], run.runtime, _rq_worker_name()
+            sharded.payload, run.store, sharded.plan[index], run.runtime, _rq_worker_name(), part
         )
         if run.runtime.check_cancel_now():
             raise JobCanceled(f"job {sharded.payload.job_id} was canceled")
@@ -169,28 +219,91 @@ def run_shard(spec: dict[str, Any], index: int) -> dict[str, str]:
 
     def finish(run: _ChildRun, result: ShardResult) -> None:
         run.shard_records.finish(
-            sharded.payload.job_id, shard_name(index), ChildState.DONE, (index, result.to_json())
+            sharded.payload.job_id, shard_name(index), ChildState.DONE, result.to_json()
         )
 
     return _run_child(sharded, shard_name(index), work, finish)
 
 
 def run_merge(spec: dict[str, Any]) -> dict[str, str]:
-    """RQ entry point of the merge of the sharded job ``spec`` describes."""
+    """RQ entry point of the merge of the sharded job ``spec`` describes: registers the model
+    or, when evaluation children follow, hands the weights on to them."""
     sharded = ShardedJob.model_validate(spec)
     job = sharded.payload
+    measured = sharded.evaluation is not None
 
-    def work(run: _ChildRun) -> SavedOutcome:
+    def work(run: _ChildRun) -> SavedOutcome | StoredWeights:
         results = [_shard_result(run.shard_records, sharded, s.index) for s in sharded.plan]
-        outcome = compute_merged(job, run.store, results, run.runtime)
-        return save_outcome(job, outcome, run.records, run.store, run.runtime)
+        outcome = compute_merged(job, run.store, results, run.runtime, measure=not measured)
+        if not measured:
+            return save_outcome(job, outcome, run.records, run.store, run.runtime)
+        weights = store_weights(outcome, run.store)
+        run.shard_records.hold_weights(job.job_id, weights.sha256)
+        run.runtime.start_phase("evaluate after", len(sharded.plan), "batches", 0.0)
+        return weights
 
-    def finish(run: _ChildRun, saved: SavedOutcome) -> None:
-        mark_succeeded(job, saved, run.records)
-        run.shard_records.finish(job.job_id, MERGE, ChildState.DONE)
-        run.shard_records.delete_results(job.job_id, len(sharded.plan))
+    def finish(run: _ChildRun, done: SavedOutcome | StoredWeights) -> None:
+        if isinstance(done, SavedOutcome):
+            _succeed(run, sharded, done)
+        else:
+            run.shard_records.finish(job.job_id, MERGE, ChildState.DONE, done.model_dump_json())
 
     return _run_child(sharded, MERGE, work, finish)
+
+
+def run_eval(spec: dict[str, Any], index: int) -> dict[str, str]:
+    """RQ entry point of evaluation child ``index``: the adapted model on part ``index``."""
+    sharded = ShardedJob.model_validate(spec)
+    assert sharded.evaluation is not None, "evaluation children need labels"
+    part = sharded.evaluation[index]
+
+    def work(run: _ChildRun) -> MetricSums:
+        weights = _merged_weights(run.shard_records, sharded)
+        return evaluate_adapted(sharded.payload, run.store, weights.sha256, part, run.runtime)
+
+    def finish(run: _ChildRun, sums: MetricSums) -> None:
+        run.shard_records.finish(
+            sharded.payload.job_id, eval_name(index), ChildState.DONE, json.dumps(sums.to_dict())
+        )
+
+    return _run_child(sharded, eval_name(index), work, finish)
+
+
+def run_finish(spec: dict[str, Any]) -> dict[str, str]:
+    """RQ entry point of the finish: the metrics of both rounds into the report, the model
+    registered, the job succeeded."""
+    sharded = ShardedJob.model_validate(spec)
+    job = sharded.payload
+    parts = range(len(sharded.plan))
+
+    def work(run: _ChildRun) -> SavedOutcome:
+        results = [_shard_result(run.shard_records, sharded, i) for i in parts]
+        after = [
+            MetricSums.from_dict(json.loads(_child_result(run.shard_records, sharded, c)))
+            for c in map(eval_name, parts)
+        ]
+        weights = with_metrics(_merged_weights(run.shard_records, sharded), results, after)
+        if run.runtime.check_cancel_now():
+            raise JobCanceled(f"job {job.job_id} was canceled")
+        run.runtime.start_phase("saving", 1, "batches", 0.0)
+        saved = register_output(job, weights, run.records, run.store)
+        run.runtime.report(1)
+        return saved
+
+    def finish(run: _ChildRun, saved: SavedOutcome) -> None:
+        _succeed(run, sharded, saved)
+
+    return _run_child(sharded, FINISH, work, finish)
+
+
+def _succeed(run: _ChildRun, sharded: ShardedJob, saved: SavedOutcome) -> None:
+    """The last child's end: the job succeeded, the children's results deleted."""
+    job_id = sharded.payload.job_id
+    last = MERGE if sharded.evaluation is None else FINISH
+    mark_succeeded(sharded.payload, saved, run.records)
+    run.shard_records.finish(job_id, last, ChildState.DONE)
+    run.shard_records.delete_results(job_id, list(run.shard_records.children(job_id) or {}))
+    run.shard_records.release_weights(job_id)
 
 
 @dataclass(frozen=True)
@@ -220,7 +333,7 @@ def _run_child(
         log.info("%s of job %s not run: %s", child, parent_id, refused)
         return answer | {"status": "skipped"}
     what = describe_child(child, len(sharded.plan))
-    if child != MERGE:
+    if is_shard(child):
         shard = sharded.plan[int(child.removeprefix("shard-"))]
         what += f" (batches {shard.first_batch} to {shard.first_batch + shard.batches - 1})"
     try:
@@ -254,10 +367,16 @@ def fail_killed_child(
     """For the RQ worker, when a job's process died without raising: if it was a shard or the
     merge (``func_name`` and ``args`` of its RQ job), fails the parent now with ``how`` it died
     (else the reaper would, a heartbeat timeout later). False for any other job."""
-    if func_name not in (SHARD_FUNCTION, MERGE_FUNCTION):
+    names: dict[str | None, Callable[[], str]] = {
+        SHARD_FUNCTION: lambda: shard_name(int(args[1])),
+        MERGE_FUNCTION: lambda: MERGE,
+        EVAL_FUNCTION: lambda: eval_name(int(args[1])),
+        FINISH_FUNCTION: lambda: FINISH,
+    }
+    if func_name not in names:
         return False
     sharded = ShardedJob.model_validate(args[0])
-    child = shard_name(int(args[1])) if func_name == SHARD_FUNCTION else MERGE
+    child = names[func_name]()
     shard_records = ShardRecords(records.client)
     error = f"{describe_child(child, len(sharded.plan))} died: {how}"
     _end_parent(records, shard_records, sharded.payload.job_id, JobStatus.FAILED, error)
@@ -279,11 +398,19 @@ def _end_parent(
     shard_records.discard(parent_id)
 
 
-def _shard_result(shard_records: ShardRecords, sharded: ShardedJob, index: int) -> ShardResult:
-    text = shard_records.result(sharded.payload.job_id, index)
-    if text is None:
+def _child_result(shard_records: ShardRecords, sharded: ShardedJob, child: str) -> str:
+    found = shard_records.result(sharded.payload.job_id, child)
+    if found is None:
         raise AdaptError(
-            f"the statistics of {describe_child(shard_name(index), len(sharded.plan))} are "
-            "missing (they expire after a week); submit the job again"
+            f"what {describe_child(child, len(sharded.plan))} handed on is missing (kept for a "
+            "week); submit the job again"
         )
-    return ShardResult.from_json(text)
+    return found
+
+
+def _shard_result(shard_records: ShardRecords, sharded: ShardedJob, index: int) -> ShardResult:
+    return ShardResult.from_json(_child_result(shard_records, sharded, shard_name(index)))
+
+
+def _merged_weights(shard_records: ShardRecords, sharded: ShardedJob) -> StoredWeights:
+    return StoredWeights.model_validate_json(_child_result(shard_records, sharded, MERGE))

@@ -1,7 +1,7 @@
 """Sharded adaptation: one adapt job's batches collected by several workers, then merged.
 
-- :func:`plan_shards`, :func:`collect_shard`, :func:`compute_merged` — the plain computations,
-  testable without Redis (here);
+- :func:`plan_shards`, :func:`collect_shard`, :func:`compute_merged`, :func:`evaluate_adapted`,
+  :func:`with_metrics` — the plain computations, testable without Redis (here);
 - :func:`~workers.shard_jobs.start_shards` and the children's RQ entry points — in
   workers/shard_jobs.py.
 
@@ -24,23 +24,36 @@ from torch import nn
 from api_schemas import AdaptParams, JobPayload, RequestModel
 from api_schemas.reports import ShardSummary
 from service.store import Store
-from workers.compute import JobOutcome, compute, load_job
+from workers.compute import (
+    EVAL_BATCH_SIZE,
+    JobOutcome,
+    LoadedJob,
+    compute,
+    contract_metrics,
+    load_job,
+)
 from workers.data import iter_batches, num_batches
 from workers.errors import AdaptError
 from workers.estimation import Estimate
 from workers.estimators import AdaptStats, select_batchnorm
+from workers.evaluation import MetricSums, evaluate_sums, loss_for
 from workers.hooks import JobHooks, NoHooks
 from workers.layer_statistics import LayerStatistics, Weighting
 from workers.precise import apply_statistics, collect_statistics, mix_with_source
+from workers.saving import StoredWeights
 
 __all__ = [
+    "SampleRange",
     "ShardPlan",
     "ShardResult",
     "ShardedJob",
     "collect_shard",
     "compute_merged",
+    "evaluate_adapted",
     "merge_statistics",
+    "plan_evaluation",
     "plan_shards",
+    "with_metrics",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,8 +93,15 @@ R = TypeVar("R")
 # - reaper: judges a dispatched parent by its children (service/reaper.py judge_sharded): queued
 #   children may wait for workers indefinitely, a running child without heartbeat fails the
 #   parent within the heartbeat timeout, a child RQ will never run fails it.
-# - cost: only the estimation pass is split. The merge loads the whole dataset and, when it has
-#   labels, measures the model before and after on all of it, as one worker does.
+# - evaluation: when the dataset has labels, one worker measures the model before and after
+#   adapting on all of it, two passes besides the one estimating. Sharded, each pass is split
+#   too: shard i also measures the source model on its part of the dataset (the K parts
+#   cover all samples, `ShardedJob.evaluation`, independent of max_batches), the merge writes
+#   the adapted weights to the store (referenced by the job) and hands them on, K evaluation
+#   children (`eval-i`, after the merge) measure them on part i, and a finish job adds up the
+#   metric sums of both rounds (workers/evaluation.py MetricSums: accuracy exactly as one
+#   worker's, losses up to float rounding of other batch boundaries) and registers the model.
+#   Without labels the merge registers the model itself.
 
 # Which pooling of the shards' statistics each shardable estimator (or prior base) writes.
 WEIGHTINGS: Final[Mapping[str, Weighting]] = {"precise": "elements", "cumulative": "batches"}
@@ -95,32 +115,46 @@ class ShardPlan(RequestModel):
     batches: int = Field(ge=1)
 
 
+class SampleRange(RequestModel):
+    """Samples ``start`` .. ``stop - 1`` of the dataset."""
+
+    start: int = Field(ge=0)
+    stop: int = Field(ge=1)
+
+
 class ShardedJob(RequestModel):
-    """What each child receives (as JSON): the parent's payload and the plan of all shards."""
+    """What each child receives (as JSON): the parent's payload, the plan of all shards and,
+    when the dataset has labels, the part of it each shard and evaluation child measures."""
 
     payload: JobPayload
     plan: list[ShardPlan] = Field(min_length=2)
+    evaluation: list[SampleRange] | None = None
 
 
 @dataclass(frozen=True)
 class ShardResult:
-    """What a shard hands to the merge: what it ran (as the report shows it) and its
-    statistics per BatchNorm layer."""
+    """What a shard hands on: what it ran (as the report shows it), its statistics per
+    BatchNorm layer and, with labels, the source model's metric sums on its part."""
 
     summary: ShardSummary
     layers: dict[str, LayerStatistics]
+    before: MetricSums | None = None
 
     def to_json(self) -> str:
         """JSON only; float64 values round-trip exactly (Python's float repr)."""
         layers = {name: stats.to_dict() for name, stats in self.layers.items()}
-        return json.dumps({"summary": self.summary.model_dump(mode="json"), "layers": layers})
+        before = None if self.before is None else self.before.to_dict()
+        summary = self.summary.model_dump(mode="json")
+        return json.dumps({"summary": summary, "layers": layers, "before": before})
 
     @classmethod
     def from_json(cls, text: str) -> ShardResult:
         fields: dict[str, Any] = json.loads(text)
+        before = fields.get("before")
         return cls(
             summary=ShardSummary.model_validate(fields["summary"]),
             layers={name: LayerStatistics.from_dict(d) for name, d in fields["layers"].items()},
+            before=None if before is None else MetricSums.from_dict(before),
         )
 
 
@@ -143,20 +177,36 @@ def plan_shards(total_batches: int, shards: int) -> list[ShardPlan]:
     return plan
 
 
+def plan_evaluation(num_samples: int, parts: int) -> list[SampleRange]:
+    """``parts`` contiguous ranges covering all samples, sizes differing by at most one."""
+    if not 1 <= parts <= num_samples:
+        raise ValueError(f"need 1 <= parts <= {num_samples} samples, got {parts}")
+    size, longer = divmod(num_samples, parts)
+    ranges, start = [], 0
+    for index in range(parts):
+        stop = start + size + (1 if index < longer else 0)
+        ranges.append(SampleRange(start=start, stop=stop))
+        start = stop
+    return ranges
+
+
 def collect_shard(
     payload: JobPayload,
     store: Store,
     shard: ShardPlan,
     hooks: JobHooks | None = None,
     worker: str = "in-process",
+    evaluate_part: SampleRange | None = None,
 ) -> ShardResult:
     """Shard ``shard``'s statistics of the job's selected BatchNorm layers (one train-mode
-    pass over its batches, :func:`workers.precise.collect_statistics`)."""
+    pass over its batches, :func:`workers.precise.collect_statistics`), after the source
+    model's metric sums on ``evaluate_part`` of the dataset when given."""
     hooks = hooks or NoHooks()
     started = time.perf_counter()
     params = payload.params
     assert isinstance(params, AdaptParams), f"{payload.kind} jobs are not sharded"
     job = load_job(payload, store)
+    before = None if evaluate_part is None else _measure_part(job, evaluate_part, hooks)
     layers = select_batchnorm(job.model, params.include, params.exclude)
     size = params.batch_size
     part = job.x[shard.first_batch * size : (shard.first_batch + shard.batches) * size]
@@ -182,7 +232,53 @@ def collect_shard(
         worker=worker,
         compute_s=time.perf_counter() - started,
     )
-    return ShardResult(summary, stats)
+    return ShardResult(summary, stats, before)
+
+
+def _measure_part(job: LoadedJob, part: SampleRange, hooks: JobHooks) -> MetricSums:
+    """The model's metric sums on samples ``part`` of the job's labelled dataset, as one
+    worker measures all of it (workers/compute.py)."""
+    if job.y is None:
+        raise AdaptError("the dataset has no labels to evaluate the model with")
+    y = job.y[part.start : part.stop]
+    return evaluate_sums(
+        job.model,
+        job.x[part.start : part.stop],
+        y,
+        batch_size=EVAL_BATCH_SIZE,
+        loss=loss_for(y),
+        device=job.device,
+        should_stop=hooks.should_stop,
+    )
+
+
+def evaluate_adapted(
+    payload: JobPayload,
+    store: Store,
+    weights_sha256: str,
+    part: SampleRange,
+    hooks: JobHooks | None = None,
+) -> MetricSums:
+    """The adapted model's (``weights_sha256`` in the store) metric sums on ``part``: what an
+    evaluation child of a sharded job runs."""
+    adapted = payload.model.model_copy(update={"weights_sha256": weights_sha256})
+    job = load_job(payload.model_copy(update={"model": adapted}), store)
+    return _measure_part(job, part, hooks or NoHooks())
+
+
+def with_metrics(
+    weights: StoredWeights, results: Sequence[ShardResult], after: Sequence[MetricSums]
+) -> StoredWeights:
+    """The merge's ``weights`` with the report's metrics before and after: the sums of every
+    shard's and every evaluation child's part."""
+    before = [r.before for r in results if r.before is not None]
+    if len(before) != len(results) or not after:
+        raise AdaptError("metric sums of some parts of the dataset are missing")
+    update = {
+        "metrics_before": contract_metrics(sum(before[1:], before[0]).metrics()),
+        "metrics_after": contract_metrics(sum(after[1:], after[0]).metrics()),
+    }
+    return weights.model_copy(update={"report": weights.report.model_copy(update=update)})
 
 
 def merge_statistics(results: Sequence[ShardResult]) -> dict[str, LayerStatistics]:
@@ -199,16 +295,17 @@ def compute_merged(
     store: Store,
     results: Sequence[ShardResult],
     hooks: JobHooks | None = None,
+    measure: bool = True,
 ) -> JobOutcome:
     """The sharded job's new weights and report: :func:`workers.compute.compute` with the
-    shards' merged statistics applied in place of the estimator's pass."""
+    shards' merged statistics applied in place of the estimator's pass; ``measure``: as
+    there."""
     shards = sorted((r.summary for r in results), key=lambda s: s.index)
     stats = AdaptStats(
         batches=sum(s.batches for s in shards), samples=sum(s.samples for s in shards)
     )
-    outcome = compute(
-        payload, store, hooks, estimate=_apply_merged(merge_statistics(results), stats)
-    )
+    estimate = _apply_merged(merge_statistics(results), stats)
+    outcome = compute(payload, store, hooks, estimate=estimate, measure=measure)
     return dataclasses.replace(outcome, report=outcome.report.model_copy(update={"shards": shards}))
 
 
