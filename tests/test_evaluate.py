@@ -32,7 +32,7 @@ from tests.stack import Client, Stack, npz_bytes, running_stack
 from tests.test_e2e import created, digits, digits_npz, problem
 from workers.architectures import build_model
 from workers.compute import compute_evaluation
-from workers.evaluation import evaluate
+from workers.evaluation import evaluate_sums
 
 
 def test_evaluate_request_and_result_links() -> None:
@@ -123,9 +123,9 @@ def test_evaluate_job_reports_what_evaluate_computes(stack: Stack) -> None:
     net = build_model("digits_cnn", {"width": 8})
     net.load_state_dict(weights(client, model["id"]), strict=True)
     x, y = digits(shifted=True)
-    expected = evaluate(
+    expected = evaluate_sums(
         net, torch.from_numpy(x), torch.from_numpy(y), batch_size=100, loss="cross_entropy"
-    )
+    ).metrics()
     assert metrics.num_samples == expected.num_samples == 1797
     assert metrics.accuracy == expected.accuracy
     assert metrics.loss == pytest.approx(expected.loss, rel=1e-6)

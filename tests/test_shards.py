@@ -19,7 +19,7 @@ from tests.test_e2e import digits
 from workers.architectures import build_model
 from workers.compute import JobOutcome, compute, weights_bytes
 from workers.errors import AdaptError
-from workers.evaluation import Loss, MetricSums, evaluate, evaluate_sums
+from workers.evaluation import Loss, MetricSums, evaluate_sums
 from workers.saving import StoredWeights, store_weights
 from workers.shards import (
     ShardPlan,
@@ -72,7 +72,7 @@ def test_metric_sums_of_parts_add_up_to_the_whole(loss: Loss) -> None:
     model = build_model("mlp", {"in_features": 12, "hidden": 16, "num_classes": 3})
     x = torch.randn(101, 12)
     y = torch.randint(0, 3, (101,)) if loss == "cross_entropy" else torch.randn(101, 3)
-    whole = evaluate(model, x, y, batch_size=32, loss=loss)
+    whole = evaluate_sums(model, x, y, batch_size=32, loss=loss).metrics()
     parts = [
         evaluate_sums(model, x[a:b], y[a:b], batch_size=32, loss=loss)
         for a, b in [(0, 40), (40, 41), (41, 101)]

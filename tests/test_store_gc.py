@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,21 +89,29 @@ def test_remove_unused_deletes_only_old_unused_objects(store: LocalStore) -> Non
     assert trash(store) == []
 
 
+def writer_at_check(store: LocalStore, call: int) -> tuple[Callable[[str], bool], list[bool]]:
+    """An ``in_use`` that always answers 'unused' and, at its ``call``-th call, writes the
+    object's bytes again as a concurrent upload would; the list records whether the writer
+    found the object under its name."""
+    calls: list[bool] = []
+
+    def in_use(sha256: str) -> bool:
+        calls.append(store.exists(sha256))
+        if len(calls) == call:
+            assert store.put_bytes(b"weights") == sha256
+        return False
+
+    return in_use, calls
+
+
 def test_a_writer_touching_the_object_during_the_checks_keeps_it(store: LocalStore) -> None:
     sha256 = store.put_bytes(b"weights")
     age(store, sha256)
-    calls = 0
-
-    def writer_touches_while_checked(sha: str) -> bool:
-        nonlocal calls
-        calls += 1
-        if calls == 1:  # after the mtime check, before the move: the writer finds it there
-            assert store.put_bytes(b"weights") == sha
-        return False
-
-    assert not store.remove_unused(sha256, time.time() - HOUR_S, writer_touches_while_checked)
+    # After the mtime check, before the move: the writer finds the object and touches it.
+    in_use, calls = writer_at_check(store, call=1)
+    assert not store.remove_unused(sha256, time.time() - HOUR_S, in_use)
     # The moved file carries the writer's mtime: put back without asking about references.
-    assert calls == 1
+    assert calls == [True]
     assert store.exists(sha256) and trash(store) == []
 
 
@@ -119,17 +127,10 @@ def test_a_reference_added_during_the_move_keeps_the_object(store: LocalStore) -
 def test_a_writer_after_the_move_writes_the_object_anew(store: LocalStore) -> None:
     sha256 = store.put_bytes(b"weights")
     age(store, sha256)
-    calls = 0
-
-    def writer_after_move(sha: str) -> bool:
-        nonlocal calls
-        calls += 1
-        if calls == 2:  # the object is in the trash: the writer must install its own copy
-            assert not store.exists(sha)
-            assert store.put_bytes(b"weights") == sha
-        return False
-
-    assert store.remove_unused(sha256, time.time() - HOUR_S, writer_after_move)
+    # The object is in the trash: the writer finds nothing and installs its own copy.
+    in_use, calls = writer_at_check(store, call=2)
+    assert store.remove_unused(sha256, time.time() - HOUR_S, in_use)
+    assert calls == [True, False]
     assert store.exists(sha256), "the writer's new copy survives the deletion of the old one"
     assert object_path(store, sha256).read_bytes() == b"weights"
     assert trash(store) == []

@@ -15,7 +15,7 @@ from torch import nn
 from workers.architectures import build_model, registry
 from workers.data import iter_batches, num_batches, to_tensors
 from workers.errors import DataError, JobCanceled, TrainError
-from workers.evaluation import Metrics, evaluate, loss_for
+from workers.evaluation import Metrics, evaluate_sums, loss_for
 from workers.policy import apply_checkpoint_policy
 from workers.training import EpochLog, TrainStats, batch_bounds, train_model
 
@@ -133,7 +133,7 @@ def test_regression_and_no_validation() -> None:
     assert stats.steps == 6 and stats.samples == 3 * 64
     assert stats.epochs[0] == EpochLog(1, stats.epochs[0].train_loss, None, None)
     assert nbt(model) == [6, 6]
-    metrics = evaluate(model, x, y, batch_size=10, loss="mse")
+    metrics = evaluate_sums(model, x, y, batch_size=10, loss="mse").metrics()
     assert metrics.accuracy is None and metrics.mse == metrics.loss
 
 
@@ -197,7 +197,7 @@ def test_evaluate_matches_the_plain_computation(
     train_model(model, x, y, **SETTINGS | {"epochs": 1})
     model.train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    metrics = evaluate(model, x, y, batch_size=64, loss="cross_entropy")
+    metrics = evaluate_sums(model, x, y, batch_size=64, loss="cross_entropy").metrics()
     assert all(m.training for m in model.modules()), "flags restored"
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "no BN update"
     model.eval()
@@ -212,7 +212,9 @@ def test_evaluate_matches_the_plain_computation(
 
 def test_evaluate_refuses_empty_data() -> None:
     with pytest.raises(DataError, match="at least one sample"):
-        evaluate(digits_cnn(), torch.rand(0, 1, 8, 8), torch.zeros(0), batch_size=4, loss="mse")
+        evaluate_sums(
+            digits_cnn(), torch.rand(0, 1, 8, 8), torch.zeros(0), batch_size=4, loss="mse"
+        )
 
 
 # --- Data ----------------------------------------------------------------------------------

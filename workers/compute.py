@@ -46,7 +46,7 @@ from workers.errors import ArchitectureError, DataError, WorkerError
 from workers.estimation import Estimate, run_estimator
 from workers.estimators import select_batchnorm
 from workers.evaluation import Metrics as EvalMetrics
-from workers.evaluation import evaluate, loss_for
+from workers.evaluation import evaluate_sums, loss_for
 from workers.hooks import JobHooks, NoHooks
 from workers.policy import apply_checkpoint_policy
 from workers.reporting import batchnorm_changes, state_snapshot, tensor_changes
@@ -167,7 +167,9 @@ def compute(
         if y is None or loss is None or not measure:
             return None
         hooks.start_phase(phase, 1, "batches", float(len(x)))
-        found = evaluate(model, x, y, batch_size=EVAL_BATCH_SIZE, loss=loss, device=device)
+        found = evaluate_sums(
+            model, x, y, batch_size=EVAL_BATCH_SIZE, loss=loss, device=device
+        ).metrics()
         hooks.report(1)
         return found
 
@@ -275,7 +277,7 @@ def compute_evaluation(payload: JobPayload, store: Store, hooks: JobHooks | None
     loaded = time.perf_counter()
     batches = num_batches(len(x), params.batch_size)
     hooks.start_phase("evaluate", batches, "batches", float(params.batch_size))
-    found = evaluate(
+    found = evaluate_sums(
         model,
         x,
         y,
@@ -284,7 +286,7 @@ def compute_evaluation(payload: JobPayload, store: Store, hooks: JobHooks | None
         device=device,
         progress=hooks.report,
         should_stop=hooks.should_stop,
-    )
+    ).metrics()
     computed = time.perf_counter()
     return Report(
         job_id=payload.job_id,

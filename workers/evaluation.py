@@ -21,7 +21,6 @@ __all__ = [
     "Metrics",
     "check_targets",
     "compute_loss",
-    "evaluate",
     "evaluate_sums",
     "loss_for",
     "model_device",
@@ -154,33 +153,6 @@ def compute_loss(
     return F.mse_loss(outputs, targets.reshape(outputs.shape), reduction=reduction)
 
 
-def evaluate(
-    model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    batch_size: int,
-    loss: Loss,
-    device: torch.device | str | None = None,
-    progress: Callable[[int], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-) -> Metrics:
-    """Metrics of ``model`` on ``x`` (N, ...) and ``y`` (N, ...), in eval mode under
-    ``no_grad``; every module's training flag is restored. Batches go to ``device``
-    (default: the model's). ``progress`` sees the number of batches done; ``should_stop``
-    is asked before each batch."""
-    return evaluate_sums(
-        model,
-        x,
-        y,
-        batch_size=batch_size,
-        loss=loss,
-        device=device,
-        progress=progress,
-        should_stop=should_stop,
-    ).metrics()
-
-
 def evaluate_sums(
     model: nn.Module,
     x: torch.Tensor,
@@ -192,7 +164,10 @@ def evaluate_sums(
     progress: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> MetricSums:
-    """:func:`evaluate`'s sums, before they become means."""
+    """The sums :class:`Metrics` of ``model`` on ``x`` (N, ...) and ``y`` (N, ...) are made of
+    (``.metrics()``), measured in eval mode under ``no_grad``; every module's training flag is
+    restored. Batches go to ``device`` (default: the model's). ``progress`` sees the number of
+    batches done; ``should_stop`` is asked before each batch."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     num_samples = x.shape[0]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from workers.errors import DataError, JobCanceled, TrainError
-from workers.evaluation import Loss, check_targets, compute_loss, evaluate, training_flags
+from workers.evaluation import Loss, check_targets, compute_loss, evaluate_sums, training_flags
 
 __all__ = ["EpochLog", "Optimizer", "TrainStats", "batch_bounds", "split_indices", "train_model"]
 
@@ -158,7 +158,9 @@ def train_model(
                 )
             val = None
             if val_idx.numel():
-                val = evaluate(model, x_val, y_val, batch_size=batch_size, loss=loss, device=target)
+                val = evaluate_sums(
+                    model, x_val, y_val, batch_size=batch_size, loss=loss, device=target
+                ).metrics()
             logs.append(
                 EpochLog(
                     epoch=epoch,
