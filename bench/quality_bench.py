@@ -14,7 +14,8 @@ splits them (service/demo.py: a permutation with seed 0, 1,200 to train, 597 to 
    all 597, an ``adapt`` job on the first ``n`` digits of that test set (the test order is a
    random permutation, so these are a random sample, the same digits for every condition):
    ``batch_size = min(n, 64)`` and ``max_batches = ceil(n / batch_size)``; all 597 run as 10
-   batches, the last of 21. Estimators: ``precise``, ``cumulative``, ``ema`` (one pass with the
+   batches, the last of 21. Estimators: ``precise``, ``precise`` with ``layerwise: true`` (one
+   pass per BatchNorm layer), ``cumulative``, ``ema`` (one pass with the
    layers' momentum 0.1, the loop users write by hand), ``prior`` (N = 16 over ``precise``,
    Schneider et al.'s setting) and ``entropy`` (TENT: Adam, lr 1e-3, 50 steps cycling over the
    ``n`` samples' batches, so that the running statistics, blended with momentum 0.1, keep
@@ -23,7 +24,8 @@ splits them (service/demo.py: a permutation with seed 0, 1,200 to train, 597 to 
 5. Evaluate: an ``evaluate`` job of every adapted model on the whole test set of its condition
    (all 597 digits), so every accuracy is measured on the same full set. As a cross-check, each
    evaluate result must equal the adapt job's own ``metrics_after`` (the same computation on
-   the same dataset), and each source result the adapt jobs' ``metrics_before``.
+   the same dataset, in the adapt job's batch size, which it measures in), and each source
+   result the adapt jobs' ``metrics_before``.
 
 All jobs are submitted at once and then polled; the worker runs them one after the other.
 Run from the repository root: ``.venv/bin/python bench/quality_bench.py`` (about 5 minutes on
@@ -73,14 +75,15 @@ from service.demo import TRAIN_PARAMS, digits_split, train_digits_cnn, write_npz
 from tests.servers import new_redis_server  # noqa: E402
 
 SEED: Final = 0  # of the noise; the split, the model's init and training use 0 too
-ESTIMATORS: Final = ("precise", "cumulative", "ema", "prior", "entropy")
+# "layerwise" is `precise` with `layerwise: true`.
+ESTIMATORS: Final = ("precise", "layerwise", "cumulative", "ema", "prior", "entropy")
 BATCH_SIZE: Final = 64
 PRIOR_STRENGTH: Final = 16.0
 ENTROPY_STEPS: Final = 50
 ENTROPY_LR: Final = 1e-3
-EVAL_BATCH_SIZE: Final = 512  # the adapt job's own, so the cross-check compares like with like
 LABELS: Final = {
     "precise": "precise",
+    "layerwise": "precise layerwise",
     "cumulative": "cumulative",
     "ema": "ema",
     "prior": f"prior N={PRIOR_STRENGTH:g}",
@@ -102,9 +105,12 @@ QUICK: Final = Plan((CLEAN, "contrast-3", "gaussian_noise-3", "invert-1"), (16, 
 def adapt_params(estimator: str, n: int | None) -> dict[str, Any]:
     """The adapt job's params for ``n`` target samples (the first ``n`` of the dataset)."""
     batch = BATCH_SIZE if n is None else min(n, BATCH_SIZE)
-    params: dict[str, Any] = {"estimator": estimator, "batch_size": batch, "seed": SEED}
+    name = "precise" if estimator == "layerwise" else estimator
+    params: dict[str, Any] = {"estimator": name, "batch_size": batch, "seed": SEED}
     if n is not None:
         params["max_batches"] = math.ceil(n / batch)
+    if estimator == "layerwise":
+        params["layerwise"] = True
     if estimator == "prior":
         params |= {"prior_strength": PRIOR_STRENGTH, "prior_base": "precise"}
     if estimator == "entropy":
@@ -166,23 +172,27 @@ def run(plan: Plan, root: Path) -> tuple[Results, dict[str, Any]]:
         trained_s = time.monotonic() - started
         datasets = {c: client.add_dataset(f, c).id for c, f in test_files.items()}
 
-        evaluate = {"batch_size": EVAL_BATCH_SIZE}
         keys = [(c, e, n) for c in plan.conditions for e in ESTIMATORS for n in counts]
+        params = {key: adapt_params(key[1], None if key[2] == num_test else key[2]) for key in keys}
+        # Evaluations in the adapt jobs' batch size, which they measure in: like with like.
         source_jobs = [
-            client.submit("evaluate", source_id, datasets[c], evaluate) for c in datasets
+            client.submit("evaluate", source_id, datasets[c], {"batch_size": BATCH_SIZE})
+            for c in datasets
         ]
         adapt_jobs = [
-            client.submit(
-                "adapt", source_id, datasets[c], adapt_params(e, None if n == num_test else n)
-            )
-            for c, e, n in keys
+            client.submit("adapt", source_id, datasets[c], params[c, e, n]) for c, e, n in keys
         ]
         log(f"submitted {len(source_jobs)} source evaluations and {len(adapt_jobs)} adapt jobs")
         sources = wait_all(client, source_jobs, "source evaluations")
         adapted = wait_all(client, adapt_jobs, "adapt jobs")
         ok = [(key, job) for key, job in zip(keys, adapted, strict=True) if job.result is not None]
         eval_jobs = [
-            client.submit("evaluate", new_model_id(job), datasets[key[0]], evaluate)
+            client.submit(
+                "evaluate",
+                new_model_id(job),
+                datasets[key[0]],
+                {"batch_size": params[key]["batch_size"]},
+            )
             for key, job in ok
         ]
         log(f"submitted {len(eval_jobs)} evaluations of adapted models")

@@ -141,7 +141,7 @@ def test_evaluate_job_reports_what_evaluate_computes(stack: Stack) -> None:
 @pytest.mark.slow
 def test_evaluate_matches_the_adapt_report_and_lists(stack: Stack) -> None:
     """An adapt job's ``metrics_after`` and an evaluate job of its output model on the same
-    dataset, with the adapt job's evaluation batch size (512), are the same computation."""
+    dataset, in the adapt job's batch size, are the same computation."""
     client = stack.client("evaluate-adapted")
     model = created(client.add_model("digits_cnn", {"width": 8}, seed=1))
     dataset = created(client.add_dataset(digits_npz(shifted=True, n=600)))
@@ -158,7 +158,8 @@ def test_evaluate_matches_the_adapt_report_and_lists(stack: Stack) -> None:
     )
     adapted = client.wait(adapt["id"])
     assert adapted["status"] == "succeeded", adapted
-    check = created(client.submit(evaluate_body(adapted["result"]["model_id"], dataset["id"])), 202)
+    body = evaluate_body(adapted["result"]["model_id"], dataset["id"], batch_size=64)
+    check = created(client.submit(body), 202)
     assert client.wait(check["id"])["status"] == "succeeded"
     adapt_report = client.http.get(f"/v1/jobs/{adapt['id']}/report").json()
     check_report = client.http.get(f"/v1/jobs/{check['id']}/report").json()

@@ -67,7 +67,6 @@ __all__ = [
 
 # Set by `bnadapt worker --device`; a job's `device: auto` means this worker's device.
 WORKER_DEVICE_ENV: Final = "BNADAPT_WORKER_DEVICE"
-EVAL_BATCH_SIZE: Final = 512
 
 
 @dataclass(frozen=True)
@@ -167,8 +166,9 @@ def compute(
         if y is None or loss is None or not measure:
             return None
         hooks.start_phase(phase, 1, "batches", float(len(x)))
+        # In the job's own batches: the size the user chose to fit the device's memory.
         found = evaluate_sums(
-            model, x, y, batch_size=EVAL_BATCH_SIZE, loss=loss, device=device
+            model, x, y, batch_size=params.batch_size, loss=loss, device=device
         ).metrics()
         hooks.report(1)
         return found

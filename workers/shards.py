@@ -25,7 +25,6 @@ from api_schemas import AdaptParams, JobPayload, RequestModel
 from api_schemas.reports import ShardSummary
 from service.store import Store
 from workers.compute import (
-    EVAL_BATCH_SIZE,
     JobOutcome,
     LoadedJob,
     compute,
@@ -206,9 +205,9 @@ def collect_shard(
     params = payload.params
     assert isinstance(params, AdaptParams), f"{payload.kind} jobs are not sharded"
     job = load_job(payload, store)
-    before = None if evaluate_part is None else _measure_part(job, evaluate_part, hooks)
-    layers = select_batchnorm(job.model, params.include, params.exclude)
     size = params.batch_size
+    before = None if evaluate_part is None else _measure_part(job, evaluate_part, size, hooks)
+    layers = select_batchnorm(job.model, params.include, params.exclude)
     part = job.x[shard.first_batch * size : (shard.first_batch + shard.batches) * size]
     if num_batches(len(part), size) != shard.batches:
         raise AdaptError(
@@ -235,9 +234,11 @@ def collect_shard(
     return ShardResult(summary, stats, before)
 
 
-def _measure_part(job: LoadedJob, part: SampleRange, hooks: JobHooks) -> MetricSums:
+def _measure_part(
+    job: LoadedJob, part: SampleRange, batch_size: int, hooks: JobHooks
+) -> MetricSums:
     """The model's metric sums on samples ``part`` of the job's labelled dataset, as one
-    worker measures all of it (workers/compute.py)."""
+    worker measures all of it (workers/compute.py): in the job's batch size."""
     if job.y is None:
         raise AdaptError("the dataset has no labels to evaluate the model with")
     y = job.y[part.start : part.stop]
@@ -245,7 +246,7 @@ def _measure_part(job: LoadedJob, part: SampleRange, hooks: JobHooks) -> MetricS
         job.model,
         job.x[part.start : part.stop],
         y,
-        batch_size=EVAL_BATCH_SIZE,
+        batch_size=batch_size,
         loss=loss_for(y),
         device=job.device,
         should_stop=hooks.should_stop,
@@ -263,7 +264,9 @@ def evaluate_adapted(
     evaluation child of a sharded job runs."""
     adapted = payload.model.model_copy(update={"weights_sha256": weights_sha256})
     job = load_job(payload.model_copy(update={"model": adapted}), store)
-    return _measure_part(job, part, hooks or NoHooks())
+    params = payload.params
+    assert isinstance(params, AdaptParams), f"{payload.kind} jobs are not sharded"
+    return _measure_part(job, part, params.batch_size, hooks or NoHooks())
 
 
 def with_metrics(
