@@ -273,6 +273,23 @@ class ShardRecords:
 
         self.client.transaction(update, key)
 
+    def count_evaluated(self, parent_id: str, batches: int) -> None:
+        """An evaluation child measured ``batches`` batches: the parent's progress (the
+        merge began its "evaluate after" phase over all batches) counts them. Optimistic
+        (WATCH), as :meth:`publish_progress`."""
+        key = keys.job_progress(parent_id)
+
+        def update(pipe: redis.client.Pipeline) -> None:
+            raw = pipe.get(key)
+            if raw is None:
+                return
+            progress = Progress.model_validate_json(raw)
+            done = min(progress.done + batches, progress.total)
+            pipe.multi()
+            pipe.set(key, progress.model_copy(update={"done": done}).model_dump_json())
+
+        self.client.transaction(update, key)
+
     def lost_from_queue(self, parent_id: str, children: list[str]) -> dict[str, str]:
         """Of the still queued ``children``, those RQ will never run (canceled, failed,
         deleted), with what RQ says of them."""

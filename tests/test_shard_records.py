@@ -255,3 +255,21 @@ def test_labelled_data_adds_evaluation_children_after_the_merge(
     assert shard_records.result(labelled.job_id, MERGE) is None
     assert records.client.smembers(keys.sha_refs(merged)) == set()
     assert records.client.zscore(keys.STORE_RELEASED, merged) is not None
+
+
+def test_evaluation_children_count_into_the_job_progress(
+    records: Records, labelled: JobPayload
+) -> None:
+    shard_records = ShardRecords(records.client)
+    # What the merge's runtime writes when it hands over: all 5 batches still to measure.
+    records.write_progress(
+        labelled.job_id, progress(0, 5, None).model_copy(update={"phase": "evaluate after"})
+    )
+    shard_records.count_evaluated(labelled.job_id, 3)  # eval-0: 12 samples in batches of 4
+    job = records.get_job(TENANT, labelled.job_id)
+    assert job is not None and job.progress is not None
+    assert (job.progress.phase, job.progress.done, job.progress.total) == ("evaluate after", 3, 5)
+    shard_records.count_evaluated(labelled.job_id, 3)  # never past the total
+    job = records.get_job(TENANT, labelled.job_id)
+    assert job is not None and job.progress is not None
+    assert job.progress.done == 5

@@ -230,16 +230,20 @@ def run_merge(spec: dict[str, Any]) -> dict[str, str]:
     or, when evaluation children follow, hands the weights on to them."""
     sharded = ShardedJob.model_validate(spec)
     job = sharded.payload
-    measured = sharded.evaluation is not None
+    params = job.params
+    assert isinstance(params, AdaptParams)
+    parts = sharded.evaluation
 
     def work(run: _ChildRun) -> SavedOutcome | StoredWeights:
         results = [_shard_result(run.shard_records, sharded, s.index) for s in sharded.plan]
-        outcome = compute_merged(job, run.store, results, run.runtime, measure=not measured)
-        if not measured:
+        outcome = compute_merged(job, run.store, results, run.runtime, measure=parts is None)
+        if parts is None:
             return save_outcome(job, outcome, run.records, run.store, run.runtime)
         weights = store_weights(outcome, run.store)
         run.shard_records.hold_weights(job.job_id, weights.sha256)
-        run.runtime.start_phase("evaluate after", len(sharded.plan), "batches", 0.0)
+        size = params.batch_size
+        total = sum(num_batches(part.stop - part.start, size) for part in parts)
+        run.runtime.start_phase("evaluate after", total, "batches", float(size))
         return weights
 
     def finish(run: _ChildRun, done: SavedOutcome | StoredWeights) -> None:
@@ -262,9 +266,13 @@ def run_eval(spec: dict[str, Any], index: int) -> dict[str, str]:
         return evaluate_adapted(sharded.payload, run.store, weights.sha256, part, run.runtime)
 
     def finish(run: _ChildRun, sums: MetricSums) -> None:
+        job_id = sharded.payload.job_id
         run.shard_records.finish(
-            sharded.payload.job_id, eval_name(index), ChildState.DONE, json.dumps(sums.to_dict())
+            job_id, eval_name(index), ChildState.DONE, json.dumps(sums.to_dict())
         )
+        params = sharded.payload.params
+        assert isinstance(params, AdaptParams)
+        run.shard_records.count_evaluated(job_id, num_batches(sums.num_samples, params.batch_size))
 
     return _run_child(sharded, eval_name(index), work, finish)
 
