@@ -171,6 +171,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_store_gc(args: argparse.Namespace) -> int:
+    from service import keys
     from service.redis_conn import redis_client
     from service.store import LocalStore
     from service.store_gc import collect_now
@@ -178,9 +179,15 @@ def cmd_store_gc(args: argparse.Namespace) -> int:
     settings = get_settings()
     store = LocalStore(Path(args.store_dir) if args.store_dir else settings.store_path)
     grace_s = settings.store_gc_grace_s if args.grace_s is None else args.grace_s
-    done = collect_now(redis_client(args.redis_url or settings.redis_url), store, grace_s)
+    client = redis_client(args.redis_url or settings.redis_url)
+    done = collect_now(client, store, grace_s)
     if done is None:
-        print("another store collection is running; try again when it ends", file=sys.stderr)
+        left_s = max(int(client.pttl(keys.STORE_GC_LOCK)), 0) / 1000
+        print(
+            f"another store collection is running (its lock ends within {left_s:.0f} s unless "
+            "it renews it); try again then",
+            file=sys.stderr,
+        )
         return 1
     _print(dataclasses.asdict(done))
     return 0

@@ -1,5 +1,6 @@
-"""The background thread of the API and of every worker supervisor: it fails jobs whose process
-is gone (service/reaper.py) and, when one is due, runs a store collection (service/store_gc.py).
+"""The background threads of the API and of every worker supervisor: one fails jobs whose
+process is gone (service/reaper.py), the other runs a store collection when one is due
+(service/store_gc.py). Apart, so that a long collection never delays the reaper.
 
 Both are safe to run from many processes at once: the reaper's verdicts are compare-and-sets,
 and one collection at a time runs in the whole deployment.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from service.reaper import reap_stale_jobs
 from service.records import Records
@@ -22,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class Housekeeping:
-    """Every ``interval_s``: a reaper sweep, then a store collection if one is due."""
+    """Every ``interval_s``: a reaper sweep; and a store collection if one is due."""
 
     def __init__(
         self, records: Records, store: Store, settings: Settings, interval_s: float
@@ -34,36 +36,44 @@ class Housekeeping:
         self._settings = settings
         self._interval_s = interval_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bnadapt-housekeeping", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._every, args=(task,), name=name, daemon=True)
+            for name, task in (
+                ("bnadapt-reaper", self._reap),
+                ("bnadapt-store-gc", self._collect),
+            )
+        ]
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
+        """Stops both; a collection in progress stops before its next batch of objects."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)
 
-    def _run(self) -> None:
-        settings = self._settings
+    def _every(self, task: Callable[[], None]) -> None:
         while not self._stop.wait(self._interval_s):
-            # Each step on its own: Redis down, say, is logged and tried again next round.
             try:
-                reap_stale_jobs(self._records, settings.heartbeat_timeout_s)
-            except Exception:
-                log.exception("reaper sweep failed")
-            try:
-                done = collect_if_due(
-                    self._records.client,
-                    self._store,
-                    settings.store_gc_grace_s,
-                    settings.store_gc_interval_s,
-                )
-            except Exception:
-                log.exception("store collection failed")
-            else:
-                if done is not None and done.deleted:
-                    log.info(
-                        "store collection deleted %d objects (%d bytes)",
-                        done.deleted,
-                        done.deleted_bytes,
-                    )
+                task()
+            except Exception:  # Redis down, say: logged, and tried again next round.
+                log.exception("%s failed", threading.current_thread().name)
+
+    def _reap(self) -> None:
+        reap_stale_jobs(self._records, self._settings.heartbeat_timeout_s)
+
+    def _collect(self) -> None:
+        settings = self._settings
+        done = collect_if_due(
+            self._records.client,
+            self._store,
+            settings.store_gc_grace_s,
+            settings.store_gc_interval_s,
+            self._stop,
+        )
+        if done is not None and done.deleted:
+            log.info(
+                "store collection deleted %d objects (%d bytes)", done.deleted, done.deleted_bytes
+            )

@@ -77,6 +77,18 @@ redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
 return 'claimed'
 """
 
+# KEYS[1]: the parent's job hash, KEYS[2]: its shards hash, KEYS[3]: the object's references.
+# ARGV[1]: the sha256, ARGV[2]: the merge's RQ id, ARGV[3]: the shards hash field.
+# References the merged weights only while the parent runs (else the job's end, which releases
+# them, may have passed already); returns 'held', or the parent's status.
+_HOLD_LUA: Final = """
+local parent = redis.call('HGET', KEYS[1], 'status')
+if parent ~= 'running' then return parent or 'gone' end
+redis.call('SADD', KEYS[3], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[1])
+return 'held'
+"""
+
 # KEYS[1]: the shards hash. ARGV: children. Marks those still queued canceled; returns them.
 _CANCEL_QUEUED_LUA: Final = """
 local canceled = {}
@@ -142,6 +154,7 @@ class ShardRecords:
         self.client = client
         self._claim = client.register_script(_CLAIM_LUA)
         self._cancel_queued = client.register_script(_CANCEL_QUEUED_LUA)
+        self._hold = client.register_script(_HOLD_LUA)
 
     def plan(
         self,
@@ -225,13 +238,21 @@ class ShardRecords:
         pipe.hset(keys.job_shards(parent_id), child, state)
         pipe.execute()
 
-    def hold_weights(self, parent_id: str, sha256: str) -> None:
+    def hold_weights(self, parent_id: str, sha256: str) -> str | None:
         """Keeps the merged weights in the store (a reference of the merge's) until
-        :meth:`release_weights`: the evaluation children may wait for workers for long."""
-        pipe = self.client.pipeline()
-        pipe.sadd(keys.sha_refs(sha256), child_job_id(parent_id, MERGE))
-        pipe.hset(keys.job_shards(parent_id), _MERGED_WEIGHTS, sha256)
-        pipe.execute()
+        :meth:`release_weights`: the evaluation children may wait for workers for long. None
+        when held; the parent's status when it no longer runs (nothing held then)."""
+        answer = text(
+            self._hold(
+                keys=[
+                    keys.record("job", parent_id),
+                    keys.job_shards(parent_id),
+                    keys.sha_refs(sha256),
+                ],
+                args=[sha256, child_job_id(parent_id, MERGE), _MERGED_WEIGHTS],
+            )
+        )
+        return None if answer == "held" else answer
 
     def release_weights(self, parent_id: str) -> None:
         """Drops the merge's reference once the job ended (a registered model keeps its own)."""

@@ -235,7 +235,9 @@ class LocalStore:
             # One call, so that the collector either sees the new mtime or finds the object
             # gone from its name and lets this write install it again.
             os.utime(final)
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):
+            # PermissionError: the object belongs to another user (an API and workers running
+            # as different users); the rename below installs our copy, as fresh as a touch.
             pass
         else:
             tmp.unlink()
@@ -294,7 +296,10 @@ class LocalStore:
             os.replace(final, moved)  # from here on a writer finds no object and writes anew
         except FileNotFoundError:
             return False
-        return self._settle(moved, sha256, cutoff, in_use)
+        try:
+            return self._settle(moved, sha256, cutoff, in_use)
+        except FileNotFoundError:
+            return False  # settled by another collector whose lock had expired
 
     def _settle(
         self, moved: Path, sha256: str, cutoff: float, in_use: Callable[[str], bool]

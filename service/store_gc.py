@@ -25,16 +25,22 @@ it anew), checks 2 and 1 again on the moved file, and puts it back if either cha
 
 The grace period (``BNADAPT_STORE_GC_GRACE_S``, an hour by default) must exceed the longest
 time between writing an object, or reading a record, and registering the reference, and the
-clock difference between the machines that share the store. One collection runs at a time in
-the whole deployment (a Redis lock); the API and every worker supervisor start one when it is
-due (``BNADAPT_STORE_GC_INTERVAL_S``), and ``bnadapt store gc`` runs one now.
+clock difference between the machines that share the store (on NFS, also the attribute cache
+time, ``actimeo``, after which a collector sees another machine's fresh mtime). A sharded
+job's merged weights wait for its evaluation children under a reference of the merge's own
+(service/shard_records.py ``hold_weights``), dropped when the job ends.
+
+One collection runs at a time in the whole deployment (a Redis lock, renewed before each batch
+of objects); the API and every worker supervisor start one when it is due
+(``BNADAPT_STORE_GC_INTERVAL_S``), and ``bnadapt store gc`` runs one now.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -50,8 +56,8 @@ __all__ = [
     "collect_now",
 ]
 
-# A collection holding the lock longer than this is presumed dead.
-LOCK_TIMEOUT_S: Final = 3600.0
+# A collection renews its lock before each batch; one silent this long is presumed dead.
+LOCK_TIMEOUT_S: Final = 60.0
 # Objects judged per Redis round trip.
 _BATCH: Final = 500
 
@@ -66,9 +72,10 @@ class Collection:
     kept_in_use: int  # referenced, or a reference dropped within the grace period
     kept_recent: int  # written within the grace period
     temp_files_removed: int  # left by writers that died
+    complete: bool  # False: stopped early (the process stops, or the lock was lost)
 
 
-def in_use(client: redis.Redis, sha256s: Sequence[str], cutoff: float) -> list[bool]:
+def _in_use(client: redis.Redis, sha256s: Sequence[str], cutoff: float) -> list[bool]:
     """For each object: referenced now, or a reference dropped at or after ``cutoff``."""
     pipe = client.pipeline(transaction=False)
     for sha256 in sha256s:
@@ -82,16 +89,21 @@ def in_use(client: redis.Redis, sha256s: Sequence[str], cutoff: float) -> list[b
 
 
 def collect_garbage(
-    client: redis.Redis, store: Store, grace_s: float, now: float | None = None
+    client: redis.Redis,
+    store: Store,
+    grace_s: float,
+    now: float | None = None,
+    keep_going: Callable[[], bool] = lambda: True,
 ) -> Collection:
-    """One collection by the rules of NOTE [ Store garbage collection ]. The caller makes
-    sure no other collection runs (see :func:`collect_now`)."""
+    """One collection by the rules of NOTE [ Store garbage collection ]; ``keep_going`` is
+    asked before each batch of objects. The caller makes sure no other collection runs (see
+    :func:`collect_now`)."""
     if grace_s < 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
     cutoff = (time.time() if now is None else now) - grace_s
 
     def one_in_use(sha256: str) -> bool:
-        return in_use(client, [sha256], cutoff)[0]
+        return _in_use(client, [sha256], cutoff)[0]
 
     deleted = store.settle_trash(cutoff, one_in_use)
     seen = recent = kept = freed = 0
@@ -102,9 +114,13 @@ def collect_garbage(
             recent += 1
         else:
             old.append(obj)
+    complete = True
     for start in range(0, len(old), _BATCH):
+        if not keep_going():
+            complete = False
+            break
         batch = old[start : start + _BATCH]
-        used = in_use(client, [obj.sha256 for obj in batch], cutoff)
+        used = _in_use(client, [obj.sha256 for obj in batch], cutoff)
         for obj, obj_used in zip(batch, used, strict=True):
             if obj_used:
                 kept += 1
@@ -120,26 +136,44 @@ def collect_garbage(
         kept_in_use=kept,
         kept_recent=recent,
         temp_files_removed=store.cleanup_tmp(),
+        complete=complete,
     )
 
 
-def collect_now(client: redis.Redis, store: Store, grace_s: float) -> Collection | None:
-    """Runs a collection unless another one holds the lock (then None)."""
+def collect_now(
+    client: redis.Redis, store: Store, grace_s: float, stop: threading.Event | None = None
+) -> Collection | None:
+    """Runs a collection unless another one holds the lock (then None). It renews the lock
+    as it goes and stops early once ``stop`` is set or the lock was lost; a process that dies
+    mid-way leaves the lock for at most ``LOCK_TIMEOUT_S``."""
     lock = client.lock(keys.STORE_GC_LOCK, timeout=LOCK_TIMEOUT_S, blocking=False)
     if not lock.acquire():
         return None
+
+    def keep_going() -> bool:
+        if stop is not None and stop.is_set():
+            return False
+        try:
+            lock.reacquire()  # another LOCK_TIMEOUT_S from now
+        except redis.exceptions.LockError:
+            return False  # it expired: another collection may have begun
+        return True
+
     try:
-        return collect_garbage(client, store, grace_s)
+        return collect_garbage(client, store, grace_s, keep_going=keep_going)
     finally:
-        # LockError: it outlived LOCK_TIMEOUT_S; another collection may have begun.
         with contextlib.suppress(redis.exceptions.LockError):
             lock.release()
 
 
 def collect_if_due(
-    client: redis.Redis, store: Store, grace_s: float, interval_s: float
+    client: redis.Redis,
+    store: Store,
+    grace_s: float,
+    interval_s: float,
+    stop: threading.Event | None = None,
 ) -> Collection | None:
     """Runs a collection if none started in the whole deployment within ``interval_s``."""
     if not client.set(keys.STORE_GC_STARTED, "1", nx=True, px=max(1, int(interval_s * 1000))):
         return None
-    return collect_now(client, store, grace_s)
+    return collect_now(client, store, grace_s, stop)

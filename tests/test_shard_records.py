@@ -255,6 +255,10 @@ def test_labelled_data_adds_evaluation_children_after_the_merge(
     assert shard_records.result(labelled.job_id, MERGE) is None
     assert records.client.smembers(keys.sha_refs(merged)) == set()
     assert records.client.zscore(keys.STORE_RELEASED, merged) is not None
+    # A merge that gets this far after the job ended holds nothing (it would never be let go).
+    late = "cd" * 32
+    assert shard_records.hold_weights(labelled.job_id, late) == "failed"
+    assert records.client.exists(keys.sha_refs(late)) == 0
 
 
 def test_evaluation_children_count_into_the_job_progress(

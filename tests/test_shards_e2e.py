@@ -86,12 +86,15 @@ def test_sharded_jobs_equal_one_worker(stack: Stack) -> None:
         assert (report["batches"], report["samples"]) == (18, 1797)
         single_report = client.http.get(single["result"]["report_url"]).json()
         assert single_report["shards"] == []
-        # Measured before and after on all 1797 digits, in three parts each: the same
-        # accuracy as one worker's, the loss up to float rounding.
+        # Measured before and after on all 1797 digits, in three parts each of the batches
+        # one worker measures: the same accuracy.
         for which in ("metrics_before", "metrics_after"):
             got, want = report[which], single_report[which]
             assert (got["num_samples"], got["accuracy"]) == (1797, want["accuracy"]), which
-            assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), which
+            # Before: the same model in the same batches; after: merged statistics within
+            # 1e-6 of one worker's (module docstring), so the loss is too.
+            rel = 1e-12 if which == "metrics_before" else 1e-6
+            assert got["loss"] == pytest.approx(want["loss"], rel=rel), which
         assert report["metrics_after"] != report["metrics_before"]  # the adapted model's
         # Three shards, the merge, three evaluations and the finish ran, each once.
         evaluations = ("eval-0", "eval-1", "eval-2")

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -326,3 +327,21 @@ def test_the_service_collects_on_its_own(stack: Stack) -> None:
     orphan = store.put_bytes(b"written by a process that died")
     age(store, orphan)
     wait_for(lambda: not store.exists(orphan), timeout_s=60, what="the periodic collection")
+
+
+def test_a_collection_stops_between_batches_when_asked(
+    store: LocalStore, client: redis.Redis
+) -> None:
+    orphans = [store.put_bytes(f"orphan {i}".encode()) for i in range(3)]
+    for sha256 in orphans:
+        age(store, sha256)
+    stopped = collect_garbage(client, store, HOUR_S, keep_going=lambda: False)
+    assert (stopped.complete, stopped.deleted, stopped.objects) == (False, 0, 3)
+    assert all(store.exists(sha256) for sha256 in orphans)
+    stop = threading.Event()
+    stop.set()  # the process is stopping: the lock is taken and given back, nothing deleted
+    done = collect_now(client, store, HOUR_S, stop)
+    assert done is not None and not done.complete
+    assert client.exists(keys.STORE_GC_LOCK) == 0
+    finished = collect_now(client, store, HOUR_S)
+    assert finished is not None and finished.complete and finished.deleted == 3

@@ -1,32 +1,30 @@
 """Sharded adaptation on RQ: the parent's dispatch and the children's entry points.
 
 - :func:`start_shards` — run by the worker that takes a job with ``shards > 1``: plans the
-  shards, enqueues them and their merge, and returns.
+  shards, enqueues them, their merge and (with labels) the evaluation children and the finish,
+  and returns.
 - :func:`run_shard`, :func:`run_merge`, :func:`run_eval`, :func:`run_finish` — the RQ entry
   points of the children.
 - :func:`fail_killed_child` — for the RQ worker, when a child's process died.
 
-The computations are in workers/shards.py; see NOTE [ Sharded adaptation ] there.
+The computations are in workers/shards.py, how one child runs in workers/shard_child.py; see
+NOTE [ Sharded adaptation ] in workers/shards.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
-from rq import Queue, get_current_job
+from rq import Queue
 from rq.job import Dependency, Job
 
 from api_schemas import AdaptParams, JobPayload, JobStatus, Progress, utc_now
 from service.arrays import read_arrays
 from service.records import Records
-from service.redis_conn import redis_client
-from service.settings import Settings, get_settings
+from service.settings import Settings
 from service.shard_records import (
     FINISH,
     MERGE,
@@ -35,10 +33,9 @@ from service.shard_records import (
     child_job_id,
     describe_child,
     eval_name,
-    is_shard,
     shard_name,
 )
-from service.store import LocalStore, Store
+from service.store import Store
 from workers.data import num_batches
 from workers.errors import AdaptError, JobCanceled
 from workers.evaluation import MetricSums
@@ -46,12 +43,12 @@ from workers.runtime import JobRuntime
 from workers.saving import (
     SavedOutcome,
     StoredWeights,
-    error_message,
     mark_succeeded,
     register_output,
     save_outcome,
     store_weights,
 )
+from workers.shard_child import ChildRun, end_parent, rq_worker_name, run_child
 from workers.shards import (
     ShardedJob,
     ShardResult,
@@ -78,7 +75,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-R = TypeVar("R")
 
 SHARD_FUNCTION: Final = "workers.shard_jobs.run_shard"
 MERGE_FUNCTION: Final = "workers.shard_jobs.run_merge"
@@ -89,56 +85,21 @@ RQ_RESULT_TTL_S: Final = 24 * 3600
 RQ_FAILURE_TTL_S: Final = 7 * 24 * 3600
 
 
-class _ChildRuntime(JobRuntime):
-    """A child's runtime: it stops on its parent's cancel flag or end (JobRuntime watches the
-    parent's id), beats a heartbeat of its own, and a shard adds its progress to the parent's."""
-
-    def __init__(
-        self,
-        records: Records,
-        shard_records: ShardRecords,
-        parent_id: str,
-        child: str,
-        heartbeat_ttl_s: float,
-    ) -> None:
-        super().__init__(records, parent_id, heartbeat_ttl_s)
-        self._shard_records = shard_records
-        self._child = child
-
-    def _beat(self) -> None:
-        self._records.beat(child_job_id(self._job_id, self._child), self._ttl_s)
-
-    def _write_progress(self, progress: Progress) -> None:
-        if is_shard(self._child):
-            self._shard_records.publish_progress(self._job_id, self._child, progress)
-        elif self._child in (MERGE, FINISH):
-            super()._write_progress(progress)  # their phases, as one worker writes them
-        # An evaluation child's pass is one of K at once: the merge announced their phase.
-
-
-def _process_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def _rq_worker_name() -> str:
-    current = get_current_job()
-    if current is not None and current.worker_name:
-        return current.worker_name
-    return _process_name()
-
-
 def start_shards(
     job: JobPayload, records: Records, store: Store, runtime: JobRuntime, settings: Settings
 ) -> dict[str, str]:
-    """Plans the running job's shards, records them and enqueues them with their merge on
-    the settings' queue; returns the RQ result of the job that started them."""
+    """Plans the running job's shards, records every child and enqueues them (the shards, the
+    merge and, with labels, the evaluation children and the finish) on the settings' queue;
+    returns the RQ result of the job that started them."""
     params = job.params
     assert isinstance(params, AdaptParams)
     arrays = read_arrays(store.local_path(job.dataset.sha256), job.dataset.format)
     num_samples = len(arrays.x)
     total = num_batches(num_samples, params.batch_size, params.max_batches)
     plan = plan_shards(total, params.shards)
-    evaluation = None if arrays.y is None else plan_evaluation(num_samples, len(plan))
+    evaluation = (
+        None if arrays.y is None else plan_evaluation(num_samples, len(plan), params.batch_size)
+    )
     after_merge = [] if evaluation is None else [eval_name(i) for i in range(len(plan))]
     if runtime.check_cancel_now():
         raise JobCanceled(f"job {job.job_id} was canceled")
@@ -208,21 +169,21 @@ def run_shard(spec: dict[str, Any], index: int) -> dict[str, str]:
     """RQ entry point of shard ``index`` of the sharded job ``spec`` describes."""
     sharded = ShardedJob.model_validate(spec)
 
-    def work(run: _ChildRun) -> ShardResult:
+    def work(run: ChildRun) -> ShardResult:
         part = None if sharded.evaluation is None else sharded.evaluation[index]
         result = collect_shard(
-            sharded.payload, run.store, sharded.plan[index], run.runtime, _rq_worker_name(), part
+            sharded.payload, run.store, sharded.plan[index], run.runtime, rq_worker_name(), part
         )
         if run.runtime.check_cancel_now():
             raise JobCanceled(f"job {sharded.payload.job_id} was canceled")
         return result
 
-    def finish(run: _ChildRun, result: ShardResult) -> None:
+    def finish(run: ChildRun, result: ShardResult) -> None:
         run.shard_records.finish(
             sharded.payload.job_id, shard_name(index), ChildState.DONE, result.to_json()
         )
 
-    return _run_child(sharded, shard_name(index), work, finish)
+    return run_child(sharded, shard_name(index), work, finish)
 
 
 def run_merge(spec: dict[str, Any]) -> dict[str, str]:
@@ -234,25 +195,27 @@ def run_merge(spec: dict[str, Any]) -> dict[str, str]:
     assert isinstance(params, AdaptParams)
     parts = sharded.evaluation
 
-    def work(run: _ChildRun) -> SavedOutcome | StoredWeights:
+    def work(run: ChildRun) -> SavedOutcome | StoredWeights:
         results = [_shard_result(run.shard_records, sharded, s.index) for s in sharded.plan]
         outcome = compute_merged(job, run.store, results, run.runtime, measure=parts is None)
         if parts is None:
             return save_outcome(job, outcome, run.records, run.store, run.runtime)
         weights = store_weights(outcome, run.store)
-        run.shard_records.hold_weights(job.job_id, weights.sha256)
+        ended = run.shard_records.hold_weights(job.job_id, weights.sha256)
+        if ended is not None:
+            raise JobCanceled(f"job {job.job_id} is {ended}")
         size = params.batch_size
         total = sum(num_batches(part.stop - part.start, size) for part in parts)
         run.runtime.start_phase("evaluate after", total, "batches", float(size))
         return weights
 
-    def finish(run: _ChildRun, done: SavedOutcome | StoredWeights) -> None:
+    def finish(run: ChildRun, done: SavedOutcome | StoredWeights) -> None:
         if isinstance(done, SavedOutcome):
             _succeed(run, sharded, done)
         else:
             run.shard_records.finish(job.job_id, MERGE, ChildState.DONE, done.model_dump_json())
 
-    return _run_child(sharded, MERGE, work, finish)
+    return run_child(sharded, MERGE, work, finish)
 
 
 def run_eval(spec: dict[str, Any], index: int) -> dict[str, str]:
@@ -261,11 +224,11 @@ def run_eval(spec: dict[str, Any], index: int) -> dict[str, str]:
     assert sharded.evaluation is not None, "evaluation children need labels"
     part = sharded.evaluation[index]
 
-    def work(run: _ChildRun) -> MetricSums:
+    def work(run: ChildRun) -> MetricSums:
         weights = _merged_weights(run.shard_records, sharded)
         return evaluate_adapted(sharded.payload, run.store, weights.sha256, part, run.runtime)
 
-    def finish(run: _ChildRun, sums: MetricSums) -> None:
+    def finish(run: ChildRun, sums: MetricSums) -> None:
         job_id = sharded.payload.job_id
         run.shard_records.finish(
             job_id, eval_name(index), ChildState.DONE, json.dumps(sums.to_dict())
@@ -274,7 +237,7 @@ def run_eval(spec: dict[str, Any], index: int) -> dict[str, str]:
         assert isinstance(params, AdaptParams)
         run.shard_records.count_evaluated(job_id, num_batches(sums.num_samples, params.batch_size))
 
-    return _run_child(sharded, eval_name(index), work, finish)
+    return run_child(sharded, eval_name(index), work, finish)
 
 
 def run_finish(spec: dict[str, Any]) -> dict[str, str]:
@@ -284,7 +247,7 @@ def run_finish(spec: dict[str, Any]) -> dict[str, str]:
     job = sharded.payload
     parts = range(len(sharded.plan))
 
-    def work(run: _ChildRun) -> SavedOutcome:
+    def work(run: ChildRun) -> SavedOutcome:
         results = [_shard_result(run.shard_records, sharded, i) for i in parts]
         after = [
             MetricSums.from_dict(json.loads(_child_result(run.shard_records, sharded, c)))
@@ -295,86 +258,33 @@ def run_finish(spec: dict[str, Any]) -> dict[str, str]:
             raise JobCanceled(f"job {job.job_id} was canceled")
         run.runtime.start_phase("saving", 1, "batches", 0.0)
         saved = register_output(job, weights, run.records, run.store)
+        # The model holds the weights now; released before the job's end, so that no ending
+        # of this process can leave the merge's reference behind.
+        run.shard_records.release_weights(job.job_id)
         run.runtime.report(1)
         return saved
 
-    def finish(run: _ChildRun, saved: SavedOutcome) -> None:
+    def finish(run: ChildRun, saved: SavedOutcome) -> None:
         _succeed(run, sharded, saved)
 
-    return _run_child(sharded, FINISH, work, finish)
+    return run_child(sharded, FINISH, work, finish)
 
 
-def _succeed(run: _ChildRun, sharded: ShardedJob, saved: SavedOutcome) -> None:
+def _succeed(run: ChildRun, sharded: ShardedJob, saved: SavedOutcome) -> None:
     """The last child's end: the job succeeded, the children's results deleted."""
     job_id = sharded.payload.job_id
     last = MERGE if sharded.evaluation is None else FINISH
     mark_succeeded(sharded.payload, saved, run.records)
     run.shard_records.finish(job_id, last, ChildState.DONE)
     run.shard_records.delete_results(job_id, list(run.shard_records.children(job_id) or {}))
-    run.shard_records.release_weights(job_id)
-
-
-@dataclass(frozen=True)
-class _ChildRun:
-    records: Records
-    shard_records: ShardRecords
-    store: Store
-    runtime: JobRuntime
-
-
-def _run_child(
-    sharded: ShardedJob,
-    child: str,
-    work: Callable[[_ChildRun], R],
-    finish: Callable[[_ChildRun, R], None],
-) -> dict[str, str]:
-    """Claims ``child``, runs ``work`` under a runtime and ``finish`` after it (as run_job
-    marks a job succeeded after its runtime ends), and ends the parent if the child fails or
-    is stopped. Skips the child, returning at once, unless it is queued and the parent runs."""
-    settings = get_settings()
-    parent_id = sharded.payload.job_id
-    records = Records(redis_client(settings.redis_url))
-    shard_records = ShardRecords(records.client)
-    answer = {"job_id": parent_id, "child": child}
-    refused = shard_records.claim(parent_id, child, _process_name(), settings.heartbeat_timeout_s)
-    if refused is not None:
-        log.info("%s of job %s not run: %s", child, parent_id, refused)
-        return answer | {"status": "skipped"}
-    what = describe_child(child, len(sharded.plan))
-    if is_shard(child):
-        shard = sharded.plan[int(child.removeprefix("shard-"))]
-        what += f" (batches {shard.first_batch} to {shard.first_batch + shard.batches - 1})"
-    try:
-        with _ChildRuntime(
-            records, shard_records, parent_id, child, settings.heartbeat_timeout_s
-        ) as runtime:
-            run = _ChildRun(records, shard_records, LocalStore(settings.store_path), runtime)
-            done = work(run)
-        finish(run, done)
-    # The parent is ended before the child's own state says why: the reaper fails a running
-    # parent with a stopped or failed child, with a message that only points to the logs.
-    except JobCanceled:
-        if records.cancel_requested(parent_id):
-            _end_parent(records, shard_records, parent_id, JobStatus.CANCELED)
-        else:  # the parent ended elsewhere (kept), or this process lost Redis for too long
-            error = f"{what} stopped: it lost Redis for longer than the heartbeat timeout"
-            _end_parent(records, shard_records, parent_id, JobStatus.FAILED, error)
-        shard_records.finish(parent_id, child, ChildState.STOPPED)
-        return answer | {"status": ChildState.STOPPED.value}
-    except Exception as exc:
-        error = f"{what} failed: {error_message(exc)}"
-        _end_parent(records, shard_records, parent_id, JobStatus.FAILED, error)
-        shard_records.finish(parent_id, child, ChildState.FAILED)
-        raise
-    return answer | {"status": ChildState.DONE.value}
 
 
 def fail_killed_child(
     records: Records, func_name: str | None, args: Sequence[Any], how: str
 ) -> bool:
-    """For the RQ worker, when a job's process died without raising: if it was a shard or the
-    merge (``func_name`` and ``args`` of its RQ job), fails the parent now with ``how`` it died
-    (else the reaper would, a heartbeat timeout later). False for any other job."""
+    """For the RQ worker, when a job's process died without raising: if it was a child of a
+    sharded job (``func_name`` and ``args`` of its RQ job), fails the parent now with ``how``
+    it died (else the reaper would, a heartbeat timeout later). False for any other job."""
     names: dict[str | None, Callable[[], str]] = {
         SHARD_FUNCTION: lambda: shard_name(int(args[1])),
         MERGE_FUNCTION: lambda: MERGE,
@@ -387,23 +297,9 @@ def fail_killed_child(
     child = names[func_name]()
     shard_records = ShardRecords(records.client)
     error = f"{describe_child(child, len(sharded.plan))} died: {how}"
-    _end_parent(records, shard_records, sharded.payload.job_id, JobStatus.FAILED, error)
+    end_parent(records, shard_records, sharded.payload.job_id, JobStatus.FAILED, error)
     shard_records.finish(sharded.payload.job_id, child, ChildState.FAILED)
     return True
-
-
-def _end_parent(
-    records: Records,
-    shard_records: ShardRecords,
-    parent_id: str,
-    status: JobStatus,
-    error: str | None = None,
-) -> None:
-    """Ends the running parent (a parent that already ended keeps its status) and cancels the
-    children still queued."""
-    if records.mark_finished(parent_id, status, error=error):
-        log.info("sharded job %s %s: %s", parent_id, status.value, error)
-    shard_records.discard(parent_id)
 
 
 def _child_result(shard_records: ShardRecords, sharded: ShardedJob, child: str) -> str:

@@ -74,16 +74,20 @@ R = TypeVar("R")
 # rounding (cumulative: float64 sums against torch's float32 running average, below 1e-6).
 #
 # Jobs: the parent is the user's job; the worker that takes it only plans K contiguous runs of
-# whole batches, records every child queued (service/shard_records.py), enqueues K shard jobs
-# and a merge job that depends on them (RQ ids `<parent>-shard-<i>`, `<parent>-merge`) and
-# returns: waiting for the shards would deadlock a single worker. Children have no job record,
-# so they never show in `GET /v1/jobs`; the parent's report lists them (Report.shards).
+# whole batches, records every child queued (service/shard_records.py), enqueues K shard jobs,
+# a merge job that depends on them and, with labels, the evaluation children and the finish
+# (see "evaluation" below; RQ ids `<parent>-shard-<i>`, `<parent>-merge`, `<parent>-eval-<i>`,
+# `<parent>-finish`) and returns: waiting for the shards would deadlock a single worker.
+# Children have no job record, so they never show in `GET /v1/jobs`; the parent's report lists
+# the shards (Report.shards).
 #
 # Life cycle: a child claims itself (queued -> running, with a heartbeat of its own) only while
 # the parent is running. A shard stores its statistics (JSON, LayerStatistics.to_dict) in Redis
-# and is done; the merge reads them, computes, saves, marks the parent succeeded, deletes them.
+# and is done; the merge reads them, computes and saves. The last child (the merge, or the
+# finish) marks the parent succeeded and deletes what the children handed on.
 # - progress: each shard's runtime adds its own count into the parent's Progress (done and total
-#   over all shards' batches), the merge then writes its phases there as one worker would.
+#   over all shards' batches), the merge then writes its phases there as one worker would, and
+#   each evaluation child adds the batches it measured.
 # - cancel: a running child sees the parent's cancel flag at its next batch and ends the parent
 #   canceled; the reaper does it when no child runs. Whoever ends the parent also cancels the
 #   children still queued (they never run), and running ones stop because the parent is no
@@ -94,13 +98,15 @@ R = TypeVar("R")
 #   parent within the heartbeat timeout, a child RQ will never run fails it.
 # - evaluation: when the dataset has labels, one worker measures the model before and after
 #   adapting on all of it, two passes besides the one estimating. Sharded, each pass is split
-#   too: shard i also measures the source model on its part of the dataset (the K parts
-#   cover all samples, `ShardedJob.evaluation`, independent of max_batches), the merge writes
-#   the adapted weights to the store (referenced by the job) and hands them on, K evaluation
-#   children (`eval-i`, after the merge) measure them on part i, and a finish job adds up the
-#   metric sums of both rounds (workers/evaluation.py MetricSums: accuracy exactly as one
-#   worker's, losses up to float rounding of other batch boundaries) and registers the model.
-#   Without labels the merge registers the model itself.
+#   too: shard i also measures the source model on its part of the dataset (K runs of whole
+#   batches covering all samples, `ShardedJob.evaluation`, independent of max_batches), the
+#   merge writes the adapted weights to the store (held by a reference of its own while the
+#   parent runs) and hands them on, K evaluation children (`eval-i`, after the merge) measure
+#   them on part i, and a finish job adds up the metric sums of both rounds
+#   (workers/evaluation.py MetricSums: every batch is one a single worker measures, so the
+#   accuracy is exactly its, the loss but for the order of float64 additions), registers the
+#   model, drops the merge's reference and marks the parent succeeded. Without labels the
+#   merge registers the model and ends the parent itself.
 
 # Which pooling of the shards' statistics each shardable estimator (or prior base) writes.
 WEIGHTINGS: Final[Mapping[str, Weighting]] = {"precise": "elements", "cumulative": "batches"}
@@ -176,17 +182,18 @@ def plan_shards(total_batches: int, shards: int) -> list[ShardPlan]:
     return plan
 
 
-def plan_evaluation(num_samples: int, parts: int) -> list[SampleRange]:
-    """``parts`` contiguous ranges covering all samples, sizes differing by at most one."""
-    if not 1 <= parts <= num_samples:
-        raise ValueError(f"need 1 <= parts <= {num_samples} samples, got {parts}")
-    size, longer = divmod(num_samples, parts)
-    ranges, start = [], 0
-    for index in range(parts):
-        stop = start + size + (1 if index < longer else 0)
-        ranges.append(SampleRange(start=start, stop=stop))
-        start = stop
-    return ranges
+def plan_evaluation(num_samples: int, parts: int, batch_size: int) -> list[SampleRange]:
+    """``parts`` contiguous ranges of whole batches of ``batch_size`` covering all samples, as
+    :func:`plan_shards` splits batches: each part measures exactly the batches one worker would,
+    so the parts' metric sums add up to its sums but for the order of float64 additions."""
+    plan = plan_shards(num_batches(num_samples, batch_size), parts)
+    return [
+        SampleRange(
+            start=shard.first_batch * batch_size,
+            stop=min((shard.first_batch + shard.batches) * batch_size, num_samples),
+        )
+        for shard in plan
+    ]
 
 
 def collect_shard(
@@ -239,8 +246,7 @@ def _measure_part(
 ) -> MetricSums:
     """The model's metric sums on samples ``part`` of the job's labelled dataset, as one
     worker measures all of it (workers/compute.py): in the job's batch size."""
-    if job.y is None:
-        raise AdaptError("the dataset has no labels to evaluate the model with")
+    assert job.y is not None, "parts are measured only on datasets with labels"
     y = job.y[part.start : part.stop]
     return evaluate_sums(
         job.model,
@@ -275,8 +281,12 @@ def with_metrics(
     """The merge's ``weights`` with the report's metrics before and after: the sums of every
     shard's and every evaluation child's part."""
     before = [r.before for r in results if r.before is not None]
-    if len(before) != len(results) or not after:
-        raise AdaptError("metric sums of some parts of the dataset are missing")
+    if len(before) != len(results) or len(after) != len(results):
+        raise AdaptError(
+            f"the metrics of {len(results) - len(before)} shards and "
+            f"{len(results) - len(after)} evaluations of the {len(results)} parts are missing; "
+            "submit the job again"
+        )
     update = {
         "metrics_before": contract_metrics(sum(before[1:], before[0]).metrics()),
         "metrics_after": contract_metrics(sum(after[1:], after[0]).metrics()),
