@@ -58,8 +58,13 @@ DISPATCHED: Final = "dispatched"
 RESULT_TTL_S: Final = 7 * 24 * 3600
 # RQ states in which a child that has not claimed itself yet will still run.
 _WAITING_IN_RQ: Final = {
+    RQStatus.CREATED,
     RQStatus.QUEUED,
     RQStatus.DEFERRED,
+    # Its dependencies are done and RQ moves it to the queue; a worker whose move lost a race
+    # with another's leaves it for RQ's next cleanup pass.
+    RQStatus.READY_TO_ENQUEUE,
+    RQStatus.RATE_LIMITED,
     RQStatus.SCHEDULED,
     RQStatus.STARTED,  # dequeued, about to claim; RQ fails it if its process dies
 }

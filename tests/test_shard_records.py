@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rq.job import Job
+from rq.job import JobStatus as RQStatus
 
 from api_schemas import (
     AdaptParams,
@@ -277,3 +278,19 @@ def test_evaluation_children_count_into_the_job_progress(
     job = records.get_job(TENANT, labelled.job_id)
     assert job is not None and job.progress is not None
     assert job.progress.done == 5
+
+
+def test_children_rq_is_still_moving_keep_their_job_running(
+    records: Records, labelled: JobPayload
+) -> None:
+    # Between "dependencies done" and "in the queue" RQ 3 parks a child in states of its own;
+    # a worker that loses the race to move it leaves it there for RQ's next cleanup pass.
+    eval_job = Job.fetch(
+        child_job_id(labelled.job_id, "eval-1"), connection=records.client, serializer="json"
+    )
+    for status in (RQStatus.READY_TO_ENQUEUE, RQStatus.CREATED, RQStatus.RATE_LIMITED):
+        eval_job.set_status(status)
+        assert reap_stale_jobs(records, TIMEOUT_S) == [], status
+        assert records.job_status(labelled.job_id) is JobStatus.RUNNING
+    eval_job.set_status(RQStatus.FAILED)  # RQ gave up on it: the job cannot finish
+    assert reap_stale_jobs(records, TIMEOUT_S) == [labelled.job_id]
