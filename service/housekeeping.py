@@ -1,6 +1,7 @@
 """The background threads of the API and of every worker supervisor: one fails jobs whose
-process is gone (service/reaper.py), the other runs a store collection when one is due
-(service/store_gc.py). Apart, so that a long collection never delays the reaper.
+process is gone and moves children RQ left ready to the queue (service/reaper.py), the other
+runs a store collection when one is due (service/store_gc.py). Apart, so that a long
+collection never delays the reaper.
 
 Both are safe to run from many processes at once: the reaper's verdicts are compare-and-sets,
 and one collection at a time runs in the whole deployment.
@@ -12,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from service.reaper import reap_stale_jobs
+from service.reaper import enqueue_ready_children, reap_stale_jobs
 from service.records import Records
 from service.settings import Settings
 from service.store import Store
@@ -62,6 +63,9 @@ class Housekeeping:
                 log.exception("%s failed", threading.current_thread().name)
 
     def _reap(self) -> None:
+        moved = enqueue_ready_children(self._records.client, self._settings.queue)
+        if moved:
+            log.info("moved %d jobs RQ left ready to the queue", moved)
         reap_stale_jobs(self._records, self._settings.heartbeat_timeout_s)
 
     def _collect(self) -> None:

@@ -18,16 +18,33 @@ import logging
 from datetime import timedelta
 from typing import Final
 
+import redis
+from rq import Queue
+
 from api_schemas import JobStatus, utc_now
 from service.records import Records
 from service.shard_records import ChildState, ShardRecords, describe_child, is_shard
 
-__all__ = ["judge_sharded", "reap_stale_jobs"]
+__all__ = ["enqueue_ready_children", "judge_sharded", "reap_stale_jobs"]
 
 # A child in one of these states while its parent still runs means the parent cannot finish.
 _ENDED_EARLY: Final = (ChildState.FAILED, ChildState.STOPPED, ChildState.CANCELED)
 
 log = logging.getLogger(__name__)
+
+
+def enqueue_ready_children(client: redis.Redis, queue_name: str) -> int:
+    """Moves to the queue the children whose dependencies are done but that RQ left in its
+    ready registry; returns how many.
+
+    RQ 3 moves a finished job's dependents to the queue right away, under a WATCH on the whole
+    ready registry of the queue: when another worker changes that registry meanwhile (its own
+    job's dependents), the move is skipped and left to RQ's maintenance, which runs only every
+    10 minutes and only between dequeues. A sharded job's merge, evaluation children or
+    finish then sat idle for that long; this sweep moves them within a housekeeping interval.
+    The move is RQ's own, safe against doing it twice."""
+    queue = Queue(queue_name, connection=client, serializer="json")
+    return len(queue.ready_job_registry.cleanup())
 
 
 def reap_stale_jobs(records: Records, heartbeat_timeout_s: float) -> list[str]:

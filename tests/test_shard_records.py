@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rq import Queue
 from rq.job import Job
 from rq.job import JobStatus as RQStatus
 
@@ -21,7 +22,7 @@ from api_schemas import (
     utc_now,
 )
 from service import keys
-from service.reaper import reap_stale_jobs
+from service.reaper import enqueue_ready_children, reap_stale_jobs
 from service.records import Records
 from service.redis_conn import redis_client
 from service.settings import Settings
@@ -294,3 +295,22 @@ def test_children_rq_is_still_moving_keep_their_job_running(
         assert records.job_status(labelled.job_id) is JobStatus.RUNNING
     eval_job.set_status(RQStatus.FAILED)  # RQ gave up on it: the job cannot finish
     assert reap_stale_jobs(records, TIMEOUT_S) == [labelled.job_id]
+
+
+def test_children_rq_left_ready_are_moved_to_the_queue(
+    records: Records, labelled: JobPayload
+) -> None:
+    # As RQ leaves a dependent when its move to the queue loses a race: ready, not queued.
+    queue = Queue("shard-tests", connection=records.client, serializer="json")
+    child = Job.fetch(
+        child_job_id(labelled.job_id, "eval-0"), connection=records.client, serializer="json"
+    )
+    with records.client.pipeline() as pipe:
+        queue.ready_job_registry.register_jobs([child], pipeline=pipe)
+        pipe.execute()
+    assert child.get_status() == RQStatus.READY_TO_ENQUEUE
+    assert child.id not in queue.job_ids
+    assert enqueue_ready_children(records.client, "shard-tests") == 1
+    assert child.get_status() == RQStatus.QUEUED
+    assert child.id in queue.job_ids
+    assert enqueue_ready_children(records.client, "shard-tests") == 0  # nothing left to move
