@@ -81,7 +81,7 @@ def write_npz(path: Path, x: np.ndarray, y: np.ndarray) -> Path:
 
 
 def _succeeded(client: Client, job: JobPublic) -> JobPublic:
-    from service.cli import wait_with_bar
+    from service.cli_client import wait_with_bar
 
     done = wait_with_bar(client, job.id)
     if done.status.value != "succeeded" or done.result is None:
