@@ -33,6 +33,7 @@ from workers.runtime import JobRuntime
 __all__ = [
     "SavedOutcome",
     "StoredWeights",
+    "begin_saving",
     "error_message",
     "mark_succeeded",
     "register_output",
@@ -78,12 +79,18 @@ def save_outcome(
 ) -> SavedOutcome:
     """Writes weights and report to the store, then registers the new model. Raises
     :class:`JobCanceled` before registering anything when the job was asked to stop."""
-    if runtime.check_cancel_now():
-        raise JobCanceled(f"job {job.job_id} was canceled")
-    runtime.start_phase("saving", 1, "batches", 0.0)
+    begin_saving(job, runtime)
     saved = register_output(job, store_weights(outcome, store), records, store)
     runtime.report(1)
     return saved
+
+
+def begin_saving(job: JobPayload, runtime: JobRuntime) -> None:
+    """The saving phase (one unit: report 1 when saved) of a job that was not asked to stop;
+    :class:`JobCanceled` otherwise, before anything is written."""
+    if runtime.check_cancel_now():
+        raise JobCanceled(f"job {job.job_id} was canceled")
+    runtime.start_phase("saving", 1, "batches", 0.0)
 
 
 def register_output(

@@ -43,6 +43,7 @@ from workers.runtime import JobRuntime
 from workers.saving import (
     SavedOutcome,
     StoredWeights,
+    begin_saving,
     mark_succeeded,
     register_output,
     save_outcome,
@@ -100,7 +101,7 @@ def start_shards(
     evaluation = (
         None if arrays.y is None else plan_evaluation(num_samples, len(plan), params.batch_size)
     )
-    after_merge = [] if evaluation is None else [eval_name(i) for i in range(len(plan))]
+    evaluations = [] if evaluation is None else [eval_name(i) for i in range(len(plan))]
     if runtime.check_cancel_now():
         raise JobCanceled(f"job {job.job_id} was canceled")
     shard_records = ShardRecords(records.client)
@@ -112,8 +113,7 @@ def start_shards(
         phase="adapt",
         updated_at=utc_now(),
     )
-    if evaluation is not None:
-        after_merge.append(FINISH)
+    after_merge = [*evaluations, FINISH] if evaluations else []
     shard_records.plan(job.job_id, [shard.batches for shard in plan], progress, after_merge)
     spec = ShardedJob(payload=job, plan=plan, evaluation=evaluation).model_dump(mode="json")
     queue = Queue(settings.queue, connection=records.client, serializer="json")
@@ -122,44 +122,32 @@ def start_shards(
         "result_ttl": RQ_RESULT_TTL_S,
         "failure_ttl": RQ_FAILURE_TTL_S,
     }
-    enqueued: list[Dependency | Job | str] = [
-        queue.enqueue_call(
-            SHARD_FUNCTION,
-            args=(spec, shard.index),
-            job_id=child_job_id(job.job_id, shard_name(shard.index)),
-            description=f"{describe_child(shard_name(shard.index), len(plan))} of {job.job_id}",
+
+    def enqueue(
+        function: str,
+        child: str,
+        args: tuple[Any, ...],
+        depends_on: Job | list[Dependency | Job | str] | None = None,
+    ) -> Job:
+        return queue.enqueue_call(
+            function,
+            args=args,
+            job_id=child_job_id(job.job_id, child),
+            depends_on=depends_on,
+            description=f"{describe_child(child, len(plan))} of {job.job_id}",
             **options,
         )
-        for shard in plan
+
+    shards: list[Dependency | Job | str] = [
+        enqueue(SHARD_FUNCTION, shard_name(s.index), (spec, s.index)) for s in plan
     ]
-    merge = queue.enqueue_call(
-        MERGE_FUNCTION,
-        args=(spec,),
-        job_id=child_job_id(job.job_id, MERGE),
-        depends_on=enqueued,
-        description=f"merge of the {len(plan)} shards of {job.job_id}",
-        **options,
-    )
-    if evaluation is not None:
-        evaluations: list[Dependency | Job | str] = [
-            queue.enqueue_call(
-                EVAL_FUNCTION,
-                args=(spec, index),
-                job_id=child_job_id(job.job_id, eval_name(index)),
-                depends_on=merge,
-                description=f"{describe_child(eval_name(index), len(plan))} of {job.job_id}",
-                **options,
-            )
-            for index in range(len(plan))
+    merge = enqueue(MERGE_FUNCTION, MERGE, (spec,), shards)
+    if evaluations:
+        evaluated: list[Dependency | Job | str] = [
+            enqueue(EVAL_FUNCTION, child, (spec, index), merge)
+            for index, child in enumerate(evaluations)
         ]
-        queue.enqueue_call(
-            FINISH_FUNCTION,
-            args=(spec,),
-            job_id=child_job_id(job.job_id, FINISH),
-            depends_on=evaluations,
-            description=f"finish of the {len(plan)} shards of {job.job_id}",
-            **options,
-        )
+        enqueue(FINISH_FUNCTION, FINISH, (spec,), evaluated)
     shard_records.mark_dispatched(job.job_id)
     log.info("job %s: %d batches in %d shards queued", job.job_id, total, len(plan))
     return {"job_id": job.job_id, "status": JobStatus.RUNNING.value, "shards": str(len(plan))}
@@ -254,9 +242,7 @@ def run_finish(spec: dict[str, Any]) -> dict[str, str]:
             for c in map(eval_name, parts)
         ]
         weights = with_metrics(_merged_weights(run.shard_records, sharded), results, after)
-        if run.runtime.check_cancel_now():
-            raise JobCanceled(f"job {job.job_id} was canceled")
-        run.runtime.start_phase("saving", 1, "batches", 0.0)
+        begin_saving(job, run.runtime)
         saved = register_output(job, weights, run.records, run.store)
         # The model holds the weights now; released before the job's end, so that no ending
         # of this process can leave the merge's reference behind.

@@ -119,6 +119,11 @@ class ShardPlan(RequestModel):
     first_batch: int = Field(ge=0)
     batches: int = Field(ge=1)
 
+    def samples(self, batch_size: int, num_samples: int) -> SampleRange:
+        """The samples of these batches, of ``num_samples`` in batches of ``batch_size``."""
+        start = self.first_batch * batch_size
+        return SampleRange(start=start, stop=min(start + self.batches * batch_size, num_samples))
+
 
 class SampleRange(RequestModel):
     """Samples ``start`` .. ``stop - 1`` of the dataset."""
@@ -187,13 +192,7 @@ def plan_evaluation(num_samples: int, parts: int, batch_size: int) -> list[Sampl
     :func:`plan_shards` splits batches: each part measures exactly the batches one worker would,
     so the parts' metric sums add up to its sums but for the order of float64 additions."""
     plan = plan_shards(num_batches(num_samples, batch_size), parts)
-    return [
-        SampleRange(
-            start=shard.first_batch * batch_size,
-            stop=min((shard.first_batch + shard.batches) * batch_size, num_samples),
-        )
-        for shard in plan
-    ]
+    return [shard.samples(batch_size, num_samples) for shard in plan]
 
 
 def collect_shard(
@@ -215,7 +214,8 @@ def collect_shard(
     size = params.batch_size
     before = None if evaluate_part is None else _measure_part(job, evaluate_part, size, hooks)
     layers = select_batchnorm(job.model, params.include, params.exclude)
-    part = job.x[shard.first_batch * size : (shard.first_batch + shard.batches) * size]
+    samples = shard.samples(size, len(job.x))
+    part = job.x[samples.start : samples.stop]
     if num_batches(len(part), size) != shard.batches:
         raise AdaptError(
             f"shard {shard.index} should run batches {shard.first_batch} to "
