@@ -54,7 +54,8 @@ EstimatorName = Literal["ema", "cumulative", "precise", "prior", "entropy"]
 ESTIMATOR_NAMES: Final[tuple[EstimatorName, ...]] = get_args(EstimatorName)
 
 MAX_BATCH_SIZE: Final = 65536
-# Shards of one adapt job; each is an RQ job with its statistics in Redis (see workers/shards.py).
+# Shards of one adapt job; each is an RQ job with its statistics in Redis (see
+# workers/sharding/compute.py).
 MAX_SHARDS: Final = 256
 
 

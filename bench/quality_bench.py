@@ -1,7 +1,7 @@
 """Quality of BatchNorm adaptation on real data, run through the service (HTTP, real worker).
 
 Data: scikit-learn's bundled digits (1,797 8x8 images, no download), split as ``bnadapt demo``
-splits them (service/demo.py: a permutation with seed 0, 1,200 to train, 597 to test).
+splits them (service/local/demo.py: a permutation with seed 0, 1,200 to train, 597 to test).
 
 1. Train: the built-in ``digits_cnn`` (width 16) registered with fresh weights (seed 0) and
    trained by a ``train`` job on the 1,200 training digits with the demo's params (15 epochs of
@@ -71,7 +71,7 @@ from _service_stack import BenchStack, cpu_seconds  # noqa: E402
 from api_schemas import JobPublic, JobStatus  # noqa: E402
 from api_schemas.reports import Metrics  # noqa: E402
 from service.client import Client, new_model_id  # noqa: E402
-from service.demo import TRAIN_PARAMS, digits_split, train_digits_cnn, write_npz  # noqa: E402
+from service.local.demo import TRAIN_PARAMS, digits_split, train_digits_cnn, write_npz  # noqa: E402
 from tests.servers import new_redis_server  # noqa: E402
 
 SEED: Final = 0  # of the noise; the split, the model's init and training use 0 too

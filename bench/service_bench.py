@@ -2,8 +2,8 @@
 adaptation throughput inside a job against a bare loop.
 
 Everything runs on this machine over loopback: a Redis-compatible server, the API under uvicorn
-and a worker (``python -m workers.supervisor --device cpu``), started as tests/stack.py does.
-Three measurements:
+and a worker (``python -m workers.processes.supervisor --device cpu``), started as tests/stack.py
+does. Three measurements:
 
 1. Per-job overhead: a tiny adapt job (``digits_cnn`` width 8 on 64 digits samples) submitted
    over HTTP and polled every ``POLL_INTERVAL_S`` until it succeeded, one job at a time; the
@@ -24,7 +24,8 @@ Three measurements:
    take turns, window by window. The load generator shares the machine's cores with the API
    and Redis: the CPU each used over the windows is reported in cores, with that of other
    processes on the machine.
-3. Adaptation throughput inside a job: ``workers.compute.compute`` called in this process on an
+3. Adaptation throughput inside a job: ``workers.running.compute.compute`` called in this process
+on an
    adapt payload (a ``resnet`` with ``in_channels`` 1 on random 1x32x32 samples; the payload's
    files in a ``LocalStore`` of our own), samples / ``compute_s``, over a bare
    ``model.train(); with torch.no_grad(): model(x)`` loop on the same samples and batch size.
@@ -75,11 +76,11 @@ from _service_report import (  # noqa: E402
 from _service_stack import BenchStack  # noqa: E402
 
 from api_schemas import JobPayload, new_id  # noqa: E402
-from service.store import LocalStore  # noqa: E402
+from service.store.local import LocalStore  # noqa: E402
 from tests.servers import new_redis_server  # noqa: E402
 from tests.stack import Client, npz_bytes  # noqa: E402
-from workers.architectures import build_model  # noqa: E402
-from workers.compute import compute  # noqa: E402
+from workers.models.architectures import build_model  # noqa: E402
+from workers.running.compute import compute  # noqa: E402
 
 POLL_INTERVAL_S = 0.010  # how often the client asks for the status of a tiny job
 SLOW_POLL_INTERVAL_S = 0.100  # for the larger jobs of measurement 3

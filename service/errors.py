@@ -9,7 +9,7 @@ Exception tree::
     ├── ArrayFileError           a dataset file is unreadable or breaks the dataset rules
     ├── InvalidPageTokenError    a page token this service did not hand out
     ├── WeightsFileError         a weights file is not an acceptable safetensors file
-    └── EmbeddedServerError      the private Redis-compatible server (service/embedded.py)
+    └── EmbeddedServerError      the private Redis-compatible server (service/local/embedded.py)
         ├── ServerBinaryNotFoundError  no server binary to run
         ├── DataDirInUseError          another server holds the data directory
         └── ServerStartError           the server exited, or did not answer in time

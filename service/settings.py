@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     job_timeout_s: int = Field(default=7 * 24 * 3600, ge=1)
     page_size_max: int = Field(default=200, ge=1)
     # Store objects nothing uses are deleted once they were written, and last used, this long
-    # ago (NOTE [ Store garbage collection ] in service/store_gc.py) ...
+    # ago (NOTE [ Store garbage collection ] in service/store/gc.py) ...
     store_gc_grace_s: float = Field(default=3600.0, gt=0)
     # ... by a collection that starts this often in the whole deployment.
     store_gc_interval_s: float = Field(default=600.0, gt=0)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from service.embedded import RedisServer
+from service.local.embedded import RedisServer
 from tests.servers import new_redis_server
 
 

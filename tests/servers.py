@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final, TypeVar
 
-from service.embedded import RedisServer, free_port
+from service.local.embedded import RedisServer, free_port
 
 __all__ = [
     "DEFAULT_WAIT_TIMEOUT_S",

@@ -1,6 +1,6 @@
 """The whole service as separate processes, for end-to-end tests: a Redis-compatible server, the
-API under uvicorn, and a worker (``python -m workers.supervisor``: RQ worker + inspector), each
-on free ports, all state under one directory."""
+API under uvicorn, and a worker (``python -m workers.processes.supervisor``: RQ worker +
+inspector), each on free ports, all state under one directory."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import httpx
 import numpy as np
 from rq import Worker
 
-from service.embedded import RedisServer, free_port
-from service.records import Records
-from service.redis_conn import redis_client
-from service.up import api_command, worker_command
+from service.local.embedded import RedisServer, free_port
+from service.local.up import api_command, worker_command
+from service.records.connection import redis_client
+from service.records.sync import Records
 from tests.servers import new_redis_server, stop_process, wait_for
 
 REPO = Path(__file__).resolve().parent.parent

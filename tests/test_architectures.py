@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from workers import architectures as arch_mod
-from workers.architectures import (
+from workers.checkpoint import CheckpointWrapper
+from workers.errors import ArchitectureError, PolicyError
+from workers.models import architectures as arch_mod
+from workers.models.architectures import (
     Architecture,
     ConvBlock,
     MLPBlock,
@@ -23,15 +25,13 @@ from workers.architectures import (
     build_model,
     describe,
     input_fits,
-    named_modules,
     parameter_count,
     registry,
     resolve_kwargs,
     state_spec,
 )
-from workers.checkpoint import CheckpointWrapper
-from workers.errors import ArchitectureError, PolicyError
-from workers.policy import apply_checkpoint_policy
+from workers.models.modules import named_modules
+from workers.models.policy import apply_checkpoint_policy
 
 
 @pytest.fixture(autouse=True)
@@ -160,7 +160,7 @@ def test_inspection_ignores_checkpoint_wrappers() -> None:
 
 PLUGIN = """
     from torch import nn
-    from workers.architectures import Architecture, ParamSpec
+    from workers.models.architectures import Architecture, ParamSpec
 
     def _factory(scale: float = 1.0, bias: bool = True, act: str = "relu") -> nn.Module:
         return nn.Linear(2, 2, bias=bias)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from service.arrays import ArrayFacts, describe_arrays, read_arrays, sniff_format
 from service.errors import ArrayFileError, BnadaptError, WeightsFileError
-from service.weights_file import WeightSpec, read_weights_header
+from service.formats.arrays import ArrayFacts, describe_arrays, read_arrays, sniff_format
+from service.formats.weights import WeightSpec, read_weights_header
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((12, 1, 4, 4)).astype(np.float32)
@@ -36,7 +36,7 @@ def save_safetensors(path: Path, **arrays: Any) -> Path:
 
 def test_no_torch_import() -> None:
     code = (
-        "import sys, service.arrays, service.store, service.errors\n"
+        "import sys, service.formats.arrays, service.store.local, service.errors\n"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])

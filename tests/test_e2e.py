@@ -19,10 +19,10 @@ import torch
 from sklearn.datasets import load_digits
 
 from api_schemas import JobPayload
-from service.store import LocalStore
+from service.store.local import LocalStore
 from tests.stack import Client, Stack, npz_bytes, running_stack
-from workers.architectures import build_model
-from workers.compute import compute
+from workers.models.architectures import build_model
+from workers.running.compute import compute
 
 pytestmark = pytest.mark.slow
 
@@ -409,8 +409,9 @@ def test_cancel_queued_and_running(stack: Stack) -> None:
 
 def test_service_does_not_import_torch() -> None:
     code = (
-        "import sys, service.app, service.routes.jobs, service.records, service.embedded; "
-        "service.app.create_app(); "
+        "import sys, service.api.app, service.api.routes.jobs, service.records.sync; "
+        "import service.local.embedded; "
+        "service.api.app.create_app(); "
         "assert 'torch' not in sys.modules and 'workers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)

@@ -21,7 +21,8 @@ from redis.retry import Retry
 from rq import Queue, SimpleWorker
 from rq.job import JobStatus
 
-from service.embedded import (
+from service.errors import BnadaptError
+from service.local.embedded import (
     SERVER_BINARY_ENV,
     DataDirInUseError,
     RedisServer,
@@ -29,7 +30,6 @@ from service.embedded import (
     ServerStartError,
     find_server_binary,
 )
-from service.errors import BnadaptError
 from tests.servers import wait_for
 
 PASSWORD = "s3cret-for-tests"
@@ -226,7 +226,7 @@ def test_lock_outlives_the_process_that_started_the_server(tmp_path: Path) -> No
     # holds the lock itself (it inherited the locked descriptor), so the dir stays guarded.
     data_dir = tmp_path / "redis"
     script = (
-        "import os, sys; from pathlib import Path; from service.embedded import RedisServer; "
+        "import os, sys; from pathlib import Path; from service.local.embedded import RedisServer; "
         "server = RedisServer(Path(sys.argv[1])); server.start(); "
         "print(server.pid, flush=True); os._exit(0)"
     )

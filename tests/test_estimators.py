@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import update_bn
 
-from workers.architectures import build_model, registry
 from workers.errors import AdaptError, JobCanceled
-from workers.estimators import AdaptStats, adapt_batchnorm, select_batchnorm
-from workers.policy import apply_checkpoint_policy
+from workers.estimators.running import AdaptStats, adapt_batchnorm, select_batchnorm
+from workers.models.architectures import build_model, registry
+from workers.models.policy import apply_checkpoint_policy
 
 ALL_BN = ["block1.bn", "block2.bn"]
 

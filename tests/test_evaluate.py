@@ -23,16 +23,16 @@ from api_schemas import (
     parse_job_create,
 )
 from api_schemas.reports import Report
-from service.cli import main as cli_main
 from service.client import Client as ApiClient
 from service.client import new_model_id
 from service.errors import BnadaptError
-from service.store import LocalStore
+from service.local.cli import main as cli_main
+from service.store.local import LocalStore
 from tests.stack import Client, Stack, npz_bytes, running_stack
 from tests.test_e2e import created, digits, digits_npz, problem
-from workers.architectures import build_model
-from workers.compute import compute_evaluation
-from workers.evaluation import evaluate_sums
+from workers.models.architectures import build_model
+from workers.running.compute import compute_evaluation
+from workers.running.evaluation import evaluate_sums
 
 
 def test_evaluate_request_and_result_links() -> None:

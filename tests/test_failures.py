@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from api_schemas import JobStatus
-from service.embedded import RedisServer
+from service.local.embedded import RedisServer
 from tests.servers import wait_for
 from tests.stack import Client, Stack, running_stack
 from tests.test_e2e import created, digits_npz, long_train

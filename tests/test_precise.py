@@ -16,19 +16,18 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from workers.architectures import build_model, registry
 from workers.errors import AdaptError, JobCanceled
-from workers.estimators import AdaptStats, adapt_batchnorm, select_batchnorm
-from workers.layer_statistics import LayerStatistics
-from workers.policy import apply_checkpoint_policy
-from workers.precise import (
+from workers.estimators.layer_statistics import LayerStatistics
+from workers.estimators.precise import (
     apply_statistics,
     collect_statistics,
     layerwise_precise_batchnorm,
-    mix_statistics,
     precise_batchnorm,
-    prior_batchnorm,
 )
+from workers.estimators.prior import mix_statistics, prior_batchnorm
+from workers.estimators.running import AdaptStats, adapt_batchnorm, select_batchnorm
+from workers.models.architectures import build_model, registry
+from workers.models.policy import apply_checkpoint_policy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from workers.architectures import batchnorm_layers, build_model, registry
-from workers.estimators import adapt_batchnorm, select_batchnorm
-from workers.policy import apply_checkpoint_policy
-from workers.reporting import (
+from workers.estimators.running import adapt_batchnorm, select_batchnorm
+from workers.models.architectures import batchnorm_layers, build_model, registry
+from workers.models.policy import apply_checkpoint_policy
+from workers.running.reporting import (
     BatchNormChange,
     TensorChange,
     batchnorm_changes,

@@ -21,17 +21,17 @@ from api_schemas import (
     new_id,
     utc_now,
 )
-from service import keys
-from service.reaper import enqueue_ready_children, reap_stale_jobs
-from service.records import Records
-from service.redis_conn import redis_client
+from service.records import keys
+from service.records.connection import redis_client
+from service.records.shards import FINISH, MERGE, ChildState, ShardRecords, child_job_id
+from service.records.sync import Records
 from service.settings import Settings
-from service.shard_records import FINISH, MERGE, ChildState, ShardRecords, child_job_id
-from service.store import LocalStore
+from service.store.local import LocalStore
+from service.upkeep.reaper import enqueue_ready_children, reap_stale_jobs
 from tests.stack import npz_bytes
 from tests.test_shards import adapt_payload
-from workers.runtime import JobRuntime
-from workers.shard_jobs import start_shards
+from workers.running.runtime import JobRuntime
+from workers.sharding.jobs import start_shards
 
 TENANT = "tn_shards"
 TIMEOUT_S = 0.5  # heartbeat timeout: short, so the tests can outwait it

@@ -13,15 +13,15 @@ import torch
 from pydantic import ValidationError
 
 from api_schemas import AdaptParams, JobPayload, JobPayloadDataset, JobPayloadModel
-from service.store import LocalStore
+from service.store.local import LocalStore
 from tests.stack import npz_bytes
 from tests.test_e2e import digits
-from workers.architectures import build_model
-from workers.compute import JobOutcome, compute, weights_bytes
 from workers.errors import AdaptError
-from workers.evaluation import Loss, MetricSums, evaluate_sums
-from workers.saving import StoredWeights, store_weights
-from workers.shards import (
+from workers.models.architectures import build_model
+from workers.running.compute import JobOutcome, compute, weights_bytes
+from workers.running.evaluation import Loss, MetricSums, evaluate_sums
+from workers.running.saving import StoredWeights, store_weights
+from workers.sharding.compute import (
     ShardPlan,
     ShardResult,
     collect_shard,
@@ -161,7 +161,7 @@ def run_sharded_measured(
 ) -> tuple[JobOutcome, StoredWeights]:
     """The path of a job on labelled data: the shards also measure the source model on their
     part, the merge stores the weights unmeasured, K evaluation children measure them, and the
-    finish adds up both rounds (workers/shard_jobs.py runs the same calls)."""
+    finish adds up both rounds (workers/sharding/jobs.py runs the same calls)."""
     parts = plan_evaluation(SAMPLES, len(plan), BATCH_SIZE)
     results = [
         ShardResult.from_json(collect_shard(job, store, shard, evaluate_part=part).to_json())

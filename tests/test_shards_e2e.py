@@ -13,8 +13,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from service import keys
-from service.shard_records import FINISH, MERGE, ChildState, ShardRecords
+from service.records import keys
+from service.records.shards import FINISH, MERGE, ChildState, ShardRecords
 from tests.servers import stop_process, wait_for
 from tests.stack import Client, Stack, npz_bytes, running_stack
 from tests.test_e2e import created, digits, digits_npz

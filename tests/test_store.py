@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from service.errors import BnadaptError, ObjectNotFoundError, StoreError, StoreTooLargeError
-from service.store import LocalStore, Store, check_sha256
+from service.store.base import Store, check_sha256
+from service.store.local import LocalStore
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_exception_in_writer_leaves_nothing(store: LocalStore) -> None:
 def test_crashed_writer_leaves_only_a_temp_file(store: LocalStore) -> None:
     # A real crash: the process dies inside the `with` block, no cleanup runs.
     code = (
-        "import os, sys; from pathlib import Path; from service.store import LocalStore\n"
+        "import os, sys; from pathlib import Path; from service.store.local import LocalStore\n"
         "with LocalStore(Path(sys.argv[1])).writer() as w:\n"
         "    w.write(b'partial'); os._exit(3)\n"
     )

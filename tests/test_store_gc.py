@@ -1,4 +1,4 @@
-"""Store garbage collection (NOTE [ Store garbage collection ] in service/store_gc.py): the
+"""Store garbage collection (NOTE [ Store garbage collection ] in service/store/gc.py): the
 rules on a real directory and a real Redis-compatible server, each interleaving with a writer
 that the rename-and-recheck exists for, and the collection a running service does on its own."""
 
@@ -20,14 +20,14 @@ import pytest
 import redis
 import safetensors.torch
 
-from service import keys
-from service.embedded import RedisServer
-from service.redis_conn import redis_client
-from service.store import LocalStore
-from service.store_gc import collect_garbage, collect_if_due, collect_now
+from service.local.embedded import RedisServer
+from service.records import keys
+from service.records.connection import redis_client
+from service.store.gc import collect_garbage, collect_if_due, collect_now
+from service.store.local import LocalStore
 from tests.servers import wait_for
 from tests.stack import Stack, npz_bytes, running_stack
-from workers.architectures import build_model
+from workers.models.architectures import build_model
 
 HOUR_S = 3600.0
 LONG_AGO = time.time() - 10 * HOUR_S
@@ -233,7 +233,7 @@ def collect(stack: Stack) -> dict[str, Any]:
 
     def run() -> subprocess.CompletedProcess[str] | None:
         result = subprocess.run(
-            [sys.executable, "-m", "service.cli", "store", "gc"],
+            [sys.executable, "-m", "service.local.cli", "store", "gc"],
             env=stack.env,
             capture_output=True,
             text=True,

@@ -12,15 +12,15 @@ import torch
 from torch import nn
 
 from api_schemas import ESTIMATOR_NAMES, JobPayload
-from service.store import LocalStore
+from service.store.local import LocalStore
 from tests.stack import npz_bytes
-from workers.architectures import build_model, registry
-from workers.compute import compute, weights_bytes
 from workers.errors import AdaptError, JobCanceled
-from workers.estimators import AdaptStats, select_batchnorm
-from workers.policy import apply_checkpoint_policy
-from workers.precise import layerwise_precise_batchnorm
-from workers.tent import SGD_MOMENTUM, entropy_adapt, entropy_loss
+from workers.estimators.entropy import SGD_MOMENTUM, entropy_adapt, entropy_loss
+from workers.estimators.precise import layerwise_precise_batchnorm
+from workers.estimators.running import AdaptStats, select_batchnorm
+from workers.models.architectures import build_model, registry
+from workers.models.policy import apply_checkpoint_policy
+from workers.running.compute import compute, weights_bytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,12 +12,12 @@ import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
-from workers.architectures import build_model, registry
-from workers.data import iter_batches, num_batches, to_tensors
 from workers.errors import DataError, JobCanceled, TrainError
-from workers.evaluation import Metrics, evaluate_sums, loss_for
-from workers.policy import apply_checkpoint_policy
-from workers.training import EpochLog, TrainStats, batch_bounds, train_model
+from workers.models.architectures import build_model, registry
+from workers.models.policy import apply_checkpoint_policy
+from workers.running.data import iter_batches, num_batches, to_tensors
+from workers.running.evaluation import Metrics, evaluate_sums, loss_for
+from workers.running.training import EpochLog, TrainStats, batch_bounds, train_model
 
 SETTINGS: dict[str, Any] = {
     "epochs": 2,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from service.client import Client
-from service.embedded import free_port
+from service.local.embedded import free_port
 from tests.servers import wait_for
 from tests.stack import REPO, npz_bytes
 from tests.test_e2e import digits
@@ -26,7 +26,15 @@ def up_args(port: int) -> list[str]:
 
 def start_up(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "--data-dir", str(data_dir), "up", *up_args(port)],
+        [
+            sys.executable,
+            "-m",
+            "service.local.cli",
+            "--data-dir",
+            str(data_dir),
+            "up",
+            *up_args(port),
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
     )
@@ -44,7 +52,7 @@ def stop_up(process: subprocess.Popen[bytes]) -> None:
 
 def run_cli(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "service.cli", "--data-dir", str(data_dir), *args],
+        [sys.executable, "-m", "service.local.cli", "--data-dir", str(data_dir), *args],
         cwd=REPO,
         capture_output=True,
         text=True,

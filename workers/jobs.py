@@ -1,89 +1,9 @@
-"""The RQ entry point: ``workers.jobs.run_job(payload)``, enqueued by the API by name.
+"""The RQ entry point of releases before the folders: ``workers.jobs.run_job``.
 
-Thin on purpose: it validates the payload, moves the job record through its life cycle, runs
-:func:`workers.compute.compute`, and stores the results (workers/saving.py: weights and report
-to the store first, then the new model, then the job marked succeeded). A cancel seen before
-registering leaves nothing registered; an exception marks the job failed with its message and
-propagates to RQ. An ``evaluate`` job writes its report only and registers no model. An adapt
-job with ``shards > 1`` only enqueues its shards and their merge here (workers/shard_jobs.py).
-"""
+RQ stores a job's function as a dotted path, so a job enqueued by an older API still names
+this module; it runs as if enqueued under the new path. New jobs name
+``workers.running.job.run_job`` (the job-kind table in api_schemas/kinds.py)."""
 
-from __future__ import annotations
-
-import logging
-import os
-import socket
-from typing import Any
-
-from api_schemas import (
-    AdaptParams,
-    EvaluateParams,
-    JobPayload,
-    JobResultLinks,
-    JobStatus,
-)
-from service.records import Records
-from service.redis_conn import redis_client
-from service.settings import get_settings
-from service.store import LocalStore
-from workers.compute import compute, compute_evaluation
-from workers.errors import JobCanceled
-from workers.runtime import JobRuntime
-from workers.saving import error_message, mark_succeeded, save_outcome
-from workers.shard_jobs import start_shards
+from workers.running.job import run_job
 
 __all__ = ["run_job"]
-
-log = logging.getLogger(__name__)
-
-
-def _worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def run_job(payload: dict[str, Any]) -> dict[str, str]:
-    settings = get_settings()
-    job = JobPayload.model_validate(payload)
-    records = Records(redis_client(settings.redis_url))
-    store = LocalStore(settings.store_path)
-    if not records.mark_started(job.job_id, _worker_name()):
-        status = records.job_status(job.job_id)
-        log.info("job %s not started: it is %s", job.job_id, status)
-        return {"job_id": job.job_id, "status": str(status)}
-    try:
-        if isinstance(job.params, EvaluateParams):
-            return _run_evaluation(job, records, store, settings.heartbeat_timeout_s)
-        with JobRuntime(records, job.job_id, settings.heartbeat_timeout_s) as runtime:
-            if isinstance(job.params, AdaptParams) and job.params.shards > 1:
-                # Returns once the shards are queued: waiting here for them could deadlock.
-                return start_shards(job, records, store, runtime, settings)
-            outcome = compute(job, store, runtime)
-            saved = save_outcome(job, outcome, records, store, runtime)
-        return mark_succeeded(job, saved, records)
-    except JobCanceled:
-        records.mark_finished(job.job_id, JobStatus.CANCELED)
-        return {"job_id": job.job_id, "status": JobStatus.CANCELED.value}
-    except Exception as exc:
-        records.mark_finished(job.job_id, JobStatus.FAILED, error=error_message(exc))
-        raise
-
-
-def _run_evaluation(
-    job: JobPayload, records: Records, store: LocalStore, heartbeat_timeout_s: float
-) -> dict[str, str]:
-    """Evaluates, stores the report and marks the job succeeded; no model is registered."""
-    with JobRuntime(records, job.job_id, heartbeat_timeout_s) as runtime:
-        report = compute_evaluation(job, store, runtime)
-        if runtime.check_cancel_now():
-            raise JobCanceled(f"job {job.job_id} was canceled")
-        report_sha256 = store.put_bytes(report.model_dump_json(indent=2).encode())
-        records.add_sha_ref(report_sha256, job.job_id)
-    # Marked once the runtime has stopped: it would take the new status for a verdict from
-    # elsewhere. If the reaper gave up on the job meanwhile, its verdict stands.
-    links = JobResultLinks(
-        model_id=None, weights_url=None, report_url=f"/v1/jobs/{job.job_id}/report"
-    )
-    records.mark_finished(
-        job.job_id, JobStatus.SUCCEEDED, result=links, report_sha256=report_sha256
-    )
-    return {"job_id": job.job_id, "status": str(records.job_status(job.job_id))}

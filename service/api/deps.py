@@ -1,0 +1,111 @@
+"""Dependencies the routes declare: settings, records, store and the caller's tenant."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Final
+
+from fastapi import Depends, Header, Path, Request
+
+from api_schemas import ID_PATTERN, DatasetPublic, JobPublic, ModelPublic
+from service.api.problems import ApiError, not_found
+from service.records.aio import AsyncRecords
+from service.records.sync import Records
+from service.settings import Settings
+from service.store.base import Store
+
+__all__ = [
+    "AsyncRecordsDep",
+    "DatasetDep",
+    "IdPath",
+    "JobDep",
+    "ModelDep",
+    "RecordsDep",
+    "SettingsDep",
+    "StoreDep",
+    "TenantDep",
+]
+
+_BEARER: Final = re.compile(r"^Bearer\s+(\S+)$", re.IGNORECASE)
+
+
+async def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+async def get_records(request: Request) -> Records:
+    records: Records = request.app.state.records
+    return records
+
+
+async def get_store(request: Request) -> Store:
+    store: Store = request.app.state.store
+    return store
+
+
+async def get_async_records(request: Request) -> AsyncRecords:
+    records: AsyncRecords = request.app.state.async_records
+    return records
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+RecordsDep = Annotated[Records, Depends(get_records)]
+StoreDep = Annotated[Store, Depends(get_store)]
+AsyncRecordsDep = Annotated[AsyncRecords, Depends(get_async_records)]
+
+
+async def get_tenant(
+    records: AsyncRecordsDep, authorization: Annotated[str | None, Header()] = None
+) -> str:
+    unauthorized = {"WWW-Authenticate": "Bearer"}
+    if authorization is None:
+        raise ApiError(
+            401,
+            "no API key: send 'Authorization: Bearer <key>' (create one with "
+            "`bnadapt keys create`)",
+            headers=unauthorized,
+        )
+    match = _BEARER.match(authorization)
+    tenant_id = await records.tenant_for_key(match.group(1)) if match else None
+    if tenant_id is None:
+        raise ApiError(
+            401, "the API key is not valid; check it or create a new one", headers=unauthorized
+        )
+    return tenant_id
+
+
+TenantDep = Annotated[str, Depends(get_tenant)]
+
+# Every id in a path: anything else (`abc:cancel`, `../x`) is a 422 before any lookup.
+IdPath = Annotated[str, Path(pattern=ID_PATTERN, description="a resource id")]
+
+
+# The caller's resource named in the path, or the one 404 (missing and another tenant's look
+# the same).
+
+
+def owned_model(model_id: IdPath, tenant: TenantDep, records: RecordsDep) -> ModelPublic:
+    model = records.get_model(tenant, model_id)
+    if model is None:
+        raise not_found("model", model_id)
+    return model
+
+
+def owned_dataset(dataset_id: IdPath, tenant: TenantDep, records: RecordsDep) -> DatasetPublic:
+    dataset = records.get_dataset(tenant, dataset_id)
+    if dataset is None:
+        raise not_found("dataset", dataset_id)
+    return dataset
+
+
+async def owned_job(job_id: IdPath, tenant: TenantDep, records: AsyncRecordsDep) -> JobPublic:
+    job = await records.get_job(tenant, job_id)
+    if job is None:
+        raise not_found("job", job_id)
+    return job
+
+
+ModelDep = Annotated[ModelPublic, Depends(owned_model)]
+DatasetDep = Annotated[DatasetPublic, Depends(owned_dataset)]
+JobDep = Annotated[JobPublic, Depends(owned_job)]

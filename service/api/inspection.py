@@ -1,0 +1,69 @@
+"""The API's side of model inspection: ask a worker's inspector, wait for its answer.
+
+See api_schemas/inspection.py for why the API cannot answer these questions itself.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Final
+
+import redis
+from pydantic import TypeAdapter
+
+from api_schemas import ArchitecturePublic
+from api_schemas.inspection import InspectFailure, InspectRequest, InspectSuccess
+from service.api.problems import ApiError
+from service.records import keys
+from service.records.connection import REDIS_BLOCK_SLICE_S
+
+__all__ = ["inspect_model", "published_architectures"]
+
+_REPLY: Final[TypeAdapter[InspectSuccess | InspectFailure]] = TypeAdapter(
+    InspectSuccess | InspectFailure
+)
+_CATALOG: Final[TypeAdapter[list[ArchitecturePublic]]] = TypeAdapter(list[ArchitecturePublic])
+
+NO_WORKER: Final = (
+    "no worker is running to build models; start one with `bnadapt worker` "
+    "(or `bnadapt up` on one machine) and retry"
+)
+
+
+def new_request_id() -> str:
+    return secrets.token_urlsafe(12)
+
+
+def inspect_model(client: redis.Redis, request: InspectRequest, timeout_s: float) -> InspectSuccess:
+    """Sends ``request`` to an inspector and waits for the reply. Raises ``ApiError`` with the
+    inspector's status (404, 422) for a wrong request and 503 when no worker answers."""
+    if not client.exists(keys.INSPECTORS_ALIVE):
+        raise ApiError(503, NO_WORKER, headers={"Retry-After": "5"})
+    reply_key = keys.inspect_reply(request.request_id)
+    client.lpush(keys.INSPECT_REQUESTS, request.model_dump_json())
+    deadline = time.monotonic() + timeout_s
+    popped = None
+    while popped is None and (left := deadline - time.monotonic()) > 0:
+        popped = client.blpop([reply_key], timeout=min(left, REDIS_BLOCK_SLICE_S))
+    if popped is None:
+        # Nobody took it (or took too long): make sure no inspector takes it later.
+        client.lrem(keys.INSPECT_REQUESTS, 1, request.model_dump_json())
+        raise ApiError(
+            503,
+            f"no worker answered within {timeout_s:g} s; they may all be busy or stopped: "
+            f"{NO_WORKER}",
+            headers={"Retry-After": "10"},
+        )
+    reply = _REPLY.validate_json(popped[1])
+    if isinstance(reply, InspectFailure):
+        raise ApiError(reply.status, reply.detail, errors=reply.errors)
+    return reply
+
+
+def published_architectures(client: redis.Redis) -> list[ArchitecturePublic]:
+    """The architectures the running workers can build. Raises 503 when none runs."""
+    raw = client.get(keys.ARCHITECTURES)
+    if raw is None:
+        raise ApiError(503, NO_WORKER, headers={"Retry-After": "5"})
+    return _CATALOG.validate_json(raw)

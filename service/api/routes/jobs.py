@@ -1,0 +1,269 @@
+"""/v1/jobs: submit (checked, idempotent), list, show, cancel, report."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from typing import Annotated, Any, Final
+
+import redis
+from fastapi import APIRouter, Body, Header, Query, Request, Response
+from rq import Queue
+
+from api_schemas import (
+    AdaptParams,
+    DatasetPublic,
+    EvaluateJobCreate,
+    JobCreate,
+    JobPayload,
+    JobPayloadDataset,
+    JobPayloadModel,
+    JobPublic,
+    JobStatus,
+    ModelPublic,
+    Page,
+    TrainJobCreate,
+    new_id,
+    parse_job_create,
+    utc_now,
+)
+from api_schemas.jobs import num_batches
+from service.api.deps import JobDep, RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.api.problems import ApiError, not_found
+from service.errors import ObjectNotFoundError
+from service.records.sync import Records
+
+__all__ = ["JOB_FUNCTION", "router"]
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+# Enqueued by dotted path: the service never imports workers (or torch).
+JOB_FUNCTION: Final = "workers.running.job.run_job"
+IDEMPOTENCY_TTL_S: Final = 24 * 3600
+# RQ's own job hash may go after this; our records never expire.
+RQ_RESULT_TTL_S: Final = 24 * 3600
+RQ_FAILURE_TTL_S: Final = 7 * 24 * 3600
+_IDEMPOTENCY_KEY_PATTERN: Final = r"^[A-Za-z0-9_.:-]{1,128}$"
+
+
+def _shape_fits(expected: list[int | None], got: list[int]) -> bool:
+    return len(expected) == len(got) and all(
+        e is None or e == g for e, g in zip(expected, got, strict=True)
+    )
+
+
+def _check_fit(request: JobCreate, model: ModelPublic, dataset: DatasetPublic) -> None:
+    if not _shape_fits(model.input_shape, dataset.sample_shape):
+        wanted = "x".join("any" if d is None else str(d) for d in model.input_shape)
+        raise ApiError(
+            422,
+            f"dataset {dataset.id} has samples of shape {dataset.sample_shape} but model "
+            f"{model.id} ({model.architecture}) takes samples of shape [{wanted}]; upload x as "
+            f"(N, {', '.join('any' if d is None else str(d) for d in model.input_shape)})",
+        )
+    if isinstance(request, TrainJobCreate | EvaluateJobCreate):
+        if not dataset.has_labels:
+            job = "a train job" if isinstance(request, TrainJobCreate) else "an evaluate job"
+            raise ApiError(
+                422,
+                f"{job} needs labels but dataset {dataset.id} has no y; upload a dataset "
+                "with y (int64 class labels or float targets)",
+            )
+        loss = request.params.loss
+        if loss == "cross_entropy" and dataset.label_kind != "class":
+            raise ApiError(
+                422,
+                f"loss cross_entropy needs int64 class labels but dataset {dataset.id} has "
+                "float targets; use loss mse, or upload class labels",
+            )
+        if loss == "mse" and dataset.label_kind != "target":
+            raise ApiError(
+                422,
+                f"loss mse needs float targets but dataset {dataset.id} has int64 class "
+                "labels; use loss cross_entropy, or upload float targets",
+            )
+    params = request.params
+    if isinstance(params, AdaptParams) and params.shards > 1:
+        batches = num_batches(dataset.num_samples, params.batch_size, params.max_batches)
+        if params.shards > batches:
+            raise ApiError(
+                422,
+                f"shards={params.shards} but the job runs only {batches} batches "
+                f"({dataset.num_samples} samples of dataset {dataset.id}, batch_size "
+                f"{params.batch_size}, max_batches {params.max_batches}) and each shard needs "
+                f"at least one whole batch; use shards <= {batches}, or a smaller batch_size",
+            )
+
+
+def _body_sha256(request: JobCreate) -> str:
+    return hashlib.sha256(request.model_dump_json().encode()).hexdigest()
+
+
+def _existing_for_key(
+    records: Records, tenant: str, key: str, body_sha256: str, job_id: str
+) -> JobPublic | None:
+    """The job an earlier request with this Idempotency-Key made, or None if this is the first
+    request with it (the key is then bound to ``job_id``)."""
+    bound_body, bound_job = records.remember_idempotency(
+        tenant, key, body_sha256, job_id, IDEMPOTENCY_TTL_S
+    )
+    if bound_body != body_sha256:
+        raise ApiError(
+            422,
+            f"Idempotency-Key {key!r} was already used with a different request body; use a "
+            "new key for a different job",
+        )
+    if bound_job == job_id:
+        return None
+    job = records.get_job(tenant, bound_job)
+    if job is None:
+        raise ApiError(
+            409,
+            f"a request with Idempotency-Key {key!r} is still being processed; retry shortly",
+            headers={"Retry-After": "1"},
+        )
+    return job
+
+
+@router.post("", status_code=202)
+def create_job(
+    tenant: TenantDep,
+    records: RecordsDep,
+    settings: SettingsDep,
+    request: Request,
+    response: Response,
+    body: Annotated[
+        dict[str, Any], Body(description="AdaptJobCreate, TrainJobCreate or EvaluateJobCreate")
+    ],
+    idempotency_key: Annotated[
+        str | None, Header(pattern=_IDEMPOTENCY_KEY_PATTERN, alias="Idempotency-Key")
+    ] = None,
+) -> JobPublic:
+    """Submit an ``adapt``, ``train`` or ``evaluate`` job; answers 202 with the job's
+    ``Location``. With an ``Idempotency-Key`` header, repeating the same request returns the
+    same job."""
+    job_request = parse_job_create(body)
+    model, dataset = records.get_model_and_dataset(
+        tenant, job_request.model_id, job_request.dataset_id
+    )
+    if model is None:
+        raise not_found("model", job_request.model_id)
+    if dataset is None:
+        raise not_found("dataset", job_request.dataset_id)
+    _check_fit(job_request, model, dataset)
+
+    job_id = new_id("job")
+    if idempotency_key is not None:
+        existing = _existing_for_key(
+            records, tenant, idempotency_key, _body_sha256(job_request), job_id
+        )
+        if existing is not None:
+            response.headers["Location"] = f"/v1/jobs/{existing.id}"
+            return existing
+
+    job = JobPublic(
+        id=job_id,
+        kind=job_request.kind,
+        status=JobStatus.QUEUED,
+        model_id=model.id,
+        dataset_id=dataset.id,
+        params=job_request.params,
+        created_at=utc_now(),
+    )
+    payload = JobPayload(
+        job_id=job_id,
+        tenant_id=tenant,
+        kind=job_request.kind,
+        model=JobPayloadModel(
+            id=model.id,
+            architecture=model.architecture,
+            kwargs=model.kwargs,
+            weights_sha256=model.sha256,
+        ),
+        dataset=JobPayloadDataset(id=dataset.id, sha256=dataset.sha256, format=dataset.format),
+        params=job_request.params,
+    )
+    queue: Queue = request.app.state.queue
+    try:
+        records.create_job(
+            tenant,
+            job,
+            payload,
+            uses=(model.sha256, dataset.sha256),
+            enqueue=lambda pipe: queue.enqueue_call(
+                JOB_FUNCTION,
+                args=(payload.model_dump(mode="json"),),
+                job_id=job_id,
+                timeout=settings.job_timeout_s,
+                result_ttl=RQ_RESULT_TTL_S,
+                failure_ttl=RQ_FAILURE_TTL_S,
+                description=f"{job.kind} {model.id} on {dataset.id}",
+                pipeline=pipe,
+            ),
+        )
+    except redis.RedisError:
+        # The MULTI wrote all or nothing, but its answer may have been lost: undo it, so that
+        # a retry with the same Idempotency-Key makes the job anew.
+        with contextlib.suppress(redis.RedisError):
+            records.delete_job(tenant, job)
+            if idempotency_key is not None:
+                records.forget_idempotency(tenant, idempotency_key)
+        raise
+    response.headers["Location"] = f"/v1/jobs/{job_id}"
+    return job
+
+
+@router.get("")
+def list_jobs(
+    tenant: TenantDep,
+    records: RecordsDep,
+    settings: SettingsDep,
+    page_size: Annotated[int, Query(ge=1, le=1000)] = 50,
+    page_token: str | None = None,
+    status: JobStatus | None = None,
+) -> Page[JobPublic]:
+    """Newest first; ``status`` filters."""
+    return records.list_jobs(tenant, min(page_size, settings.page_size_max), page_token, status)
+
+
+@router.get("/{job_id}")
+async def get_job(job: JobDep) -> JobPublic:
+    return job
+
+
+@router.post("/{job_id}:cancel", status_code=202)
+def cancel_job(job: JobDep, tenant: TenantDep, records: RecordsDep, request: Request) -> JobPublic:
+    """A queued job is canceled at once; a running one is asked to stop and shows
+    ``canceled`` once it has (nothing it was writing is kept)."""
+    job_id = job.id
+    if job.status is JobStatus.QUEUED and records.mark_finished(
+        job_id, JobStatus.CANCELED, allowed=(JobStatus.QUEUED,)
+    ):
+        queue: Queue = request.app.state.queue
+        queue.remove(job_id)  # the worker would skip it anyway: its status is canceled
+    else:
+        job = records.get_job(tenant, job_id) or job
+        if job.status.is_terminal:
+            raise ApiError(409, f"job {job_id} already {job.status.value}; nothing to cancel")
+        records.request_cancel(job_id)
+    return records.get_job(tenant, job_id) or job
+
+
+@router.get("/{job_id}/report")
+def get_report(job: JobDep, records: RecordsDep, store: StoreDep) -> Response:
+    """What the job changed: BatchNorm statistics, tensors, metrics, timings (JSON)."""
+    job_id = job.id
+    sha256 = records.report_sha256(job_id)
+    if job.status is not JobStatus.SUCCEEDED or sha256 is None:
+        raise ApiError(
+            409, f"job {job_id} is {job.status.value}; its report exists once it has succeeded"
+        )
+    try:
+        with store.open(sha256) as file:
+            content = file.read()
+    except ObjectNotFoundError as exc:
+        raise ApiError(404, f"the report of job {job_id} is missing from the store") from exc
+    return Response(content, media_type="application/json")

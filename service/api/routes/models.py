@@ -1,0 +1,135 @@
+"""/v1/models: register (upload or initialize), list, show, download weights, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Header, Query, Response, UploadFile
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from api_schemas import ModelCreate, ModelPublic, Page, new_id, utc_now
+from api_schemas.inspection import InspectRequest
+from service.api.deps import ModelDep, RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.api.inspection import inspect_model, new_request_id
+from service.api.problems import ApiError, problem_items
+from service.api.transfers import store_upload, stream_object
+from service.errors import WeightsFileError
+from service.formats.weights import read_weights_header
+from service.settings import DEFAULT_MAX_WEIGHTS_BYTES
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+# The route-level body limit is fixed when the app is built; the setting (checked while
+# streaming) can only be lower. Multipart framing and the meta field get 1 MiB on top.
+_MULTIPART_SLACK = 1024 * 1024
+
+
+def _parse_meta(meta: str) -> ModelCreate:
+    try:
+        return ModelCreate.model_validate_json(meta)
+    except ValidationError as exc:
+        items = problem_items(exc.errors())
+        for item in items:
+            item.loc = ["meta", *item.loc]
+        raise ApiError(
+            422,
+            "the form field 'meta' must be a JSON object like "
+            '{"architecture": "digits_cnn", "kwargs": {}, "seed": 0}: '
+            + "; ".join(f"{'.'.join(map(str, i.loc))}: {i.msg}" for i in items),
+            errors=items,
+        ) from exc
+
+
+@router.post("", status_code=201, max_body_size=DEFAULT_MAX_WEIGHTS_BYTES + _MULTIPART_SLACK)
+def create_model(
+    tenant: TenantDep,
+    records: RecordsDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    response: Response,
+    meta: Annotated[str, Form(description="ModelCreate as JSON")],
+    weights: UploadFile | None = None,
+) -> ModelPublic:
+    """Register a model: an architecture, its kwargs and safetensors weights that load into it
+    with strict=True; without weights, it is initialized with ``seed``."""
+    create = _parse_meta(meta)
+    sha256: str | None = None
+    if weights is not None:
+        sha256, _ = store_upload(store, weights.file, settings.max_weights_bytes, "weights file")
+        try:
+            read_weights_header(store.local_path(sha256))
+        except WeightsFileError as exc:
+            raise ApiError(422, str(exc), errors=None) from exc
+    request = InspectRequest(
+        request_id=new_request_id(),
+        architecture=create.architecture,
+        kwargs=create.kwargs,
+        weights_sha256=sha256,
+        seed=create.seed,
+    )
+    found = inspect_model(records.client, request, settings.inspect_timeout_s)
+    model = ModelPublic(
+        id=new_id("mdl"),
+        architecture=create.architecture,
+        kwargs=create.kwargs,
+        sha256=found.weights_sha256,
+        size_bytes=found.size_bytes,
+        parameter_count=found.parameter_count,
+        batchnorm_layers=found.batchnorm_layers,
+        input_shape=found.input_shape,
+        parent=None,
+        source="upload" if weights is not None else "init",
+        created_at=utc_now(),
+    )
+    records.put_model(tenant, model)
+    response.headers["Location"] = f"/v1/models/{model.id}"
+    return model
+
+
+@router.get("")
+def list_models(
+    tenant: TenantDep,
+    records: RecordsDep,
+    settings: SettingsDep,
+    page_size: Annotated[int, Query(ge=1, le=1000)] = 50,
+    page_token: str | None = None,
+) -> Page[ModelPublic]:
+    return records.list_models(tenant, min(page_size, settings.page_size_max), page_token)
+
+
+@router.get("/{model_id}")
+def get_model(model: ModelDep) -> ModelPublic:
+    return model
+
+
+@router.get(
+    "/{model_id}/weights",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}},
+)
+def download_weights(
+    model: ModelDep,
+    store: StoreDep,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    """The weights as a safetensors file; the ETag is their sha256."""
+    etag = f'"{model.sha256}"'
+    if if_none_match is not None and etag in {t.strip() for t in if_none_match.split(",")}:
+        return Response(status_code=304, headers={"ETag": etag})
+    return StreamingResponse(
+        stream_object(store, model.sha256),
+        media_type="application/octet-stream",
+        headers={
+            "ETag": etag,
+            "Content-Disposition": f'attachment; filename="{model.id}.safetensors"',
+        },
+    )
+
+
+@router.delete("/{model_id}", status_code=204)
+def delete_model(model: ModelDep, tenant: TenantDep, records: RecordsDep) -> Response:
+    """Deletes the model. Its weights stay in the store while jobs or other models use the
+    same bytes; otherwise the store's collector removes them after the grace period."""
+    records.delete_model(tenant, model)
+    return Response(status_code=204)

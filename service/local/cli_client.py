@@ -1,0 +1,199 @@
+"""The ``bnadapt`` commands that talk to a running API: ``architectures``, ``models add|list``,
+``datasets add``, ``jobs submit|show|list|cancel|download``. They find the API through
+``--url``/``--key``, the ``BNADAPT_URL``/``BNADAPT_API_KEY`` variables, or the ``client.json``
+that ``bnadapt up`` writes in its data directory. The parser is in service/local/cli.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from api_schemas import JobPublic, JobStatus
+from service.client import Client
+from service.errors import BnadaptError
+from service.local.up import read_client_config
+
+__all__ = [
+    "api_client",
+    "cmd_architectures",
+    "cmd_datasets_add",
+    "cmd_jobs_cancel",
+    "cmd_jobs_download",
+    "cmd_jobs_list",
+    "cmd_jobs_show",
+    "cmd_jobs_submit",
+    "cmd_models_add",
+    "cmd_models_list",
+    "json_arg",
+    "print_value",
+    "progress_line",
+    "wait_with_bar",
+]
+
+
+def json_arg(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def api_client(args: argparse.Namespace) -> Client:
+    url = args.url or os.environ.get("BNADAPT_URL")
+    key = args.key or os.environ.get("BNADAPT_API_KEY")
+    if not (url and key):
+        saved = read_client_config(Path(args.data_dir))
+        if saved is None:
+            raise BnadaptError(
+                "no API to talk to: start one with `bnadapt up` in this directory, or pass "
+                "--url and --key (or set BNADAPT_URL and BNADAPT_API_KEY)"
+            )
+        url, key = url or saved.url, key or saved.key
+    return Client(url, key)
+
+
+def print_value(value: Any) -> None:
+    if hasattr(value, "model_dump_json"):
+        print(value.model_dump_json(indent=2))
+    else:
+        print(json.dumps(value, indent=2, default=str))
+
+
+def progress_line(job: JobPublic) -> str:
+    progress = job.progress
+    if progress is None or progress.total == 0:
+        return f"{job.id} {job.status.value}"
+    width = 30
+    filled = int(width * progress.done / progress.total)
+    eta = f" ETA {progress.eta_seconds:.0f}s" if progress.eta_seconds is not None else ""
+    return (
+        f"{job.id} {job.status.value:9} {progress.phase:16} [{'#' * filled:<{width}}] "
+        f"{progress.done}/{progress.total} {progress.unit}"
+        + (f" {progress.samples_per_second:,.0f} samples/s" if progress.samples_per_second else "")
+        + eta
+    )
+
+
+def wait_with_bar(client: Client, job_id: str) -> JobPublic:
+    """Polls the job, redrawing one progress line on a terminal; elsewhere (a log, a pipe)
+    prints a line when the status or phase changes, and at most every 5 s."""
+    interactive = sys.stdout.isatty()
+    last_key: tuple[str, str] = ("", "")
+    last_print = 0.0
+
+    def show(job: JobPublic) -> None:
+        nonlocal last_key, last_print
+        line = progress_line(job)
+        if interactive:
+            print("\r" + line.ljust(110), end="", flush=True)
+            return
+        key = (job.status.value, job.progress.phase if job.progress else "")
+        if key != last_key or time.monotonic() - last_print > 5.0:
+            print(line, flush=True)
+            last_key, last_print = key, time.monotonic()
+
+    job = client.wait(job_id, on_progress=show)
+    if interactive:
+        print()
+    return job
+
+
+def cmd_architectures(args: argparse.Namespace) -> int:
+    for arch in api_client(args).architectures():
+        kwargs = ", ".join(f"{p.name}={p.default!r}" for p in arch.params)
+        shape = "x".join("*" if d is None else str(d) for d in arch.input_shape)
+        print(f"{arch.name:24} input {shape:12} kwargs: {kwargs}")
+    return 0
+
+
+def cmd_models_add(args: argparse.Namespace) -> int:
+    weights = Path(args.weights) if args.weights else None
+    print_value(api_client(args).add_model(args.architecture, args.kwargs, weights, args.seed))
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    for model in api_client(args).models(page_size=args.page_size).items:
+        print(f"{model.id}  {model.architecture:16} {model.source:6} parent={model.parent}")
+    return 0
+
+
+def cmd_datasets_add(args: argparse.Namespace) -> int:
+    print_value(api_client(args).add_dataset(Path(args.file), args.name))
+    return 0
+
+
+def _print_evaluation(client: Client, job: JobPublic) -> None:
+    """For a succeeded evaluate job, its metrics in one line on stderr (stdout stays JSON)."""
+    if job.kind != "evaluate" or job.status is not JobStatus.SUCCEEDED:
+        return
+    metrics = client.report(job.id).metrics_before
+    if metrics is None:
+        return
+    score = (
+        f"accuracy {metrics.accuracy:.4f}" if metrics.accuracy is not None else f"mse {metrics.mse}"
+    )
+    print(
+        f"{job.model_id} on {job.dataset_id}: {score}, loss {metrics.loss:.4f} "
+        f"({metrics.num_samples} samples)",
+        file=sys.stderr,
+    )
+
+
+def cmd_jobs_submit(args: argparse.Namespace) -> int:
+    client = api_client(args)
+    job = client.submit(args.kind, args.model, args.dataset, args.params, args.idempotency_key)
+    if not args.wait:
+        print_value(job)
+        return 0
+    job = wait_with_bar(client, job.id)
+    print_value(job)
+    _print_evaluation(client, job)
+    return 0 if job.status is JobStatus.SUCCEEDED else 1
+
+
+def cmd_jobs_show(args: argparse.Namespace) -> int:
+    client = api_client(args)
+    job = client.job(args.job_id)
+    print_value(job)
+    _print_evaluation(client, job)
+    return 0
+
+
+def cmd_jobs_list(args: argparse.Namespace) -> int:
+    for job in api_client(args).jobs(page_size=args.page_size, status=args.status).items:
+        print(f"{job.id}  {job.kind:8} {job.status.value:9} model={job.model_id}")
+    return 0
+
+
+def cmd_jobs_cancel(args: argparse.Namespace) -> int:
+    print_value(api_client(args).cancel(args.job_id))
+    return 0
+
+
+def cmd_jobs_download(args: argparse.Namespace) -> int:
+    """The new weights and the report; an evaluate job has the report only."""
+    client = api_client(args)
+    job = client.job(args.job_id)
+    if job.result is None:
+        raise BnadaptError(f"job {job.id} is {job.status.value}: nothing to download yet")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if job.result.model_id is None:
+        print(f"job {job.id} ({job.kind}) registered no model: the report only", file=sys.stderr)
+    else:
+        model_id = job.result.model_id
+        print(client.download_weights(model_id, out / f"{model_id}.safetensors"))
+    report = out / f"{job.id}.report.json"
+    report.write_text(client.report(job.id).model_dump_json(indent=2))
+    print(report)
+    return 0

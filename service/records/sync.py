@@ -1,0 +1,395 @@
+"""Records of tenants, API keys, models, datasets and jobs, kept in Redis.
+
+Each resource is a hash ``bnadapt:<kind>:<id>`` with its ``tenant_id`` and its public JSON
+(``data``); jobs add the fields that change while they run (``status``, ``started_at``,
+``finished_at``, ``error``, ``result``), changed only through :meth:`Records.transition`, a
+compare-and-set in Lua. A lookup for another tenant's resource answers None, exactly like a
+missing one, so the API can only ever say 404.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
+from typing import Final, TypeVar, cast
+
+import redis
+from pydantic import BaseModel
+
+from api_schemas import (
+    DatasetPublic,
+    JobPayload,
+    JobPublic,
+    JobResultLinks,
+    JobStatus,
+    ModelPublic,
+    Page,
+    Progress,
+    new_id,
+    utc_now,
+)
+from service.records import keys
+from service.records.format import (
+    API_KEY_FIELDS,
+    API_KEY_PREFIX,
+    RESOURCE_FIELDS,
+    hash_secret,
+    index_member,
+    job_from_fields,
+    owned_resource,
+    split_api_key,
+    text,
+    verify_api_key,
+)
+from service.records.paging import newest_first
+
+__all__ = ["ApiKey", "Records", "release_sha_ref"]
+
+R = TypeVar("R", bound=BaseModel)
+
+# KEYS[1]: the job hash, KEYS[2]: the running-jobs set. ARGV[1]: allowed current statuses,
+# comma-separated; ARGV[2]: the new status; ARGV[3..]: field, value pairs to set with it.
+# Returns the status after the call: ARGV[2] if applied, else the unchanged current one.
+_TRANSITION_LUA: Final = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return false end
+for allowed in string.gmatch(ARGV[1], '[^,]+') do
+  if allowed == current then
+    redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
+    if ARGV[2] == 'running' then
+      redis.call('SADD', KEYS[2], string.sub(KEYS[1], string.len('bnadapt:job:') + 1))
+    else
+      redis.call('SREM', KEYS[2], string.sub(KEYS[1], string.len('bnadapt:job:') + 1))
+    end
+    return ARGV[2]
+  end
+end
+return current
+"""
+
+
+class ApiKey(BaseModel):
+    tenant_id: str
+    key: str
+
+
+def release_sha_ref(pipe: redis.client.Pipeline, sha256: str, owner_id: str) -> None:
+    """Drops ``owner_id``'s use of a store object, noting when for the store's collector
+    (NOTE [ Store garbage collection ] in service/store/gc.py)."""
+    pipe.srem(keys.sha_refs(sha256), owner_id)
+    pipe.zadd(keys.STORE_RELEASED, {sha256: time.time()})
+
+
+class Records:
+    """All record reads and writes, over one redis-py client (thread-safe, pooled)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._transition = client.register_script(_TRANSITION_LUA)
+
+    # --- tenants and API keys -------------------------------------------------------------
+
+    def create_api_key(self, tenant_name: str) -> ApiKey:
+        """A new key for the tenant named ``tenant_name`` (created on first use). Only the
+        secret's sha256 is stored: the key is shown once."""
+        tenant_id = self._tenant_id(tenant_name)
+        key_id = secrets.token_hex(8)
+        secret = secrets.token_urlsafe(32)
+        self.client.hset(
+            keys.api_key(key_id),
+            mapping={
+                "tenant_id": tenant_id,
+                "secret_sha256": hash_secret(secret),
+                "created_at": utc_now().isoformat(),
+            },
+        )
+        return ApiKey(tenant_id=tenant_id, key=f"{API_KEY_PREFIX}_{key_id}_{secret}")
+
+    def _tenant_id(self, name: str) -> str:
+        candidate = new_id("tn")
+        # SET NX makes two concurrent creations agree on one id.
+        self.client.set(keys.tenant_by_name(name), candidate, nx=True)
+        tenant_id = text(self.client.get(keys.tenant_by_name(name)))
+        if tenant_id == candidate:
+            self.client.hset(
+                keys.tenant(tenant_id), mapping={"name": name, "created_at": utc_now().isoformat()}
+            )
+        return tenant_id
+
+    def tenant_for_key(self, presented: str) -> str | None:
+        """The tenant a presented key belongs to, or None (see :func:`verify_api_key`)."""
+        parts = split_api_key(presented)
+        if parts is None:
+            return None
+        stored = cast(
+            "list[bytes | None]", self.client.hmget(keys.api_key(parts[0]), API_KEY_FIELDS)
+        )
+        return verify_api_key(parts[1], stored)
+
+    # --- models and datasets --------------------------------------------------------------
+
+    def put_model(self, tenant_id: str, model: ModelPublic) -> None:
+        pipe = self.client.pipeline()
+        self._put(pipe, tenant_id, "model", model.id, model, model.created_at)
+        pipe.sadd(keys.sha_refs(model.sha256), model.id)
+        pipe.execute()
+
+    def get_model(self, tenant_id: str, model_id: str) -> ModelPublic | None:
+        return self._get(tenant_id, "model", model_id, ModelPublic)
+
+    def list_models(self, tenant_id: str, page_size: int, token: str | None) -> Page[ModelPublic]:
+        return self._list(tenant_id, "model", ModelPublic, page_size, token)
+
+    def delete_model(self, tenant_id: str, model: ModelPublic) -> None:
+        """Deletes the record and drops its reference to the weights, which the store's
+        collector deletes once nothing else uses them (NOTE [ Store garbage collection ])."""
+        pipe = self.client.pipeline()
+        self._delete(pipe, tenant_id, "model", model.id, model.created_at)
+        release_sha_ref(pipe, model.sha256, model.id)
+        pipe.execute()
+
+    def put_dataset(self, tenant_id: str, dataset: DatasetPublic) -> None:
+        pipe = self.client.pipeline()
+        self._put(pipe, tenant_id, "dataset", dataset.id, dataset, dataset.created_at)
+        pipe.sadd(keys.sha_refs(dataset.sha256), dataset.id)
+        pipe.execute()
+
+    def get_dataset(self, tenant_id: str, dataset_id: str) -> DatasetPublic | None:
+        return self._get(tenant_id, "dataset", dataset_id, DatasetPublic)
+
+    def get_model_and_dataset(
+        self, tenant_id: str, model_id: str, dataset_id: str
+    ) -> tuple[ModelPublic | None, DatasetPublic | None]:
+        """Both in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hmget(keys.record("model", model_id), RESOURCE_FIELDS)
+        pipe.hmget(keys.record("dataset", dataset_id), RESOURCE_FIELDS)
+        model, dataset = pipe.execute()
+        return owned_resource(tenant_id, model, ModelPublic), owned_resource(
+            tenant_id, dataset, DatasetPublic
+        )
+
+    def list_datasets(
+        self, tenant_id: str, page_size: int, token: str | None
+    ) -> Page[DatasetPublic]:
+        return self._list(tenant_id, "dataset", DatasetPublic, page_size, token)
+
+    def delete_dataset(self, tenant_id: str, dataset: DatasetPublic) -> None:
+        """Deletes the record and drops its reference to the file (see :meth:`delete_model`)."""
+        pipe = self.client.pipeline()
+        self._delete(pipe, tenant_id, "dataset", dataset.id, dataset.created_at)
+        release_sha_ref(pipe, dataset.sha256, dataset.id)
+        pipe.execute()
+
+    def add_sha_ref(self, sha256: str, owner_id: str) -> None:
+        """Marks a store object as used by ``owner_id`` (a model, dataset or job)."""
+        self.client.sadd(keys.sha_refs(sha256), owner_id)
+
+    # --- jobs -----------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        tenant_id: str,
+        job: JobPublic,
+        payload: JobPayload,
+        uses: Iterable[str] = (),
+        enqueue: Callable[[redis.client.Pipeline], object] | None = None,
+    ) -> None:
+        """Writes the job's record, marks the store objects ``uses`` as used by it (the job
+        keeps its inputs: deleting the model or dataset later leaves their files) and runs
+        ``enqueue`` on the same pipeline: all in one MULTI, so a job is never queued without
+        its record or recorded without being queued."""
+        pipe = self.client.pipeline()
+        pipe.multi()
+        self._put(pipe, tenant_id, "job", job.id, job, job.created_at)
+        pipe.hset(
+            keys.record("job", job.id),
+            mapping={"status": job.status.value, "payload": payload.model_dump_json()},
+        )
+        for sha256 in uses:
+            pipe.sadd(keys.sha_refs(sha256), job.id)
+        if enqueue is not None:
+            enqueue(pipe)
+        pipe.execute()
+
+    def delete_job(self, tenant_id: str, job: JobPublic) -> None:
+        """Only for a job that could not be enqueued."""
+        pipe = self.client.pipeline()
+        self._delete(pipe, tenant_id, "job", job.id, job.created_at)
+        pipe.execute()
+
+    def get_job(self, tenant_id: str, job_id: str) -> JobPublic | None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(keys.record("job", job_id))
+        pipe.get(keys.job_progress(job_id))
+        fields, progress = pipe.execute()
+        return job_from_fields(tenant_id, fields, progress)
+
+    def job_owner_and_payload(self, job_id: str) -> tuple[str, JobPayload, JobStatus] | None:
+        """For workers: whose job it is, what to run, and its status now."""
+        fields = self._fields(keys.record("job", job_id))
+        if fields is None:
+            return None
+        payload = JobPayload.model_validate_json(fields["payload"])
+        return fields["tenant_id"], payload, JobStatus(fields["status"])
+
+    def job_status(self, job_id: str) -> JobStatus | None:
+        status = self.client.hget(keys.record("job", job_id), "status")
+        return None if status is None else JobStatus(text(status))
+
+    def list_jobs(
+        self,
+        tenant_id: str,
+        page_size: int,
+        token: str | None,
+        status: JobStatus | None = None,
+    ) -> Page[JobPublic]:
+        def load(job_id: str) -> JobPublic | None:
+            job = self.get_job(tenant_id, job_id)
+            return job if job is not None and (status is None or job.status is status) else None
+
+        return newest_first(
+            self.client, keys.tenant_index(tenant_id, "job"), load, page_size, token
+        )
+
+    def transition(
+        self,
+        job_id: str,
+        allowed: tuple[JobStatus, ...],
+        new: JobStatus,
+        fields: Mapping[str, str] | None = None,
+    ) -> JobStatus | None:
+        """Sets ``new`` (and ``fields``) only if the status is one of ``allowed``, atomically.
+        Returns the status after the call (None if there is no such job)."""
+        args: list[str] = [",".join(s.value for s in allowed), new.value]
+        for name, value in (fields or {}).items():
+            args += [name, value]
+        result = self._transition(keys=[keys.record("job", job_id), keys.RUNNING_JOBS], args=args)
+        return None if result is None else JobStatus(text(result))
+
+    def mark_started(self, job_id: str, worker: str) -> bool:
+        new = self.transition(
+            job_id,
+            (JobStatus.QUEUED,),
+            JobStatus.RUNNING,
+            {"started_at": utc_now().isoformat(), "worker": worker},
+        )
+        return new is JobStatus.RUNNING
+
+    def mark_finished(
+        self,
+        job_id: str,
+        status: JobStatus,
+        *,
+        error: str | None = None,
+        result: JobResultLinks | None = None,
+        report_sha256: str | None = None,
+        allowed: tuple[JobStatus, ...] = (JobStatus.RUNNING,),
+    ) -> bool:
+        fields = {"finished_at": utc_now().isoformat()}
+        if report_sha256 is not None:
+            fields["report_sha256"] = report_sha256
+        if error is not None:
+            fields["error"] = error
+        if result is not None:
+            fields["result"] = result.model_dump_json()
+        return self.transition(job_id, allowed, status, fields) is status
+
+    def report_sha256(self, job_id: str) -> str | None:
+        value = self.client.hget(keys.record("job", job_id), "report_sha256")
+        return None if value is None else text(value)
+
+    def started_at(self, job_id: str) -> datetime | None:
+        value = self.client.hget(keys.record("job", job_id), "started_at")
+        return None if not value else datetime.fromisoformat(text(value))
+
+    def running_jobs(self) -> list[str]:
+        return sorted(text(m) for m in self.client.smembers(keys.RUNNING_JOBS))
+
+    def request_cancel(self, job_id: str) -> None:
+        self.client.set(keys.job_cancel(job_id), "1")
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self.client.exists(keys.job_cancel(job_id)))
+
+    def write_progress(self, job_id: str, progress: Progress) -> None:
+        self.client.set(keys.job_progress(job_id), progress.model_dump_json())
+
+    def beat(self, job_id: str, ttl_s: float) -> None:
+        self.client.set(keys.job_heartbeat(job_id), "1", px=int(ttl_s * 1000))
+
+    def heartbeat_alive(self, job_id: str) -> bool:
+        return bool(self.client.exists(keys.job_heartbeat(job_id)))
+
+    def remember_idempotency(
+        self, tenant_id: str, key: str, body_sha256: str, job_id: str, ttl_s: int
+    ) -> tuple[str, str]:
+        """Binds ``key`` to (body hash, job id) unless already bound; returns the binding."""
+        name = keys.idempotency(tenant_id, key)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(name, f"{body_sha256}:{job_id}", nx=True, ex=ttl_s)
+        pipe.get(name)
+        bound = text(pipe.execute()[1])
+        body, _, bound_job = bound.partition(":")
+        return body, bound_job
+
+    def forget_idempotency(self, tenant_id: str, key: str) -> None:
+        self.client.delete(keys.idempotency(tenant_id, key))
+
+    # --- shared ---------------------------------------------------------------------------
+
+    def _fields(self, name: str) -> dict[str, str] | None:
+        raw = cast("dict[bytes, bytes]", self.client.hgetall(name))
+        if not raw:
+            return None
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def _put(
+        self,
+        pipe: redis.client.Pipeline,
+        tenant_id: str,
+        kind: keys.ResourceKind,
+        resource_id: str,
+        resource: BaseModel,
+        created_at: datetime,
+    ) -> None:
+        pipe.hset(
+            keys.record(kind, resource_id),
+            mapping={"tenant_id": tenant_id, "data": resource.model_dump_json()},
+        )
+        pipe.zadd(keys.tenant_index(tenant_id, kind), {index_member(created_at, resource_id): 0})
+
+    def _delete(
+        self,
+        pipe: redis.client.Pipeline,
+        tenant_id: str,
+        kind: keys.ResourceKind,
+        resource_id: str,
+        created_at: datetime,
+    ) -> None:
+        pipe.delete(keys.record(kind, resource_id))
+        pipe.zrem(keys.tenant_index(tenant_id, kind), index_member(created_at, resource_id))
+
+    def _get(
+        self, tenant_id: str, kind: keys.ResourceKind, resource_id: str, schema: type[R]
+    ) -> R | None:
+        stored = self.client.hmget(keys.record(kind, resource_id), RESOURCE_FIELDS)
+        return owned_resource(tenant_id, cast("list[bytes | None]", stored), schema)
+
+    def _list(
+        self,
+        tenant_id: str,
+        kind: keys.ResourceKind,
+        schema: type[R],
+        page_size: int,
+        token: str | None,
+    ) -> Page[R]:
+        return newest_first(
+            self.client,
+            keys.tenant_index(tenant_id, kind),
+            lambda resource_id: self._get(tenant_id, kind, resource_id, schema),
+            page_size,
+            token,
+        )

@@ -1,0 +1,110 @@
+"""What every artifact store offers: the :class:`Store` protocol and its helpers.
+
+A store holds immutable objects named by the sha256 of their bytes. :func:`service.store.open_store`
+picks the backend from the settings; the API and the workers only ever see this protocol.
+"""
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO, Final, NamedTuple, Protocol
+
+from api_schemas.common import SHA256_PATTERN
+
+__all__ = [
+    "DEFAULT_TMP_MAX_AGE_S",
+    "SHA256_RE",
+    "ObjectWriter",
+    "Store",
+    "StoredObject",
+    "check_sha256",
+]
+
+# A temp file untouched this long belongs to a writer that died (every write updates mtime).
+DEFAULT_TMP_MAX_AGE_S: Final = 24 * 3600.0
+
+SHA256_RE: Final = re.compile(SHA256_PATTERN)
+
+
+def check_sha256(value: str) -> str:
+    """Returns ``value`` if it is a sha256 hex digest (64 lowercase hex characters).
+
+    Raises ``ValueError`` otherwise. The check also keeps path separators and ``..`` out of
+    object paths.
+    """
+    # fullmatch: with `match`, `$` would also accept a trailing newline.
+    if not isinstance(value, str) or SHA256_RE.fullmatch(value) is None:
+        raise ValueError(
+            f"not a sha256 digest: {str(value)[:80]!r}; expected 64 lowercase hexadecimal "
+            "characters"
+        )
+    return value
+
+
+class StoredObject(NamedTuple):
+    sha256: str
+    mtime: float  # seconds since the epoch: when the object was last written
+    size: int  # bytes
+
+
+class ObjectWriter(Protocol):
+    """What :meth:`Store.writer` yields: takes chunks; knows its digest once committed."""
+
+    def write(self, chunk: bytes) -> None: ...
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far (the object's size after commit)."""
+        ...
+
+    @property
+    def sha256(self) -> str:
+        """The object's digest; only after a clean exit from the ``with`` block."""
+        ...
+
+
+class Store(Protocol):
+    """A content-addressed store. See NOTE [ Atomic commit ] for the guarantees."""
+
+    def writer(
+        self, max_bytes: int | None = None
+    ) -> contextlib.AbstractContextManager[ObjectWriter]:
+        """A context manager that commits what was written on a clean exit and discards it
+        on an exception. Over ``max_bytes`` the write raises ``StoreTooLargeError``."""
+        ...
+
+    def put_bytes(self, data: bytes) -> str:
+        """Stores ``data``; returns its sha256."""
+        ...
+
+    def open(self, sha256: str) -> BinaryIO:
+        """Opens an object for reading; ``ObjectNotFoundError`` if absent."""
+        ...
+
+    def local_path(self, sha256: str) -> Path:
+        """A readable local file with the object's bytes; ``ObjectNotFoundError`` if absent.
+        Callers must not modify it."""
+        ...
+
+    def exists(self, sha256: str) -> bool: ...
+
+    def objects(self) -> Iterator[StoredObject]:
+        """Every committed object."""
+        ...
+
+    def remove_unused(self, sha256: str, cutoff: float, in_use: Callable[[str], bool]) -> bool:
+        """Deletes the object if it was last written before ``cutoff`` and ``in_use`` says
+        no, both checked again once no writer can reach it; True if it was deleted.
+        NOTE [ Store garbage collection ] in service/store/gc.py."""
+        ...
+
+    def settle_trash(self, cutoff: float, in_use: Callable[[str], bool]) -> int:
+        """Finishes what a collector that died left half done: each object it had moved
+        aside is deleted or put back by the rule of :meth:`remove_unused`. Returns how many
+        were deleted."""
+        ...
+
+    def cleanup_tmp(self, older_than_s: float = DEFAULT_TMP_MAX_AGE_S) -> int:
+        """Removes temp files left by crashed writers; returns how many."""
+        ...

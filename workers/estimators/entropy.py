@@ -1,0 +1,127 @@
+"""The ``entropy`` estimator: test-time entropy minimisation (TENT, Wang et al. 2021).
+
+Only the affine parameters (weight and bias) of the selected BatchNorm layers are optimised,
+to lower the mean entropy of the model's softmax predictions on the target data; the selected
+layers run in train mode, so they normalise with batch statistics and their running statistics
+follow the target data with their own momentum, as in ``ema``. Dropout and the other modules
+stay in eval mode, and every other parameter and buffer keeps its value bit for bit.
+
+Unlike the other estimators this one needs gradients: it runs under ``enable_grad`` whatever
+the caller's mode, and a model wrapped by workers/checkpoint.py gives bitwise the same
+parameters, statistics and outputs as without wrapping (NOTE [ Buffers and the recomputation ]
+there): each step updates the running statistics once, not once more in the recomputation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Final, Literal
+
+import torch
+from torch import nn
+
+from workers.errors import AdaptError, JobCanceled
+from workers.estimators.running import NO_BATCHES, AdaptStats, resolve_batchnorm
+from workers.models.modules import model_device, training_flags
+
+__all__ = ["SGD_MOMENTUM", "Optimizer", "entropy_adapt", "entropy_loss"]
+
+Optimizer = Literal["sgd", "adam"]
+SGD_MOMENTUM: Final = 0.9  # TENT's setting for SGD
+
+
+def entropy_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Mean over samples of the entropy (nats) of ``softmax(logits)``; logits (B, K)."""
+    # As TENT's reference code writes it, so results match it bitwise.
+    return -(logits.softmax(dim=1) * logits.log_softmax(dim=1)).sum(dim=1).mean()
+
+
+def entropy_adapt(
+    model: nn.Module,
+    batches: Sequence[torch.Tensor],
+    *,
+    layers: Sequence[str],
+    lr: float,
+    steps: int | None = None,
+    optimizer: Optimizer = "adam",
+    reset: bool = False,
+    progress: Callable[[int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> AdaptStats:
+    """``steps`` optimiser steps (``None``: one per batch), each on the next of ``batches``
+    ``(B, ...)``, cycling; batches are moved to the model's device. ``optimizer`` is Adam, or
+    SGD with momentum :data:`SGD_MOMENTUM`. ``reset`` clears the selected layers' running
+    statistics first. The returned ``batches`` is the number of steps: each is one train-mode
+    forward, so each selected layer's ``num_batches_tracked`` grows by exactly that.
+
+    ``requires_grad`` and ``.grad`` of every parameter and all training flags are as before
+    when it returns or raises.
+    """
+    if not lr > 0:
+        raise AdaptError(f"the learning rate must be > 0, got {lr}")
+    if steps is not None and steps < 1:
+        raise AdaptError(f"steps must be >= 1 or None (one pass over the data), got {steps}")
+    selected = resolve_batchnorm(model, layers)
+    if not batches:
+        raise AdaptError(NO_BATCHES)
+    params = [p for bn in selected for p in (bn.weight, bn.bias) if p is not None]
+    if not params:
+        raise AdaptError(
+            f"none of the layers {list(layers)} has affine parameters (affine=False) for the "
+            "entropy estimator to optimise; select layers with affine=True or use 'precise'"
+        )
+    total = len(batches) if steps is None else steps
+    device = model_device(model)
+    flags = [(p, p.requires_grad, p.grad) for p in model.parameters()]
+    samples = 0
+    with training_flags(model), torch.enable_grad():
+        try:
+            for p, _, _ in flags:
+                p.requires_grad_(False)
+                p.grad = None
+            for p in params:
+                p.requires_grad_(True)
+            opt: torch.optim.Optimizer
+            if optimizer == "sgd":
+                opt = torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM)
+            elif optimizer == "adam":
+                opt = torch.optim.Adam(params, lr=lr)
+            else:
+                raise AdaptError(f"unknown optimizer {optimizer!r}; use 'sgd' or 'adam'")
+            model.eval()
+            for bn in selected:
+                bn.train()
+                if reset:
+                    bn.reset_running_stats()
+            for step in range(total):
+                if should_stop is not None and should_stop():
+                    raise JobCanceled(f"entropy adaptation canceled after {step} steps")
+                batch = batches[step % len(batches)].to(device)  # (B, ...)
+                logits = model(batch)  # (B, K)
+                loss = entropy_loss(_checked_logits(logits))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()  # type: ignore[no-untyped-call]
+                opt.step()
+                samples += batch.shape[0]
+                if progress is not None:
+                    progress(step + 1)
+        finally:
+            for p, requires_grad, grad in flags:
+                p.requires_grad_(requires_grad)
+                p.grad = grad
+    return AdaptStats(batches=total, samples=samples)
+
+
+def _checked_logits(logits: object) -> torch.Tensor:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[1] < 2:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
+        raise AdaptError(
+            f"the entropy estimator needs class logits of shape (B, num_classes >= 2), the "
+            f"model gives {shape}; use 'precise' or 'ema' for other models"
+        )
+    if not logits.requires_grad:
+        raise AdaptError(
+            "the model's output does not depend on the selected layers' affine parameters; "
+            "select layers the forward uses"
+        )
+    return logits

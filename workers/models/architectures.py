@@ -1,0 +1,232 @@
+"""The architecture registry: named model factories with checked kwargs.
+
+Sources, in order of precedence (a later source never replaces an earlier name):
+1. the built-ins :data:`BUILTINS` (``digits_cnn``, ``resnet``, ``mlp``);
+2. entry points of the group ``bnadapt.architectures``: each loads an :class:`Architecture`
+   or a zero-argument callable returning one;
+3. torchvision's classification models as ``torchvision.<name>``, when torchvision imports.
+
+Module names used here and across the workers are those of ``state_dict``: a checkpoint
+wrapper adds nothing to them (see :func:`named_modules`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import logging
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.errors import ArchitectureError
+from workers.models.builtin import (
+    BUILTINS,
+    ConvBlock,
+    MLPBlock,
+    ResidualBlock,
+    digits_cnn,
+    mlp,
+    resnet,
+)
+from workers.models.modules import named_modules
+from workers.models.spec import (
+    MAX_CLASSES,
+    Architecture,
+    ParamSpec,
+    ParamValue,
+    int_param,
+)
+
+__all__ = [
+    "BUILTINS",
+    "ENTRY_POINT_GROUP",
+    "Architecture",
+    "ConvBlock",
+    "MLPBlock",
+    "ParamSpec",
+    "ResidualBlock",
+    "batchnorm_layers",
+    "build_model",
+    "describe",
+    "digits_cnn",
+    "input_fits",
+    "mlp",
+    "parameter_count",
+    "registry",
+    "resnet",
+    "resolve_kwargs",
+    "state_spec",
+]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "bnadapt.architectures"
+
+# --- Registry -----------------------------------------------------------------------------
+
+
+def _from_entry_points() -> Iterator[Architecture]:
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = entry_point.load()
+            arch = loaded if isinstance(loaded, Architecture) else loaded()
+            if not isinstance(arch, Architecture):
+                raise TypeError(f"it gave a {type(arch).__name__}, not an Architecture")
+        except Exception:
+            logger.warning(
+                "skipping architecture entry point %r (%s); fix or uninstall the package "
+                "that provides it",
+                entry_point.name,
+                entry_point.value,
+                exc_info=True,
+            )
+            continue
+        yield arch
+
+
+def _torchvision_block_types(models: Any, name: str) -> tuple[type[nn.Module], ...]:
+    if name.startswith(("resnet", "resnext", "wide_resnet")):
+        return (models.resnet.BasicBlock, models.resnet.Bottleneck)
+    return ()
+
+
+def _from_torchvision() -> Iterator[Architecture]:
+    try:
+        torchvision = importlib.import_module("torchvision")
+    except Exception:  # noqa: BLE001 - optional: absent or broken (ABI mismatch) alike
+        return
+    models = torchvision.models
+    for name in models.list_models(module=models):
+        yield Architecture(
+            name=f"torchvision.{name}",
+            description=f"torchvision.models.{name}, randomly initialised (no pretrained "
+            "weights are downloaded; upload weights instead).",
+            factory=functools.partial(models.get_model, name, weights=None),
+            params=(int_param("num_classes", 1000, "Number of output classes.", MAX_CLASSES),),
+            input_shape=lambda kw: (3, None, None),
+            block_types=_torchvision_block_types(models, name),
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def registry() -> Mapping[str, Architecture]:
+    """Every known architecture by name; built once per process."""
+    found: dict[str, Architecture] = {}
+    for source in (iter(BUILTINS), _from_entry_points(), _from_torchvision()):
+        for arch in source:
+            if arch.name in found:
+                logger.warning("ignoring a second architecture named %r", arch.name)
+            else:
+                found[arch.name] = arch
+    return found
+
+
+def _get(name: str) -> Architecture:
+    known = registry()
+    if name not in known:
+        raise ArchitectureError(
+            f"unknown architecture {name!r}; known: {', '.join(sorted(known))}. Pick one of "
+            f"these, or install a package that registers it under {ENTRY_POINT_GROUP!r}"
+        )
+    return known[name]
+
+
+def _check_value(arch: Architecture, spec: ParamSpec, value: Any) -> ParamValue:
+    where = f"{arch.name}: kwarg {spec.name!r}"
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    checked: ParamValue
+    if spec.type == "int" and isinstance(value, int) and not isinstance(value, bool):
+        checked = value
+    elif spec.type == "float" and is_number and math.isfinite(value):
+        checked = float(value)
+    elif (spec.type == "bool" and isinstance(value, bool)) or (
+        spec.type == "str" and isinstance(value, str)
+    ):
+        checked = value
+    else:
+        raise ArchitectureError(
+            f"{where} must be a finite {spec.type}, got {value!r} ({type(value).__name__}); "
+            f"the default is {spec.default!r}"
+        )
+    if is_number and spec.minimum is not None and value < spec.minimum:
+        raise ArchitectureError(f"{where} is {value!r}, below the minimum {spec.minimum:g}")
+    if is_number and spec.maximum is not None and value > spec.maximum:
+        raise ArchitectureError(f"{where} is {value!r}, above the maximum {spec.maximum:g}")
+    return checked
+
+
+def resolve_kwargs(name: str, kwargs: Mapping[str, Any]) -> dict[str, ParamValue]:
+    """The checked kwargs with the defaults filled in."""
+    arch = _get(name)
+    specs = {p.name: p for p in arch.params}
+    unknown = sorted(set(kwargs) - set(specs))
+    if unknown:
+        raise ArchitectureError(
+            f"{arch.name}: unknown kwargs {unknown}; it takes {sorted(specs) or 'none'}"
+        )
+    resolved = arch.defaults()
+    for key, value in kwargs.items():
+        resolved[key] = _check_value(arch, specs[key], value)
+    return resolved
+
+
+def build_model(name: str, kwargs: Mapping[str, Any]) -> nn.Module:
+    """A new, randomly initialised model, on the current default device."""
+    return _get(name).factory(**resolve_kwargs(name, kwargs))
+
+
+def describe(arch: Architecture) -> dict[str, Any]:
+    """The catalog entry (the contract's ``ArchitecturePublic``)."""
+    return {
+        "name": arch.name,
+        "description": arch.description,
+        "params": [asdict(p) for p in arch.params],
+        "input_shape": list(arch.input_shape(arch.defaults())),
+    }
+
+
+def input_fits(expected: Sequence[int | None], sample_shape: Sequence[int]) -> bool:
+    """Whether a sample of ``sample_shape`` fits ``expected`` (None matches any size)."""
+    return len(expected) == len(sample_shape) and all(
+        e is None or e == s for e, s in zip(expected, sample_shape, strict=True)
+    )
+
+
+def state_spec(name: str, kwargs: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``state_dict`` key -> (shape, dtype name such as ``"float32"``), the names numpy uses
+    for the common dtypes. Built on the meta device: no memory, no initialisation cost."""
+    with torch.device("meta"):
+        model = build_model(name, kwargs)
+    return {
+        key: (tuple(value.shape), str(value.dtype).removeprefix("torch."))
+        for key, value in model.state_dict().items()
+    }
+
+
+# --- Inspecting a model -------------------------------------------------------------------
+
+
+def batchnorm_layers(model: nn.Module) -> list[dict[str, Any]]:
+    """One entry per BatchNorm layer (the contract's ``BatchNormLayer``)."""
+    return [
+        {
+            "name": name,
+            "kind": type(module).__name__,
+            "num_features": module.num_features,
+            "momentum": module.momentum,
+            "track_running_stats": module.track_running_stats,
+        }
+        for name, module in named_modules(model)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm)
+    ]
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Number of parameter elements, shared parameters counted once."""
+    return sum(p.numel() for p in model.parameters())

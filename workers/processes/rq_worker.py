@@ -1,0 +1,72 @@
+"""One RQ worker process: takes jobs from the queue and runs each in a forked child.
+
+torch and the job code are imported here, before the first fork, so each job starts in
+milliseconds instead of re-importing torch; nothing here runs a torch op or touches CUDA,
+which would not survive the fork (see FIELD_NOTES: CUDA does not survive fork).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import socket
+
+import torch
+from rq import Queue, Worker
+from rq.job import Job
+
+import workers.running.job  # noqa: F401  (imported for its torch import: fast forks)
+from api_schemas import JobStatus
+from service.records.connection import redis_client
+from service.records.sync import Records
+from service.settings import get_settings
+from workers.models.architectures import registry
+from workers.running.compute import WORKER_DEVICE_ENV
+from workers.sharding.jobs import fail_killed_child
+
+__all__ = ["main"]
+
+log = logging.getLogger(__name__)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run one bnadapt RQ worker.")
+    parser.add_argument("--device", default=os.environ.get(WORKER_DEVICE_ENV, "auto"))
+    parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    args = parser.parse_args()
+    os.environ[WORKER_DEVICE_ENV] = args.device
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(message)s")
+    settings = get_settings()
+    client = redis_client(settings.redis_url)
+    records = Records(client)
+
+    def horse_killed(job: Job, pid: int, status: int, usage: resource.struct_rusage) -> None:
+        # The job's process died without raising (out of memory, a signal): fail the record
+        # now rather than when the reaper notices the missing heartbeat.
+        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"status {status}"
+        error = (
+            f"the job's process died ({how}; max RSS {usage.ru_maxrss} KiB); it may have run "
+            "out of memory: try a smaller batch_size, or a machine with more memory"
+        )
+        if not fail_killed_child(records, job.func_name, job.args, error):
+            records.mark_finished(job.id, JobStatus.FAILED, error=error)
+
+    if settings.worker_threads is not None:
+        torch.set_num_threads(settings.worker_threads)  # a setting, no op: survives the fork
+    # Built once here, inherited by every forked job: scanning entry points per job cost
+    # 9-36 ms of each job's load time (bench/RESULTS.md). Builds no model: no torch op runs.
+    registry()
+    worker = Worker(
+        [Queue(settings.queue, connection=client, serializer="json")],
+        name=f"bnadapt-{socket.gethostname()}-{os.getpid()}",
+        connection=client,
+        serializer="json",
+        work_horse_killed_handler=horse_killed,
+    )
+    worker.work(burst=args.burst, logging_level="INFO")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""One job's computation, from payload to new weights and report; no Redis here.
+
+:func:`compute` is what a worker runs for a job, and what a test runs in-process to check the
+worker's output bitwise (:func:`compute_evaluation` for ``evaluate`` jobs). The model always
+runs through workers/checkpoint.py with the job's checkpoint policy, so its statistics are
+right whatever the policy.
+
+What the computation reports to and asks the outside: workers/running/hooks.py. An adapt job's
+estimation step (which estimator runs, or the merge of a sharded job):
+workers/estimators/dispatch.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from api_schemas import AdaptParams, EvaluateParams, JobPayload, TrainParams
+from api_schemas.reports import (
+    BatchNormChange,
+    EpochLog,
+    Metrics,
+    Report,
+    TensorChange,
+    Timings,
+)
+from service.formats.arrays import read_arrays
+from service.store.base import Store
+from workers.errors import ArchitectureError, DataError, WorkerError
+from workers.estimators.dispatch import Estimate, run_estimator
+from workers.estimators.running import select_batchnorm
+from workers.models.architectures import (
+    Architecture,
+    batchnorm_layers,
+    build_model,
+    parameter_count,
+    registry,
+    resolve_kwargs,
+)
+from workers.models.modules import named_modules
+from workers.models.policy import apply_checkpoint_policy
+from workers.running.data import num_batches, to_tensors
+from workers.running.evaluation import Metrics as EvalMetrics
+from workers.running.evaluation import evaluate_sums, loss_for
+from workers.running.hooks import JobHooks, NoHooks
+from workers.running.reporting import batchnorm_changes, state_snapshot, tensor_changes
+from workers.running.training import train_model
+
+__all__ = [
+    "WORKER_DEVICE_ENV",
+    "JobOutcome",
+    "LoadedJob",
+    "compute",
+    "compute_evaluation",
+    "contract_metrics",
+    "load_job",
+    "load_model",
+    "resolve_device",
+    "weights_bytes",
+]
+
+# Set by `bnadapt worker --device`; a job's `device: auto` means this worker's device.
+WORKER_DEVICE_ENV: Final = "BNADAPT_WORKER_DEVICE"
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    state_dict: dict[str, torch.Tensor]  # on the CPU, keys of the unwrapped model
+    report: Report  # output_model_id is filled in by the caller
+    parameter_count: int
+    batchnorm_layers: list[dict[str, Any]]
+    input_shape: list[int | None]
+
+
+def resolve_device(requested: str) -> torch.device:
+    """``auto`` is the worker's device (``BNADAPT_WORKER_DEVICE``), and ``auto`` there is CUDA
+    when present. Only called inside a job's process: the worker's parent never touches CUDA."""
+    device = os.environ.get(WORKER_DEVICE_ENV, "auto") if requested == "auto" else requested
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise WorkerError(
+            f"the job asks for device {requested!r} but this worker has no CUDA device; submit "
+            "with device 'auto' or 'cpu', or run a worker on a GPU machine"
+        )
+    return torch.device(device)
+
+
+def load_model(payload: JobPayload, store: Store) -> nn.Module:
+    """The input model, built and loaded with strict=True."""
+    model = build_model(payload.model.architecture, payload.model.kwargs)
+    state = safetensors.torch.load_file(str(store.local_path(payload.model.weights_sha256)))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ArchitectureError(
+            f"the weights of model {payload.model.id} no longer load into "
+            f"{payload.model.architecture}: {exc}"
+        ) from exc
+    return model
+
+
+@dataclass(frozen=True)
+class LoadedJob:
+    """An adapt or train job's inputs, ready to run."""
+
+    model: nn.Module  # on `device`, run through the job's checkpoint policy
+    x: torch.Tensor  # (N, ...) on the CPU; batches move to `device`
+    y: torch.Tensor | None  # (N,) labels or (N, ...) targets, on the CPU
+    device: torch.device
+    arch: Architecture
+
+
+def load_job(payload: JobPayload, store: Store) -> LoadedJob:
+    """Seeds torch, builds the input model on the job's device with its checkpoint policy and
+    reads the dataset: where :func:`compute` and each shard of a sharded job start."""
+    params = payload.params
+    assert not isinstance(params, EvaluateParams), "evaluate jobs run compute_evaluation"
+    torch.manual_seed(params.seed)
+    device = resolve_device(params.device)
+    model = load_model(payload, store).to(device)
+    arrays = read_arrays(store.local_path(payload.dataset.sha256), payload.dataset.format)
+    x, y = to_tensors(arrays.x, arrays.y)
+    arch = registry()[payload.model.architecture]
+    policy = params.checkpoint
+    apply_checkpoint_policy(
+        model, arch, policy.preset, policy.modules, policy.types, policy.offload_to_cpu
+    )
+    return LoadedJob(model, x, y, device, arch)
+
+
+def weights_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
+    return safetensors.torch.save({k: v.contiguous() for k, v in state_dict.items()})
+
+
+def contract_metrics(found: EvalMetrics | None) -> Metrics | None:
+    """The contract's form of evaluation metrics."""
+    return None if found is None else Metrics(**asdict(found))
+
+
+def compute(
+    payload: JobPayload,
+    store: Store,
+    hooks: JobHooks | None = None,
+    estimate: Estimate | None = None,
+    measure: bool = True,
+) -> JobOutcome:
+    """Runs the adapt or train job the payload describes and returns the new weights and the
+    report; ``estimate`` replaces an adapt job's estimator (see :data:`Estimate`). Without
+    ``measure`` the model is not evaluated before and after (a sharded job's evaluation
+    children do it)."""
+    hooks = hooks or NoHooks()
+    started = time.perf_counter()
+    params = payload.params
+    job = load_job(payload, store)
+    model, x, y, device, arch = job.model, job.x, job.y, job.device, job.arch
+    loss = None if y is None else (getattr(params, "loss", None) or loss_for(y))
+
+    def measure_on_all(phase: str) -> EvalMetrics | None:
+        if y is None or loss is None or not measure:
+            return None
+        hooks.start_phase(phase, 1, "batches", float(len(x)))
+        # In the job's own batches: the size the user chose to fit the device's memory.
+        found = evaluate_sums(
+            model, x, y, batch_size=params.batch_size, loss=loss, device=device
+        ).metrics()
+        hooks.report(1)
+        return found
+
+    loaded = time.perf_counter()
+    before = state_snapshot(model)
+    metrics_before = measure_on_all("evaluate before")
+    computing = time.perf_counter()
+    all_bn = [name for name, _ in _batchnorm_names(model)]
+    epochs: list[EpochLog] = []
+    adapted: list[str] = []
+    reset = False
+    if isinstance(params, AdaptParams):
+        adapted = select_batchnorm(model, params.include, params.exclude)
+        reset = params.effective_reset()
+        run = estimate or functools.partial(run_estimator, x=x, reset=reset, device=device)
+        stats = run(model, params, adapted, hooks)
+        # `batches` is what each adapted layer ran in train mode (entropy: one per step), so
+        # num_batches_tracked_after == (0 if reset else before) + batches in the report.
+        batches, samples, estimator = stats.batches, stats.samples, params.estimator
+    else:
+        assert isinstance(params, TrainParams)
+        assert y is not None, "the API only accepts train jobs on labelled datasets"
+        assert loss is not None  # set whenever there are labels
+        hooks.start_phase("train", 0, "steps", float(params.batch_size))
+
+        def progress(done: int, total: int) -> None:
+            if done <= 1:
+                hooks.start_phase("train", total, "steps", float(params.batch_size))
+            hooks.report(done)
+
+        trained = train_model(
+            model,
+            x,
+            y,
+            epochs=params.epochs,
+            batch_size=params.batch_size,
+            optimizer=params.optimizer,
+            lr=params.lr,
+            momentum=params.momentum,
+            weight_decay=params.weight_decay,
+            loss=loss,
+            validation_fraction=params.validation_fraction,
+            seed=params.seed,
+            device=device,
+            progress=progress,
+            should_stop=hooks.should_stop,
+        )
+        epochs = [EpochLog(**asdict(e)) for e in trained.epochs]
+        batches, samples, estimator = trained.steps, trained.samples, None
+        adapted = all_bn
+    computed = time.perf_counter()
+    metrics_after = measure_on_all("evaluate after")
+    after = state_snapshot(model)
+    report = Report(
+        job_id=payload.job_id,
+        kind=payload.kind,
+        input_model_id=payload.model.id,
+        output_model_id=payload.model.id,  # replaced by the caller once registered
+        device=str(device),
+        torch_version=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        estimator=estimator,
+        batches=batches,
+        samples=samples,
+        timings=Timings(
+            load_s=loaded - started,
+            compute_s=computed - computing,
+            total_s=time.perf_counter() - started,
+        ),
+        batchnorm=[
+            BatchNormChange(**asdict(c))
+            for c in batchnorm_changes(before, after, all_bn, set(adapted), batches, reset)
+        ],
+        tensors=[TensorChange(**asdict(c)) for c in tensor_changes(before, after)],
+        metrics_before=contract_metrics(metrics_before),
+        metrics_after=contract_metrics(metrics_after),
+        epochs=epochs,
+    )
+    kwargs = resolve_kwargs(payload.model.architecture, payload.model.kwargs)
+    return JobOutcome(
+        state_dict=after,
+        report=report,
+        parameter_count=parameter_count(model),
+        batchnorm_layers=batchnorm_layers(model),
+        input_shape=list(arch.input_shape(kwargs)),
+    )
+
+
+def compute_evaluation(payload: JobPayload, store: Store, hooks: JobHooks | None = None) -> Report:
+    """Runs an ``evaluate`` job: the input model's metrics on the labelled dataset, as the
+    report's ``metrics_before``; the model is not changed and nothing is registered."""
+    hooks = hooks or NoHooks()
+    started = time.perf_counter()
+    params = payload.params
+    assert isinstance(params, EvaluateParams), f"{payload.kind} jobs run compute"
+    device = resolve_device(params.device)
+    model = load_model(payload, store).to(device)
+    arrays = read_arrays(store.local_path(payload.dataset.sha256), payload.dataset.format)
+    x, y = to_tensors(arrays.x, arrays.y)  # (N, ...) on the CPU; batches move to `device`
+    if y is None:
+        raise DataError(
+            f"dataset {payload.dataset.id} has no labels (y) to evaluate the model against; "
+            "upload it with y"
+        )
+    loaded = time.perf_counter()
+    batches = num_batches(len(x), params.batch_size)
+    hooks.start_phase("evaluate", batches, "batches", float(params.batch_size))
+    found = evaluate_sums(
+        model,
+        x,
+        y,
+        batch_size=params.batch_size,
+        loss=params.loss or loss_for(y),
+        device=device,
+        progress=hooks.report,
+        should_stop=hooks.should_stop,
+    ).metrics()
+    computed = time.perf_counter()
+    return Report(
+        job_id=payload.job_id,
+        kind=payload.kind,
+        input_model_id=payload.model.id,
+        output_model_id=None,
+        device=str(device),
+        torch_version=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        batches=batches,
+        samples=len(x),
+        timings=Timings(
+            load_s=loaded - started, compute_s=computed - loaded, total_s=computed - started
+        ),
+        batchnorm=[],
+        tensors=[],
+        metrics_before=contract_metrics(found),
+    )
+
+
+def _batchnorm_names(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, module)
+        for name, module in named_modules(model)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+    ]

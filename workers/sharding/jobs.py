@@ -1,0 +1,306 @@
+"""Sharded adaptation on RQ: the parent's dispatch and the children's entry points.
+
+- :func:`start_shards` — run by the worker that takes a job with ``shards > 1``: plans the
+  shards, enqueues them, their merge and (with labels) the evaluation children and the finish,
+  and returns.
+- :func:`run_shard`, :func:`run_merge`, :func:`run_eval`, :func:`run_finish` — the RQ entry
+  points of the children.
+- :func:`fail_killed_child` — for the RQ worker, when a child's process died.
+
+The computations are in workers/sharding/compute.py, how one child runs in
+workers/sharding/child.py; see NOTE [ Sharded adaptation ] in workers/sharding/compute.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+from rq import Queue
+from rq.job import Dependency, Job
+
+from api_schemas import AdaptParams, JobPayload, JobStatus, Progress, utc_now
+from service.formats.arrays import read_arrays
+from service.records.shards import (
+    FINISH,
+    MERGE,
+    ChildState,
+    ShardRecords,
+    child_job_id,
+    describe_child,
+    eval_name,
+    shard_name,
+)
+from service.records.sync import Records
+from service.settings import Settings
+from service.store.base import Store
+from workers.errors import AdaptError, JobCanceled
+from workers.running.data import num_batches
+from workers.running.evaluation import MetricSums
+from workers.running.runtime import JobRuntime
+from workers.running.saving import (
+    SavedOutcome,
+    StoredWeights,
+    begin_saving,
+    mark_succeeded,
+    register_output,
+    save_outcome,
+    store_weights,
+)
+from workers.sharding.child import ChildRun, end_parent, rq_worker_name, run_child
+from workers.sharding.compute import (
+    ShardedJob,
+    ShardResult,
+    collect_shard,
+    compute_merged,
+    evaluate_adapted,
+    plan_evaluation,
+    plan_shards,
+    with_metrics,
+)
+
+__all__ = [
+    "EVAL_FUNCTION",
+    "FINISH_FUNCTION",
+    "MERGE_FUNCTION",
+    "SHARD_FUNCTION",
+    "fail_killed_child",
+    "run_eval",
+    "run_finish",
+    "run_merge",
+    "run_shard",
+    "start_shards",
+]
+
+log = logging.getLogger(__name__)
+
+
+SHARD_FUNCTION: Final = "workers.sharding.jobs.run_shard"
+MERGE_FUNCTION: Final = "workers.sharding.jobs.run_merge"
+EVAL_FUNCTION: Final = "workers.sharding.jobs.run_eval"
+FINISH_FUNCTION: Final = "workers.sharding.jobs.run_finish"
+# The children's RQ results are tiny; what they hand on lives under keys.job_child_result.
+RQ_RESULT_TTL_S: Final = 24 * 3600
+RQ_FAILURE_TTL_S: Final = 7 * 24 * 3600
+
+
+def start_shards(
+    job: JobPayload, records: Records, store: Store, runtime: JobRuntime, settings: Settings
+) -> dict[str, str]:
+    """Plans the running job's shards, records every child and enqueues them (the shards, the
+    merge and, with labels, the evaluation children and the finish) on the settings' queue;
+    returns the RQ result of the job that started them."""
+    params = job.params
+    assert isinstance(params, AdaptParams)
+    arrays = read_arrays(store.local_path(job.dataset.sha256), job.dataset.format)
+    num_samples = len(arrays.x)
+    total = num_batches(num_samples, params.batch_size, params.max_batches)
+    plan = plan_shards(total, params.shards)
+    evaluation = (
+        None if arrays.y is None else plan_evaluation(num_samples, len(plan), params.batch_size)
+    )
+    evaluations = [] if evaluation is None else [eval_name(i) for i in range(len(plan))]
+    if runtime.check_cancel_now():
+        raise JobCanceled(f"job {job.job_id} was canceled")
+    shard_records = ShardRecords(records.client)
+    progress = Progress(
+        done=0,
+        total=total,
+        unit="batches",
+        samples_per_second=0.0,
+        phase="adapt",
+        updated_at=utc_now(),
+    )
+    after_merge = [*evaluations, FINISH] if evaluations else []
+    shard_records.plan(job.job_id, [shard.batches for shard in plan], progress, after_merge)
+    spec = ShardedJob(payload=job, plan=plan, evaluation=evaluation).model_dump(mode="json")
+    queue = Queue(settings.queue, connection=records.client, serializer="json")
+    options: dict[str, Any] = {
+        "timeout": settings.job_timeout_s,
+        "result_ttl": RQ_RESULT_TTL_S,
+        "failure_ttl": RQ_FAILURE_TTL_S,
+    }
+
+    def enqueue(
+        function: str,
+        child: str,
+        args: tuple[Any, ...],
+        depends_on: Job | list[Dependency | Job | str] | None = None,
+    ) -> Job:
+        return queue.enqueue_call(
+            function,
+            args=args,
+            job_id=child_job_id(job.job_id, child),
+            depends_on=depends_on,
+            description=f"{describe_child(child, len(plan))} of {job.job_id}",
+            **options,
+        )
+
+    shards: list[Dependency | Job | str] = [
+        enqueue(SHARD_FUNCTION, shard_name(s.index), (spec, s.index)) for s in plan
+    ]
+    merge = enqueue(MERGE_FUNCTION, MERGE, (spec,), shards)
+    if evaluations:
+        evaluated: list[Dependency | Job | str] = [
+            enqueue(EVAL_FUNCTION, child, (spec, index), merge)
+            for index, child in enumerate(evaluations)
+        ]
+        enqueue(FINISH_FUNCTION, FINISH, (spec,), evaluated)
+    shard_records.mark_dispatched(job.job_id)
+    log.info("job %s: %d batches in %d shards queued", job.job_id, total, len(plan))
+    return {"job_id": job.job_id, "status": JobStatus.RUNNING.value, "shards": str(len(plan))}
+
+
+def run_shard(spec: dict[str, Any], index: int) -> dict[str, str]:
+    """RQ entry point of shard ``index`` of the sharded job ``spec`` describes."""
+    sharded = ShardedJob.model_validate(spec)
+
+    def work(run: ChildRun) -> ShardResult:
+        part = None if sharded.evaluation is None else sharded.evaluation[index]
+        result = collect_shard(
+            sharded.payload, run.store, sharded.plan[index], run.runtime, rq_worker_name(), part
+        )
+        if run.runtime.check_cancel_now():
+            raise JobCanceled(f"job {sharded.payload.job_id} was canceled")
+        return result
+
+    def finish(run: ChildRun, result: ShardResult) -> None:
+        run.shard_records.finish(
+            sharded.payload.job_id, shard_name(index), ChildState.DONE, result.to_json()
+        )
+
+    return run_child(sharded, shard_name(index), work, finish)
+
+
+def run_merge(spec: dict[str, Any]) -> dict[str, str]:
+    """RQ entry point of the merge of the sharded job ``spec`` describes: registers the model
+    or, when evaluation children follow, hands the weights on to them."""
+    sharded = ShardedJob.model_validate(spec)
+    job = sharded.payload
+    params = job.params
+    assert isinstance(params, AdaptParams)
+    parts = sharded.evaluation
+
+    def work(run: ChildRun) -> SavedOutcome | StoredWeights:
+        results = [_shard_result(run.shard_records, sharded, s.index) for s in sharded.plan]
+        outcome = compute_merged(job, run.store, results, run.runtime, measure=parts is None)
+        if parts is None:
+            return save_outcome(job, outcome, run.records, run.store, run.runtime)
+        weights = store_weights(outcome, run.store)
+        ended = run.shard_records.hold_weights(job.job_id, weights.sha256)
+        if ended is not None:
+            raise JobCanceled(f"job {job.job_id} is {ended}")
+        size = params.batch_size
+        total = sum(num_batches(part.stop - part.start, size) for part in parts)
+        run.runtime.start_phase("evaluate after", total, "batches", float(size))
+        return weights
+
+    def finish(run: ChildRun, done: SavedOutcome | StoredWeights) -> None:
+        if isinstance(done, SavedOutcome):
+            _succeed(run, sharded, done)
+        else:
+            run.shard_records.finish(job.job_id, MERGE, ChildState.DONE, done.model_dump_json())
+
+    return run_child(sharded, MERGE, work, finish)
+
+
+def run_eval(spec: dict[str, Any], index: int) -> dict[str, str]:
+    """RQ entry point of evaluation child ``index``: the adapted model on part ``index``."""
+    sharded = ShardedJob.model_validate(spec)
+    assert sharded.evaluation is not None, "evaluation children need labels"
+    part = sharded.evaluation[index]
+
+    def work(run: ChildRun) -> MetricSums:
+        weights = _merged_weights(run.shard_records, sharded)
+        return evaluate_adapted(sharded.payload, run.store, weights.sha256, part, run.runtime)
+
+    def finish(run: ChildRun, sums: MetricSums) -> None:
+        job_id = sharded.payload.job_id
+        run.shard_records.finish(
+            job_id, eval_name(index), ChildState.DONE, json.dumps(sums.to_dict())
+        )
+        params = sharded.payload.params
+        assert isinstance(params, AdaptParams)
+        run.shard_records.count_evaluated(job_id, num_batches(sums.num_samples, params.batch_size))
+
+    return run_child(sharded, eval_name(index), work, finish)
+
+
+def run_finish(spec: dict[str, Any]) -> dict[str, str]:
+    """RQ entry point of the finish: the metrics of both rounds into the report, the model
+    registered, the job succeeded."""
+    sharded = ShardedJob.model_validate(spec)
+    job = sharded.payload
+    parts = range(len(sharded.plan))
+
+    def work(run: ChildRun) -> SavedOutcome:
+        results = [_shard_result(run.shard_records, sharded, i) for i in parts]
+        after = [
+            MetricSums.from_dict(json.loads(_child_result(run.shard_records, sharded, c)))
+            for c in map(eval_name, parts)
+        ]
+        weights = with_metrics(_merged_weights(run.shard_records, sharded), results, after)
+        begin_saving(job, run.runtime)
+        saved = register_output(job, weights, run.records, run.store)
+        # The model holds the weights now; released before the job's end, so that no ending
+        # of this process can leave the merge's reference behind.
+        run.shard_records.release_weights(job.job_id)
+        run.runtime.report(1)
+        return saved
+
+    def finish(run: ChildRun, saved: SavedOutcome) -> None:
+        _succeed(run, sharded, saved)
+
+    return run_child(sharded, FINISH, work, finish)
+
+
+def _succeed(run: ChildRun, sharded: ShardedJob, saved: SavedOutcome) -> None:
+    """The last child's end: the job succeeded, the children's results deleted."""
+    job_id = sharded.payload.job_id
+    last = MERGE if sharded.evaluation is None else FINISH
+    mark_succeeded(sharded.payload, saved, run.records)
+    run.shard_records.finish(job_id, last, ChildState.DONE)
+    run.shard_records.delete_results(job_id, list(run.shard_records.children(job_id) or {}))
+
+
+def fail_killed_child(
+    records: Records, func_name: str | None, args: Sequence[Any], how: str
+) -> bool:
+    """For the RQ worker, when a job's process died without raising: if it was a child of a
+    sharded job (``func_name`` and ``args`` of its RQ job), fails the parent now with ``how``
+    it died (else the reaper would, a heartbeat timeout later). False for any other job."""
+    names: dict[str | None, Callable[[], str]] = {
+        SHARD_FUNCTION: lambda: shard_name(int(args[1])),
+        MERGE_FUNCTION: lambda: MERGE,
+        EVAL_FUNCTION: lambda: eval_name(int(args[1])),
+        FINISH_FUNCTION: lambda: FINISH,
+    }
+    if func_name not in names:
+        return False
+    sharded = ShardedJob.model_validate(args[0])
+    child = names[func_name]()
+    shard_records = ShardRecords(records.client)
+    error = f"{describe_child(child, len(sharded.plan))} died: {how}"
+    end_parent(records, shard_records, sharded.payload.job_id, JobStatus.FAILED, error)
+    shard_records.finish(sharded.payload.job_id, child, ChildState.FAILED)
+    return True
+
+
+def _child_result(shard_records: ShardRecords, sharded: ShardedJob, child: str) -> str:
+    found = shard_records.result(sharded.payload.job_id, child)
+    if found is None:
+        raise AdaptError(
+            f"what {describe_child(child, len(sharded.plan))} handed on is missing (kept for a "
+            "week); submit the job again"
+        )
+    return found
+
+
+def _shard_result(shard_records: ShardRecords, sharded: ShardedJob, index: int) -> ShardResult:
+    return ShardResult.from_json(_child_result(shard_records, sharded, shard_name(index)))
+
+
+def _merged_weights(shard_records: ShardRecords, sharded: ShardedJob) -> StoredWeights:
+    return StoredWeights.model_validate_json(_child_result(shard_records, sharded, MERGE))
