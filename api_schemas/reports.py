@@ -3,7 +3,7 @@
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_schemas.common import ResourceId
-from api_schemas.jobs import JobKind
+from api_schemas.jobs.kinds import JobKind
 
 __all__ = [
     "BatchNormChange",

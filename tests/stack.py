@@ -20,8 +20,10 @@ import httpx
 import numpy as np
 from rq import Worker
 
+from api_schemas import JobPayload
 from service.local.embedded import RedisServer, free_port
 from service.local.up import api_command, worker_command
+from service.records import keys
 from service.records.connection import redis_client
 from service.records.sync import Records
 from tests.servers import new_redis_server, stop_process, wait_for
@@ -191,3 +193,10 @@ class Client:
             if time.monotonic() > deadline:
                 raise AssertionError(f"job {job_id} still {job['status']} after {timeout_s} s")
             time.sleep(0.2)
+
+
+def job_payload(stack: Stack, job_id: str) -> JobPayload:
+    """The payload the API enqueued for a job, read from its record."""
+    raw = stack.records().client.hget(keys.record("job", job_id), "payload")
+    assert raw is not None, f"no job {job_id}"
+    return JobPayload.model_validate_json(raw)

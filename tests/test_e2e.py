@@ -18,9 +18,8 @@ import safetensors.torch
 import torch
 from sklearn.datasets import load_digits
 
-from api_schemas import JobPayload
 from service.store.local import LocalStore
-from tests.stack import Client, Stack, npz_bytes, running_stack
+from tests.stack import Client, Stack, job_payload, npz_bytes, running_stack
 from workers.models.architectures import build_model
 from workers.running.compute import compute
 
@@ -78,9 +77,7 @@ def store_of(stack: Stack) -> LocalStore:
 def in_process(stack: Stack, job_id: str) -> dict[str, torch.Tensor]:
     """The same job function, run here on the same payload and on as many torch threads as
     the worker (training's reductions depend on the thread count): the reference result."""
-    found = stack.records().job_owner_and_payload(job_id)
-    assert found is not None
-    payload: JobPayload = found[1]
+    payload = job_payload(stack, job_id)
     threads = torch.get_num_threads()
     torch.set_num_threads(WORKER_THREADS)
     try:
@@ -268,7 +265,7 @@ def test_bad_jobs_are_refused_and_the_service_still_works(stack: Stack) -> None:
         return body
 
     problem(client.submit(job(dataset_id=wrong_shape["id"])), 422, "[1, 9, 9]", "1x8x8")
-    problem(client.submit(job("train", dataset_id=unlabelled["id"])), 422, "needs labels")
+    problem(client.submit(job("train", dataset_id=unlabelled["id"])), 422, "need labels")
     problem(
         client.submit(job("train", dataset_id=targets["id"], params={"loss": "cross_entropy"})),
         422,

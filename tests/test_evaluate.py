@@ -17,7 +17,6 @@ from pydantic import ValidationError
 from api_schemas import (
     EvaluateJobCreate,
     EvaluateParams,
-    JobPayload,
     JobPublic,
     JobResultLinks,
     parse_job_create,
@@ -28,7 +27,7 @@ from service.client import new_model_id
 from service.errors import BnadaptError
 from service.local.cli import main as cli_main
 from service.store.local import LocalStore
-from tests.stack import Client, Stack, npz_bytes, running_stack
+from tests.stack import Client, Stack, job_payload, npz_bytes, running_stack
 from tests.test_e2e import created, digits, digits_npz, problem
 from workers.models.architectures import build_model
 from workers.running.compute import compute_evaluation
@@ -131,9 +130,7 @@ def test_evaluate_job_reports_what_evaluate_computes(stack: Stack) -> None:
     assert metrics.loss == pytest.approx(expected.loss, rel=1e-6)
     assert metrics.mse is None
     # The job function itself, run here on the job's payload: the same numbers exactly.
-    found = stack.records().job_owner_and_payload(job["id"])
-    assert found is not None
-    payload: JobPayload = found[1]
+    payload = job_payload(stack, job["id"])
     again = compute_evaluation(payload, LocalStore(stack.data_dir / "store"))
     assert again.metrics_before == metrics
 
@@ -202,7 +199,7 @@ def test_evaluate_refuses_what_it_cannot_measure(stack: Stack) -> None:
 
     body = problem(client.submit(evaluate_body(model["id"], unlabelled["id"])), 422)
     assert body["detail"] == (
-        f"an evaluate job needs labels but dataset {unlabelled['id']} has no y; upload a "
+        f"evaluate jobs need labels but dataset {unlabelled['id']} has no y; upload a "
         "dataset with y (int64 class labels or float targets)"
     )
     problem(

@@ -8,7 +8,6 @@ estimator and the mixing formula written out.
 from __future__ import annotations
 
 import copy
-import json
 import math
 
 import pytest
@@ -28,6 +27,7 @@ from workers.estimators.prior import mix_statistics, prior_batchnorm
 from workers.estimators.running import AdaptStats, adapt_batchnorm, select_batchnorm
 from workers.models.architectures import build_model, registry
 from workers.models.policy import apply_checkpoint_policy
+from workers.sharding.compute import StatisticsMessage
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -244,8 +244,13 @@ def test_collect_leaves_the_model_unchanged_and_shards_merge() -> None:
     # Two shards, sent as JSON, merged: the statistics of all the data.
     shards = [collect_statistics(model, split(part, 32), layers=ALL) for part in (x[:64], x[64:])]
     received = [
-        {k: LayerStatistics.from_dict(v) for k, v in json.loads(json.dumps(s_dict)).items()}
-        for s_dict in ({k: v.to_dict() for k, v in shard.items()} for shard in shards)
+        {
+            k: StatisticsMessage.model_validate_json(
+                StatisticsMessage.of(v).model_dump_json()
+            ).statistics()
+            for k, v in shard.items()
+        }
+        for shard in shards
     ]
     for name in ALL:
         merged = received[0][name].merge(received[1][name])
@@ -275,7 +280,9 @@ def test_layer_statistics_merge_and_json() -> None:
     torch.testing.assert_close(merged.variance(), values.var(dim=1), rtol=1e-13, atol=0.0)
     empty = LayerStatistics(0, torch.zeros(4), torch.zeros(4))
     assert torch.equal(empty.merge(merged).mean, merged.mean)
-    back = LayerStatistics.from_dict(json.loads(json.dumps(merged.to_dict())))
+    back = StatisticsMessage.model_validate_json(
+        StatisticsMessage.of(merged).model_dump_json()
+    ).statistics()
     assert back.count == merged.count
     assert back.batches == merged.batches
     assert torch.equal(back.mean, merged.mean)

@@ -4,7 +4,6 @@ the single worker's result. No Redis here (the service path: tests/test_shards_e
 from __future__ import annotations
 
 import itertools
-import json
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ from workers.running.saving import StoredWeights, store_weights
 from workers.sharding.compute import (
     ShardPlan,
     ShardResult,
+    SumsMessage,
     collect_shard,
     compute_merged,
     evaluate_adapted,
@@ -83,7 +83,9 @@ def test_metric_sums_of_parts_add_up_to_the_whole(loss: Loss) -> None:
         for a, b in [(0, 40), (40, 41), (41, 101)]
     ]
     # Through JSON, as they travel between workers.
-    parts = [MetricSums.from_dict(json.loads(json.dumps(p.to_dict()))) for p in parts]
+    parts = [
+        SumsMessage.model_validate_json(SumsMessage.of(p).model_dump_json()).sums() for p in parts
+    ]
     summed = (parts[0] + parts[1] + parts[2]).metrics()
     assert summed.num_samples == whole.num_samples == 101
     assert summed.loss == pytest.approx(whole.loss, rel=1e-6)
@@ -99,7 +101,9 @@ def test_sequential_estimators_refuse_shards() -> None:
         with pytest.raises(ValidationError, match=f"the {estimator} estimator is sequential"):
             AdaptParams.model_validate({"estimator": estimator, "shards": 2})
         assert AdaptParams.model_validate({"estimator": estimator}).shards == 1
-    with pytest.raises(ValidationError, match="use shards=1, or estimator 'precise'"):
+    with pytest.raises(
+        ValidationError, match="use shards=1, or estimator 'cumulative', 'precise' or 'prior'"
+    ):
         AdaptParams(estimator="ema", shards=3)
     for estimator in ("precise", "cumulative", "prior"):
         assert AdaptParams.model_validate({"estimator": estimator, "shards": 4}).shards == 4
@@ -150,7 +154,9 @@ def payload(store: LocalStore, params: dict[str, Any], labels: bool = True) -> J
 def run_sharded(job: JobPayload, store: LocalStore, plan: list[ShardPlan]) -> JobOutcome:
     # Each shard's result crosses a process boundary as JSON, as through Redis.
     results = [
-        ShardResult.from_json(collect_shard(job, store, shard, worker=f"w{shard.index}").to_json())
+        ShardResult.model_validate_json(
+            collect_shard(job, store, shard, worker=f"w{shard.index}").model_dump_json()
+        )
         for shard in plan
     ]
     return compute_merged(job, store, results)
@@ -164,16 +170,18 @@ def run_sharded_measured(
     finish adds up both rounds (workers/sharding/jobs.py runs the same calls)."""
     parts = plan_evaluation(SAMPLES, len(plan), BATCH_SIZE)
     results = [
-        ShardResult.from_json(collect_shard(job, store, shard, evaluate_part=part).to_json())
+        ShardResult.model_validate_json(
+            collect_shard(job, store, shard, evaluate_part=part).model_dump_json()
+        )
         for shard, part in zip(plan, parts, strict=True)
     ]
     merged = compute_merged(job, store, results, measure=False)
     assert (merged.report.metrics_before, merged.report.metrics_after) == (None, None)
     weights = StoredWeights.model_validate_json(store_weights(merged, store).model_dump_json())
     after = [
-        MetricSums.from_dict(
-            json.loads(json.dumps(evaluate_adapted(job, store, weights.sha256, part).to_dict()))
-        )
+        SumsMessage.model_validate_json(
+            SumsMessage.of(evaluate_adapted(job, store, weights.sha256, part)).model_dump_json()
+        ).sums()
         for part in parts
     ]
     return merged, with_metrics(weights, results, after)

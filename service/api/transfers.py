@@ -10,7 +10,7 @@ from service.api.problems import ApiError
 from service.errors import StoreTooLargeError
 from service.store.base import Store
 
-__all__ = ["CHUNK_BYTES", "stream_object", "store_upload"]
+__all__ = ["CHUNK_BYTES", "store_upload", "stream_object"]
 
 CHUNK_BYTES: Final = 1024 * 1024
 

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from api_schemas import ESTIMATORS, JOB_KINDS
 from service.client import ApiClientError
 from service.errors import BnadaptError
 from service.local.cli_client import (
@@ -231,11 +232,18 @@ def _parser() -> argparse.ArgumentParser:
     dadd.set_defaults(func=cmd_datasets_add)
 
     jobs = sub.add_parser("jobs").add_subparsers(dest="jobs", required=True)
-    submit = jobs.add_parser("submit", help="submit an adapt, train or evaluate job")
-    submit.add_argument("kind", choices=["adapt", "train", "evaluate"])
+    kinds = "; ".join(f"{kind}: {spec.summary}" for kind, spec in JOB_KINDS.items())
+    submit = jobs.add_parser("submit", help=f"submit a job ({', '.join(JOB_KINDS)})")
+    submit.add_argument("kind", choices=list(JOB_KINDS), help=kinds)
     submit.add_argument("--model", required=True)
     submit.add_argument("--dataset", required=True)
-    submit.add_argument("--params", type=json_arg, default={}, help="JSON object")
+    estimators = ", ".join(ESTIMATORS)
+    submit.add_argument(
+        "--params",
+        type=json_arg,
+        default={},
+        help=f"the kind's params as a JSON object (adapt estimators: {estimators})",
+    )
     submit.add_argument("--idempotency-key")
     submit.add_argument("--wait", action="store_true", help="show progress until it ends")
     submit.set_defaults(func=cmd_jobs_submit)

@@ -227,14 +227,6 @@ class Records:
         fields, progress = pipe.execute()
         return job_from_fields(tenant_id, fields, progress)
 
-    def job_owner_and_payload(self, job_id: str) -> tuple[str, JobPayload, JobStatus] | None:
-        """For workers: whose job it is, what to run, and its status now."""
-        fields = self._fields(keys.record("job", job_id))
-        if fields is None:
-            return None
-        payload = JobPayload.model_validate_json(fields["payload"])
-        return fields["tenant_id"], payload, JobStatus(fields["status"])
-
     def job_status(self, job_id: str) -> JobStatus | None:
         status = self.client.hget(keys.record("job", job_id), "status")
         return None if status is None else JobStatus(text(status))

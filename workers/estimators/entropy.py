@@ -15,7 +15,7 @@ there): each step updates the running statistics once, not once more in the reco
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 import torch
 from torch import nn
@@ -24,7 +24,10 @@ from workers.errors import AdaptError, JobCanceled
 from workers.estimators.running import NO_BATCHES, AdaptStats, resolve_batchnorm
 from workers.models.modules import model_device, training_flags
 
-__all__ = ["SGD_MOMENTUM", "Optimizer", "entropy_adapt", "entropy_loss"]
+if TYPE_CHECKING:
+    from workers.estimators.dispatch import EstimatorTask
+
+__all__ = ["SGD_MOMENTUM", "Optimizer", "entropy_adapt", "entropy_loss", "run"]
 
 Optimizer = Literal["sgd", "adam"]
 SGD_MOMENTUM: Final = 0.9  # TENT's setting for SGD
@@ -125,3 +128,22 @@ def _checked_logits(logits: object) -> torch.Tensor:
             "select layers the forward uses"
         )
     return logits
+
+
+def run(task: EstimatorTask) -> AdaptStats:
+    """The ``entropy`` row of the estimator table: ``steps`` steps (default one pass)."""
+    params = task.params
+    steps = params.steps or task.total
+    task.start(steps, "steps")
+    # Views of the CPU tensor: each step moves its batch to the model's device.
+    return entropy_adapt(
+        task.model,
+        list(task.views()),
+        layers=task.layers,
+        lr=params.lr,
+        steps=steps,
+        optimizer=params.optimizer,
+        reset=task.reset,
+        progress=task.hooks.report,
+        should_stop=task.hooks.should_stop,
+    )

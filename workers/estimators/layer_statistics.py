@@ -3,9 +3,8 @@ and JSON-safe: what ``precise``, ``cumulative`` and the shards of a sharded job 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -108,35 +107,6 @@ class LayerStatistics:
         mean = self.mean + delta * weight
         m2 = self.m2 + other.m2.to(self.m2.device) + delta * delta * (self.count * weight)
         return LayerStatistics(count, mean, m2, batches, mean_sum, var_sum)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON types; floats round-trip exactly through JSON (repr of a float64)."""
-        return {
-            "count": self.count,
-            "mean": self.mean.cpu().tolist(),
-            "m2": self.m2.cpu().tolist(),
-            "batches": self.batches,
-            "mean_sum": None if self.mean_sum is None else self.mean_sum.cpu().tolist(),
-            "var_sum": None if self.var_sum is None else self.var_sum.cpu().tolist(),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LayerStatistics:
-        def tensor(name: str) -> torch.Tensor | None:
-            value = data.get(name)
-            return None if value is None else torch.tensor(value, dtype=torch.float64)
-
-        mean, m2 = tensor("mean"), tensor("m2")
-        if mean is None or m2 is None:
-            raise ValueError(f"statistics need a mean and an m2, got keys {sorted(data)}")
-        return cls(
-            count=int(data["count"]),
-            mean=mean,
-            m2=m2,
-            batches=int(data["batches"]),
-            mean_sum=tensor("mean_sum"),
-            var_sum=tensor("var_sum"),
-        )
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

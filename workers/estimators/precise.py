@@ -15,7 +15,7 @@ See NOTE [ Precise statistics ] for what the pass computes and how.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,11 +31,15 @@ from workers.estimators.running import (
 )
 from workers.models.modules import training_flags
 
+if TYPE_CHECKING:
+    from workers.estimators.dispatch import EstimatorTask
+
 __all__ = [
     "apply_statistics",
     "collect_statistics",
     "layerwise_precise_batchnorm",
     "precise_batchnorm",
+    "run",
     "running_statistics",
 ]
 
@@ -279,3 +283,25 @@ class _Counted:
             self.batches += 1
             self.samples += batch.shape[0]
             yield batch
+
+
+def run(task: EstimatorTask) -> AdaptStats:
+    """The ``precise`` row of the estimator table, ``layerwise`` or in one pass."""
+    hooks = task.hooks
+    if task.params.layerwise:
+        task.start(task.total * len(task.layers))
+        return layerwise_precise_batchnorm(
+            task.model,
+            task.batches,
+            layers=task.layers,
+            progress=hooks.report,
+            should_stop=hooks.should_stop,
+        )
+    task.start()
+    return precise_batchnorm(
+        task.model,
+        task.batches(),
+        layers=task.layers,
+        progress=hooks.report,
+        should_stop=hooks.should_stop,
+    )

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -18,7 +18,10 @@ from workers.errors import AdaptError
 from workers.estimators.precise import precise_batchnorm, running_statistics
 from workers.estimators.running import AdaptStats, adapt_batchnorm, resolve_batchnorm
 
-__all__ = ["PriorBase", "mix_statistics", "mix_with_source", "prior_batchnorm"]
+if TYPE_CHECKING:
+    from workers.estimators.dispatch import EstimatorTask
+
+__all__ = ["PriorBase", "mix_statistics", "mix_with_source", "prior_batchnorm", "run"]
 
 PriorBase = Literal["precise", "cumulative"]
 
@@ -93,3 +96,17 @@ def mix_with_source(
             running_mean.copy_(mix_statistics(mean, running_mean, strength=strength, samples=n))
             running_var.copy_(mix_statistics(var, running_var, strength=strength, samples=n))
     return stats
+
+
+def run(task: EstimatorTask) -> AdaptStats:
+    """The ``prior`` row of the estimator table."""
+    task.start()
+    return prior_batchnorm(
+        task.model,
+        task.batches(),
+        layers=task.layers,
+        strength=task.params.prior_strength,
+        base=task.params.prior_base,
+        progress=task.hooks.report,
+        should_stop=task.hooks.should_stop,
+    )

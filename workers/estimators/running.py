@@ -6,7 +6,8 @@ Two estimators here, each equal bitwise to the loop users write by hand (``preci
 - ``ema``: the selected layers in train mode with their own momentum, ``model(x)`` under
   ``no_grad`` per batch; running stats are reset first only when asked.
 - ``cumulative``: as ``torch.optim.swa_utils.update_bn``: reset, momentum ``None`` (an equal-
-  weight average of the batch statistics, see FIELD_NOTES), momentum restored afterwards.
+  weight average of the batch statistics: torch divides by num_batches_tracked), momentum
+  restored afterwards.
 
 Unlike ``update_bn``, only the selected BatchNorm layers are in train mode during the pass:
 Dropout and unselected BatchNorm stay in eval mode, so unselected statistics are kept bit for
@@ -20,7 +21,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from workers.errors import AdaptError, JobCanceled
 from workers.models.modules import named_modules, training_flags
+
+if TYPE_CHECKING:
+    from workers.estimators.dispatch import EstimatorTask
 
 __all__ = [
     "NO_BATCHES",
@@ -37,6 +41,8 @@ __all__ = [
     "check_stop",
     "nonempty",
     "resolve_batchnorm",
+    "run_cumulative",
+    "run_ema",
     "select_batchnorm",
 ]
 
@@ -126,8 +132,8 @@ def adapt_batchnorm(
 ) -> AdaptStats:
     """Update the running statistics of ``layers`` from ``batches`` (inputs on the model's
     device, ``(B, ...)``); see the module docstring. ``reset`` applies to ``ema`` only:
-    ``cumulative`` always resets. ``progress(batches_done)`` after each batch;
-    ``should_stop()`` before each, raising :class:`JobCanceled` when it answers True.
+    ``cumulative`` always resets. ``progress(batches_done)`` after each batch; ``should_stop()``
+    before each, raising :class:`JobCanceled` when it answers True.
     """
     if estimator not in ("ema", "cumulative"):
         raise AdaptError(
@@ -159,3 +165,31 @@ def adapt_batchnorm(
             for bn, momentum in zip(selected, momenta, strict=True):
                 bn.momentum = momentum
     return AdaptStats(batches=done, samples=samples)
+
+
+def run_ema(task: EstimatorTask) -> AdaptStats:
+    """The ``ema`` row of the estimator table: the layers' own momentum."""
+    task.start()
+    return adapt_batchnorm(
+        task.model,
+        task.batches(),
+        estimator="ema",
+        layers=task.layers,
+        reset=task.reset,
+        progress=task.hooks.report,
+        should_stop=task.hooks.should_stop,
+    )
+
+
+def run_cumulative(task: EstimatorTask) -> AdaptStats:
+    """The ``cumulative`` row of the estimator table."""
+    task.start()
+    return adapt_batchnorm(
+        task.model,
+        task.batches(),
+        estimator="cumulative",
+        layers=task.layers,
+        reset=task.reset,
+        progress=task.hooks.report,
+        should_stop=task.hooks.should_stop,
+    )

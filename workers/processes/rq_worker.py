@@ -2,7 +2,8 @@
 
 torch and the job code are imported here, before the first fork, so each job starts in
 milliseconds instead of re-importing torch; nothing here runs a torch op or touches CUDA,
-which would not survive the fork (see FIELD_NOTES: CUDA does not survive fork).
+which would not survive the fork (a CUDA context created before fork is unusable in the
+child).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import torch
 from rq import Queue, Worker
 from rq.job import Job
 
-import workers.running.job  # noqa: F401  (imported for its torch import: fast forks)
 from api_schemas import JobStatus
 from service.records.connection import redis_client
 from service.records.sync import Records
 from service.settings import get_settings
 from workers.models.architectures import registry
 from workers.running.compute import WORKER_DEVICE_ENV
+from workers.running.job import load_runners
 from workers.sharding.jobs import fail_killed_child
 
 __all__ = ["main"]
@@ -58,6 +59,7 @@ def main() -> None:
     # Built once here, inherited by every forked job: scanning entry points per job cost
     # 9-36 ms of each job's load time (bench/RESULTS.md). Builds no model: no torch op runs.
     registry()
+    load_runners()  # likewise the job kinds' modules, and torch with them
     worker = Worker(
         [Queue(settings.queue, connection=client, serializer="json")],
         name=f"bnadapt-{socket.gethostname()}-{os.getpid()}",

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -68,13 +67,6 @@ class MetricSums:
             return Metrics(self.num_samples, mean, self.correct / self.num_samples, None)
         mean = self.loss_sum / (self.num_samples * self.values_per_sample)
         return Metrics(self.num_samples, mean, None, mean)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, fields: dict[str, Any]) -> MetricSums:
-        return cls(**fields)
 
 
 def loss_for(y: torch.Tensor) -> Loss:

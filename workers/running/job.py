@@ -1,39 +1,31 @@
 """The RQ entry point: ``workers.running.job.run_job(payload)``, enqueued by the API by name.
 
-Thin on purpose: it validates the payload, moves the job record through its life cycle, runs
-:func:`workers.running.compute.compute`, and stores the results (workers/running/saving.py: weights
-and report to the store first, then the new model, then the job marked succeeded). A cancel seen
-before registering leaves nothing registered; an exception marks the job failed with its message and
-propagates to RQ. An ``evaluate`` job writes its report only and registers no model. An adapt
-job with ``shards > 1`` only enqueues its shards and their merge here (workers/sharding/jobs.py).
+Thin on purpose: it validates the payload, marks the job running, and calls the runner that
+the job-kind table names for the job's kind (NOTE [ The job-kind table ] in
+api_schemas/jobs/kinds.py; the runners are in workers/running/kinds/). A cancel ends the job
+canceled, with nothing registered; an exception marks it failed with its message and
+propagates to RQ.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
-from api_schemas import (
-    AdaptParams,
-    EvaluateParams,
-    JobPayload,
-    JobResultLinks,
-    JobStatus,
-)
+from api_schemas import JOB_KINDS, JobPayload, JobStatus
 from service.records.connection import redis_client
 from service.records.sync import Records
-from service.settings import get_settings
+from service.settings import Settings, get_settings
 from service.store import open_store
 from service.store.base import Store
 from workers.errors import JobCanceled
-from workers.running.compute import compute, compute_evaluation
-from workers.running.runtime import JobRuntime
-from workers.running.saving import error_message, mark_succeeded, save_outcome
-from workers.sharding.jobs import start_shards
+from workers.running.saving import error_message
 
-__all__ = ["run_job"]
+__all__ = ["load_runners", "run_job"]
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +44,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
         log.info("job %s not started: it is %s", job.job_id, status)
         return {"job_id": job.job_id, "status": str(status)}
     try:
-        if isinstance(job.params, EvaluateParams):
-            return _run_evaluation(job, records, store, settings.heartbeat_timeout_s)
-        with JobRuntime(records, job.job_id, settings.heartbeat_timeout_s) as runtime:
-            if isinstance(job.params, AdaptParams) and job.params.shards > 1:
-                # Returns once the shards are queued: waiting here for them could deadlock.
-                return start_shards(job, records, store, runtime, settings)
-            outcome = compute(job, store, runtime)
-            saved = save_outcome(job, outcome, records, store, runtime)
-        return mark_succeeded(job, saved, records)
+        return _runner(JOB_KINDS[job.kind].runner)(job, records, store, settings)
     except JobCanceled:
         records.mark_finished(job.job_id, JobStatus.CANCELED)
         return {"job_id": job.job_id, "status": JobStatus.CANCELED.value}
@@ -69,22 +53,18 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
         raise
 
 
-def _run_evaluation(
-    job: JobPayload, records: Records, store: Store, heartbeat_timeout_s: float
-) -> dict[str, str]:
-    """Evaluates, stores the report and marks the job succeeded; no model is registered."""
-    with JobRuntime(records, job.job_id, heartbeat_timeout_s) as runtime:
-        report = compute_evaluation(job, store, runtime)
-        if runtime.check_cancel_now():
-            raise JobCanceled(f"job {job.job_id} was canceled")
-        report_sha256 = store.put_bytes(report.model_dump_json(indent=2).encode())
-        records.add_sha_ref(report_sha256, job.job_id)
-    # Marked once the runtime has stopped: it would take the new status for a verdict from
-    # elsewhere. If the reaper gave up on the job meanwhile, its verdict stands.
-    links = JobResultLinks(
-        model_id=None, weights_url=None, report_url=f"/v1/jobs/{job.job_id}/report"
-    )
-    records.mark_finished(
-        job.job_id, JobStatus.SUCCEEDED, result=links, report_sha256=report_sha256
-    )
-    return {"job_id": job.job_id, "status": str(records.job_status(job.job_id))}
+Runner = Callable[[JobPayload, Records, Store, Settings], dict[str, str]]
+
+
+def _runner(path: str) -> Runner:
+    """The function a ``module:function`` path of the job-kind table names."""
+    module, _, name = path.partition(":")
+    runner: Runner = getattr(importlib.import_module(module), name)
+    return runner
+
+
+def load_runners() -> None:
+    """Imports every kind's runner, so that forked job processes find them (and torch)
+    imported already."""
+    for spec in JOB_KINDS.values():
+        _runner(spec.runner)

@@ -37,7 +37,6 @@ class JobRuntime:
         self._lock = threading.Lock()
         self._progress: Progress | None = None
         self._phase_start = time.monotonic()
-        self._phase_done_at_start = 0
         self._samples_per_unit = 0.0
         self._canceled = threading.Event()
         self._last_published = time.monotonic()
@@ -64,7 +63,6 @@ class JobRuntime:
         """A new stretch of work (say "adapt", "evaluate after"); resets rate and ETA."""
         with self._lock:
             self._phase_start = time.monotonic()
-            self._phase_done_at_start = 0
             self._samples_per_unit = samples_per_unit
             self._progress = Progress(
                 done=0,

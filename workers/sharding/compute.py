@@ -11,17 +11,16 @@ See NOTE [ Sharded adaptation ].
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import TypeVar
 
+import torch
 from pydantic import Field
 from torch import nn
 
-from api_schemas import AdaptParams, JobPayload, RequestModel
+from api_schemas import ESTIMATORS, AdaptParams, JobPayload, RequestModel
 from api_schemas.reports import ShardSummary
 from service.store.base import Store
 from workers.errors import AdaptError
@@ -38,7 +37,7 @@ from workers.running.compute import (
     load_job,
 )
 from workers.running.data import iter_batches, num_batches
-from workers.running.evaluation import MetricSums, evaluate_sums, loss_for
+from workers.running.evaluation import Loss, MetricSums, evaluate_sums, loss_for
 from workers.running.hooks import JobHooks, NoHooks
 from workers.running.saving import StoredWeights
 
@@ -83,7 +82,7 @@ R = TypeVar("R")
 # the shards (Report.shards).
 #
 # Life cycle: a child claims itself (queued -> running, with a heartbeat of its own) only while
-# the parent is running. A shard stores its statistics (JSON, LayerStatistics.to_dict) in Redis
+# the parent is running. A shard stores its statistics (JSON, a ShardResult) in Redis
 # and is done; the merge reads them, computes and saves. The last child (the merge, or the
 # finish) marks the parent succeeded and deletes what the children handed on.
 # - progress: each shard's runtime adds its own count into the parent's Progress (done and total
@@ -108,9 +107,6 @@ R = TypeVar("R")
 #   accuracy is exactly its, the loss but for the order of float64 additions), registers the
 #   model, drops the merge's reference and marks the parent succeeded. Without labels the
 #   merge registers the model and ends the parent itself.
-
-# Which pooling of the shards' statistics each shardable estimator (or prior base) writes.
-WEIGHTINGS: Final[Mapping[str, Weighting]] = {"precise": "elements", "cumulative": "batches"}
 
 
 class ShardPlan(RequestModel):
@@ -142,31 +138,88 @@ class ShardedJob(RequestModel):
     evaluation: list[SampleRange] | None = None
 
 
-@dataclass(frozen=True)
-class ShardResult:
+class StatisticsMessage(RequestModel):
+    """A layer's :class:`LayerStatistics` as JSON; float64 values round-trip exactly."""
+
+    count: int = Field(ge=0)
+    mean: list[float]
+    m2: list[float]
+    batches: int = Field(ge=0)
+    mean_sum: list[float] | None = None
+    var_sum: list[float] | None = None
+
+    @classmethod
+    def of(cls, stats: LayerStatistics) -> StatisticsMessage:
+        def values(t: torch.Tensor | None) -> list[float] | None:
+            return None if t is None else t.cpu().tolist()
+
+        return cls(
+            count=stats.count,
+            mean=stats.mean.cpu().tolist(),
+            m2=stats.m2.cpu().tolist(),
+            batches=stats.batches,
+            mean_sum=values(stats.mean_sum),
+            var_sum=values(stats.var_sum),
+        )
+
+    def statistics(self) -> LayerStatistics:
+        def tensor(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float64)
+
+        mean_sum, var_sum = self.mean_sum, self.var_sum
+        return LayerStatistics(
+            self.count,
+            tensor(self.mean),
+            tensor(self.m2),
+            self.batches,
+            None if mean_sum is None else tensor(mean_sum),
+            None if var_sum is None else tensor(var_sum),
+        )
+
+
+class SumsMessage(RequestModel):
+    """:class:`MetricSums` as JSON: what a shard or an evaluation child measured."""
+
+    loss: Loss
+    num_samples: int = Field(ge=0)
+    values_per_sample: int = Field(ge=1)
+    loss_sum: float
+    correct: int = Field(ge=0)
+
+    @classmethod
+    def of(cls, sums: MetricSums) -> SumsMessage:
+        return cls.model_validate(dataclasses.asdict(sums))
+
+    def sums(self) -> MetricSums:
+        return MetricSums(**self.model_dump())
+
+
+class ShardResult(RequestModel):
     """What a shard hands on: what it ran (as the report shows it), its statistics per
     BatchNorm layer and, with labels, the source model's metric sums on its part."""
 
     summary: ShardSummary
-    layers: dict[str, LayerStatistics]
-    before: MetricSums | None = None
-
-    def to_json(self) -> str:
-        """JSON only; float64 values round-trip exactly (Python's float repr)."""
-        layers = {name: stats.to_dict() for name, stats in self.layers.items()}
-        before = None if self.before is None else self.before.to_dict()
-        summary = self.summary.model_dump(mode="json")
-        return json.dumps({"summary": summary, "layers": layers, "before": before})
+    layers: dict[str, StatisticsMessage]
+    before: SumsMessage | None = None
 
     @classmethod
-    def from_json(cls, text: str) -> ShardResult:
-        fields: dict[str, Any] = json.loads(text)
-        before = fields.get("before")
+    def of(
+        cls,
+        summary: ShardSummary,
+        layers: Mapping[str, LayerStatistics],
+        before: MetricSums | None = None,
+    ) -> ShardResult:
         return cls(
-            summary=ShardSummary.model_validate(fields["summary"]),
-            layers={name: LayerStatistics.from_dict(d) for name, d in fields["layers"].items()},
-            before=None if before is None else MetricSums.from_dict(before),
+            summary=summary,
+            layers={name: StatisticsMessage.of(stats) for name, stats in layers.items()},
+            before=None if before is None else SumsMessage.of(before),
         )
+
+    def statistics(self) -> dict[str, LayerStatistics]:
+        return {name: message.statistics() for name, message in self.layers.items()}
+
+    def before_sums(self) -> MetricSums | None:
+        return None if self.before is None else self.before.sums()
 
 
 def plan_shards(total_batches: int, shards: int) -> list[ShardPlan]:
@@ -239,7 +292,7 @@ def collect_shard(
         worker=worker,
         compute_s=time.perf_counter() - started,
     )
-    return ShardResult(summary, stats, before)
+    return ShardResult.of(summary, stats, before)
 
 
 def _measure_part(
@@ -281,7 +334,7 @@ def with_metrics(
 ) -> StoredWeights:
     """The merge's ``weights`` with the report's metrics before and after: the sums of every
     shard's and every evaluation child's part."""
-    before = [r.before for r in results if r.before is not None]
+    before = [sums for r in results if (sums := r.before_sums()) is not None]
     if len(before) != len(results) or len(after) != len(results):
         raise AdaptError(
             f"the metrics of {len(results) - len(before)} shards and "
@@ -299,7 +352,7 @@ def merge_statistics(results: Sequence[ShardResult]) -> dict[str, LayerStatistic
     """All shards' statistics per layer, merged in batch order."""
     merged: dict[str, LayerStatistics] = {}
     for result in sorted(results, key=lambda r: r.summary.first_batch):
-        for name, stats in result.layers.items():
+        for name, stats in result.statistics().items():
             merged[name] = merged[name].merge(stats) if name in merged else stats
     return merged
 
@@ -334,7 +387,7 @@ def _apply_merged(merged: dict[str, LayerStatistics], stats: AdaptStats) -> Esti
             return stats
 
         weighting = _weighting(params)
-        if params.estimator == "prior":
+        if params.spec.sharding == "prior_base":
             mix_with_source(model, layers, params.prior_strength, lambda: apply(weighting))
         else:
             apply(weighting)
@@ -346,7 +399,11 @@ def _apply_merged(merged: dict[str, LayerStatistics], stats: AdaptStats) -> Esti
 
 def _weighting(params: AdaptParams) -> Weighting:
     """How the job's estimator pools per-batch statistics; AdaptError if it cannot."""
-    estimator = params.prior_base if params.estimator == "prior" else params.estimator
-    if estimator not in WEIGHTINGS:
-        raise AdaptError(f"the {estimator} estimator cannot be sharded; submit it with shards=1")
-    return WEIGHTINGS[estimator]
+    pooling = params.spec.sharding
+    if pooling == "prior_base":
+        pooling = ESTIMATORS[params.prior_base].sharding
+    if pooling not in ("elements", "batches"):
+        raise AdaptError(
+            f"the {params.estimator} estimator cannot be sharded; submit it with shards=1"
+        )
+    return pooling

@@ -13,7 +13,6 @@ workers/sharding/child.py; see NOTE [ Sharded adaptation ] in workers/sharding/c
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -53,6 +52,7 @@ from workers.sharding.child import ChildRun, end_parent, rq_worker_name, run_chi
 from workers.sharding.compute import (
     ShardedJob,
     ShardResult,
+    SumsMessage,
     collect_shard,
     compute_merged,
     evaluate_adapted,
@@ -86,6 +86,16 @@ RQ_RESULT_TTL_S: Final = 24 * 3600
 RQ_FAILURE_TTL_S: Final = 7 * 24 * 3600
 
 
+def _dataset_facts(job: JobPayload, store: Store) -> tuple[int, bool]:
+    """The dataset's sample count and whether it has labels: from the payload, which carries
+    what the API found on upload; read from the file only for payloads of older releases."""
+    dataset = job.dataset
+    if dataset.num_samples is not None and dataset.has_labels is not None:
+        return dataset.num_samples, dataset.has_labels
+    arrays = read_arrays(store.local_path(dataset.sha256), dataset.format)
+    return len(arrays.x), arrays.y is not None
+
+
 def start_shards(
     job: JobPayload, records: Records, store: Store, runtime: JobRuntime, settings: Settings
 ) -> dict[str, str]:
@@ -94,13 +104,10 @@ def start_shards(
     returns the RQ result of the job that started them."""
     params = job.params
     assert isinstance(params, AdaptParams)
-    arrays = read_arrays(store.local_path(job.dataset.sha256), job.dataset.format)
-    num_samples = len(arrays.x)
+    num_samples, has_labels = _dataset_facts(job, store)
     total = num_batches(num_samples, params.batch_size, params.max_batches)
     plan = plan_shards(total, params.shards)
-    evaluation = (
-        None if arrays.y is None else plan_evaluation(num_samples, len(plan), params.batch_size)
-    )
+    evaluation = plan_evaluation(num_samples, len(plan), params.batch_size) if has_labels else None
     evaluations = [] if evaluation is None else [eval_name(i) for i in range(len(plan))]
     if runtime.check_cancel_now():
         raise JobCanceled(f"job {job.job_id} was canceled")
@@ -168,7 +175,7 @@ def run_shard(spec: dict[str, Any], index: int) -> dict[str, str]:
 
     def finish(run: ChildRun, result: ShardResult) -> None:
         run.shard_records.finish(
-            sharded.payload.job_id, shard_name(index), ChildState.DONE, result.to_json()
+            sharded.payload.job_id, shard_name(index), ChildState.DONE, result.model_dump_json()
         )
 
     return run_child(sharded, shard_name(index), work, finish)
@@ -219,7 +226,7 @@ def run_eval(spec: dict[str, Any], index: int) -> dict[str, str]:
     def finish(run: ChildRun, sums: MetricSums) -> None:
         job_id = sharded.payload.job_id
         run.shard_records.finish(
-            job_id, eval_name(index), ChildState.DONE, json.dumps(sums.to_dict())
+            job_id, eval_name(index), ChildState.DONE, SumsMessage.of(sums).model_dump_json()
         )
         params = sharded.payload.params
         assert isinstance(params, AdaptParams)
@@ -238,7 +245,7 @@ def run_finish(spec: dict[str, Any]) -> dict[str, str]:
     def work(run: ChildRun) -> SavedOutcome:
         results = [_shard_result(run.shard_records, sharded, i) for i in parts]
         after = [
-            MetricSums.from_dict(json.loads(_child_result(run.shard_records, sharded, c)))
+            SumsMessage.model_validate_json(_child_result(run.shard_records, sharded, c)).sums()
             for c in map(eval_name, parts)
         ]
         weights = with_metrics(_merged_weights(run.shard_records, sharded), results, after)
@@ -299,7 +306,7 @@ def _child_result(shard_records: ShardRecords, sharded: ShardedJob, child: str) 
 
 
 def _shard_result(shard_records: ShardRecords, sharded: ShardedJob, index: int) -> ShardResult:
-    return ShardResult.from_json(_child_result(shard_records, sharded, shard_name(index)))
+    return ShardResult.model_validate_json(_child_result(shard_records, sharded, shard_name(index)))
 
 
 def _merged_weights(shard_records: ShardRecords, sharded: ShardedJob) -> StoredWeights:

@@ -12,9 +12,9 @@ from fastapi import APIRouter, Body, Header, Query, Request, Response
 from rq import Queue
 
 from api_schemas import (
+    JOB_KINDS,
     AdaptParams,
     DatasetPublic,
-    EvaluateJobCreate,
     JobCreate,
     JobPayload,
     JobPayloadDataset,
@@ -23,7 +23,6 @@ from api_schemas import (
     JobStatus,
     ModelPublic,
     Page,
-    TrainJobCreate,
     new_id,
     parse_job_create,
     utc_now,
@@ -64,15 +63,14 @@ def _check_fit(request: JobCreate, model: ModelPublic, dataset: DatasetPublic) -
             f"{model.id} ({model.architecture}) takes samples of shape [{wanted}]; upload x as "
             f"(N, {', '.join('any' if d is None else str(d) for d in model.input_shape)})",
         )
-    if isinstance(request, TrainJobCreate | EvaluateJobCreate):
-        if not dataset.has_labels:
-            job = "a train job" if isinstance(request, TrainJobCreate) else "an evaluate job"
-            raise ApiError(
-                422,
-                f"{job} needs labels but dataset {dataset.id} has no y; upload a dataset "
-                "with y (int64 class labels or float targets)",
-            )
-        loss = request.params.loss
+    if JOB_KINDS[request.kind].needs_labels and not dataset.has_labels:
+        raise ApiError(
+            422,
+            f"{request.kind} jobs need labels but dataset {dataset.id} has no y; upload a "
+            "dataset with y (int64 class labels or float targets)",
+        )
+    loss = getattr(request.params, "loss", None)
+    if loss is not None:
         if loss == "cross_entropy" and dataset.label_kind != "class":
             raise ApiError(
                 422,
@@ -183,7 +181,16 @@ def create_job(
             kwargs=model.kwargs,
             weights_sha256=model.sha256,
         ),
-        dataset=JobPayloadDataset(id=dataset.id, sha256=dataset.sha256, format=dataset.format),
+        dataset=JobPayloadDataset(
+            id=dataset.id,
+            sha256=dataset.sha256,
+            format=dataset.format,
+            num_samples=dataset.num_samples,
+            sample_shape=dataset.sample_shape,
+            dtype=dataset.dtype,
+            has_labels=dataset.has_labels,
+            label_kind=dataset.label_kind,
+        ),
         params=job_request.params,
     )
     queue: Queue = request.app.state.queue

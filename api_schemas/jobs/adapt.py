@@ -1,0 +1,205 @@
+"""Adapt jobs: the estimator table and the parameters of BatchNorm adaptation.
+
+NOTE [ The estimator table ]
+:data:`ESTIMATORS` is the one list of estimators. The schema (names, defaults, which options
+fit), the worker's dispatch (``runner``, a ``module:function`` path the worker imports, so the
+API never imports torch), sharding (``sharding``: how shards' statistics pool) and the CLI all
+read it. A new estimator is its module under workers/estimators/ plus one row here (and its
+options, if it has any, as fields of :class:`AdaptParams`).
+"""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Final, Literal, Self
+
+from pydantic import Field, model_validator
+
+from api_schemas.common import RequestModel, ResourceId
+from api_schemas.jobs.params import (
+    MAX_SHARDS,
+    BatchSize,
+    CheckpointPolicy,
+    Device,
+    ModulePattern,
+    PatternList,
+)
+from api_schemas.models import Seed
+
+__all__ = [
+    "ESTIMATORS",
+    "ESTIMATOR_NAMES",
+    "AdaptJobCreate",
+    "AdaptParams",
+    "EstimatorName",
+    "EstimatorSpec",
+    "Pooling",
+]
+
+# How the shards of a sharded job pool per-batch statistics: every element alike
+# ("elements") or every batch alike ("batches"); "prior_base" pools as the job's prior_base
+# does, then mixes the result with the source statistics.
+Pooling = Literal["elements", "batches", "prior_base"]
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """One estimator's traits; see NOTE [ The estimator table ]."""
+
+    summary: str
+    # `module:function` taking workers.estimators.dispatch.EstimatorTask, returning AdaptStats.
+    runner: str
+    # Whether the statistics are computed anew from the target data (reset=False is then
+    # refused), or blended into the source statistics they start from (reset defaults False).
+    resets: bool
+    # None: sequential, each batch starting from what the batch before it did; the reason
+    # is what a user who asks for shards > 1 is told.
+    sharding: Pooling | None
+    sequential_reason: str = ""
+    backward: bool = False
+
+
+ESTIMATORS: Final[dict[str, EstimatorSpec]] = {
+    "ema": EstimatorSpec(
+        "the train-mode loop users write by hand, with the layers' own momentum",
+        "workers.estimators.running:run_ema",
+        resets=False,
+        sharding=None,
+        sequential_reason="each batch updates the statistics the next batch starts from",
+    ),
+    "cumulative": EstimatorSpec(
+        "reset, then an equal-weight average of batch statistics (as update_bn)",
+        "workers.estimators.running:run_cumulative",
+        resets=True,
+        sharding="batches",
+    ),
+    "precise": EstimatorSpec(
+        "pooled mean and unbiased variance of all activations, in float64",
+        "workers.estimators.precise:run",
+        resets=True,
+        sharding="elements",
+    ),
+    "prior": EstimatorSpec(
+        "target statistics mixed with the source ones with strength `prior_strength`",
+        "workers.estimators.prior:run",
+        resets=True,
+        sharding="prior_base",
+    ),
+    "entropy": EstimatorSpec(
+        "TENT: BatchNorm affine parameters trained to minimise prediction entropy",
+        "workers.estimators.entropy:run",
+        resets=False,
+        sharding=None,
+        sequential_reason="each optimizer step starts from the parameters the previous one made",
+        backward=True,
+    ),
+}
+ESTIMATOR_NAMES: Final[tuple[str, ...]] = tuple(ESTIMATORS)
+
+
+if TYPE_CHECKING:
+    EstimatorName = str
+else:
+    # A Literal of the table's names, built from the table: validation errors and the
+    # OpenAPI enum are pydantic's own, as for any Literal.
+    EstimatorName = Literal[ESTIMATOR_NAMES]
+
+
+class AdaptParams(RequestModel):
+    """Re-estimate normalization statistics on a dataset.
+
+    Estimators (:data:`ESTIMATORS`): ``ema`` (the layers' own momentum), ``cumulative``
+    (equal-weight average of batch statistics, as ``update_bn``), ``precise`` (mean and variance of
+    all activations, whatever the batch split), ``prior`` (``prior_base`` target statistics mixed
+    with the source ones: weight ``prior_strength / (prior_strength + n)`` on the source, ``n`` the
+    number of target samples) and ``entropy`` (TENT: ``steps`` optimizer steps with ``lr`` on the
+    layers' affine parameters, minimising prediction entropy; ``steps=None`` is one pass). All but
+    ``entropy`` use forward passes only.
+
+    ``reset=None`` means the estimator's default, see :meth:`effective_reset`. ``include`` and
+    ``exclude`` select normalization layers by qualified name (fnmatch).
+
+    ``shards=K`` splits the batches into K contiguous runs of whole batches, collected by K
+    jobs that may run on different workers and then merged: the same result as one worker
+    (up to float rounding). Only for estimators whose result is a function of pooled
+    per-batch statistics (``precise``, ``cumulative``, ``prior``).
+
+    ``layerwise`` (``precise`` only) estimates one layer at a time in forward order, the layers
+    before it already adapted and in eval mode: every layer's statistics then do not depend on
+    how the data is split into batches (one pass estimates all layers at once, each normalizing
+    with its batch statistics, so a layer's input depends a little on the batch size), at the
+    cost of one pass over the data per layer."""
+
+    batch_size: BatchSize = 64
+    max_batches: int | None = Field(default=None, ge=1)
+    estimator: EstimatorName = "cumulative"
+    reset: bool | None = None
+    include: Annotated[list[ModulePattern], Field(min_length=1, max_length=256)] = Field(
+        default_factory=lambda: ["*"]
+    )
+    exclude: PatternList = Field(default_factory=list)
+    prior_strength: float = Field(default=16.0, ge=0.0, allow_inf_nan=False)
+    prior_base: Literal["precise", "cumulative"] = "precise"
+    lr: float = Field(default=1e-3, gt=0.0, allow_inf_nan=False)
+    steps: int | None = Field(default=None, ge=1)
+    optimizer: Literal["sgd", "adam"] = "adam"
+    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
+    seed: Seed = 0
+    device: Device = "auto"
+    shards: int = Field(default=1, ge=1, le=MAX_SHARDS)
+    layerwise: bool = False
+
+    @property
+    def spec(self) -> EstimatorSpec:
+        """The estimator's row of :data:`ESTIMATORS`."""
+        return ESTIMATORS[self.estimator]
+
+    @model_validator(mode="after")
+    def _layerwise_fits(self) -> Self:
+        if self.layerwise and self.estimator != "precise":
+            raise ValueError(
+                f"layerwise is an option of the precise estimator, not of {self.estimator}; "
+                "use estimator 'precise', or drop layerwise"
+            )
+        if self.layerwise and self.shards > 1:
+            raise ValueError(
+                "layerwise estimates one layer after another, each pass starting from the "
+                "layers before it, so it cannot be split into shards; use shards=1, or drop "
+                "layerwise (one pass, which shards can split)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _shards_fit_estimator(self) -> Self:
+        if self.shards > 1 and self.spec.sharding is None:
+            shardable = [repr(name) for name, spec in ESTIMATORS.items() if spec.sharding]
+            choices = ", ".join(shardable[:-1]) + f" or {shardable[-1]}"
+            raise ValueError(
+                f"the {self.estimator} estimator is sequential ({self.spec.sequential_reason}), "
+                f"so its batches cannot be split across {self.shards} workers; use shards=1, "
+                f"or estimator {choices}, whose statistics shards can collect apart"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reset_fits_estimator(self) -> Self:
+        if self.spec.resets and self.reset is False:
+            raise ValueError(
+                f"the {self.estimator} estimator replaces the statistics with ones computed "
+                "from the target data; drop reset, or use estimator 'ema' to blend into the "
+                "current statistics"
+            )
+        return self
+
+    def effective_reset(self) -> bool:
+        """Whether the running statistics are cleared before the first batch: the job's
+        ``reset``, else whether the estimator computes its statistics anew (prior mixes the
+        source ones back in afterwards, from a copy taken before)."""
+        return self.spec.resets if self.reset is None else self.reset
+
+
+class AdaptJobCreate(RequestModel):
+    """Asks for BatchNorm adaptation of a model on a dataset."""
+
+    kind: Literal["adapt"]
+    model_id: ResourceId
+    dataset_id: ResourceId
+    params: AdaptParams = Field(default_factory=AdaptParams)

@@ -1,0 +1,52 @@
+"""The parameter pieces every job kind shares: batch sizes, devices, checkpoint policies."""
+
+from typing import Annotated, Final, Literal
+
+from pydantic import Field, StringConstraints
+
+from api_schemas.common import RequestModel
+
+__all__ = [
+    "DEVICE_PATTERN",
+    "MAX_BATCH_SIZE",
+    "MAX_SHARDS",
+    "BatchSize",
+    "CheckpointPolicy",
+    "Device",
+    "ModulePattern",
+    "PatternList",
+    "num_batches",
+]
+
+MAX_BATCH_SIZE: Final = 65536
+# Shards of one adapt job; each is an RQ job with its statistics in Redis (see
+# workers/sharding/compute.py).
+MAX_SHARDS: Final = 256
+
+
+def num_batches(num_samples: int, batch_size: int, max_batches: int | None = None) -> int:
+    """How many batches a job runs over ``num_samples``: whole batches of ``batch_size`` in
+    order, the last one possibly short, at most ``max_batches``."""
+    count = -(-num_samples // batch_size)
+    return count if max_batches is None else min(count, max_batches)
+
+
+BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)]
+
+DEVICE_PATTERN: Final = r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$"
+Device = Annotated[str, StringConstraints(pattern=DEVICE_PATTERN)]
+
+# An fnmatch pattern on qualified module names (`layer1.*`) or a module class name.
+ModulePattern = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+PatternList = Annotated[list[ModulePattern], Field(max_length=256)]
+
+
+class CheckpointPolicy(RequestModel):
+    """Which modules run under activation checkpointing. ``blocks`` wraps the blocks the
+    architecture names; ``modules`` and ``types`` add modules by qualified name pattern or by
+    class name."""
+
+    preset: Literal["none", "blocks"] = "blocks"
+    modules: PatternList = Field(default_factory=list)
+    types: PatternList = Field(default_factory=list)
+    offload_to_cpu: bool = False

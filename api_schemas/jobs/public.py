@@ -1,0 +1,130 @@
+"""Jobs as the API shows them and as a worker receives them."""
+
+from enum import StrEnum
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+
+from api_schemas.architectures import ArchitectureKwargs, ArchitectureName
+from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
+from api_schemas.datasets import ArrayFormat, LabelKind, SampleDtype
+from api_schemas.jobs.kinds import JobKind, JobParams, params_for_kind
+
+__all__ = [
+    "JobPayload",
+    "JobPayloadDataset",
+    "JobPayloadModel",
+    "JobPublic",
+    "JobResultLinks",
+    "JobStatus",
+    "Progress",
+]
+
+
+class JobStatus(StrEnum):
+    """Life cycle: queued -> running -> one of succeeded, failed, canceled."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether the job has ended and will not change again."""
+        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class Progress(BaseModel):
+    """How far a running job is; written by the worker, best effort."""
+
+    done: int = Field(ge=0)
+    total: int = Field(ge=0)
+    unit: Literal["batches", "steps"]
+    samples_per_second: float = Field(ge=0.0)
+    eta_seconds: float | None = Field(default=None, ge=0.0)
+    phase: str
+    updated_at: UtcDatetime
+
+
+class JobResultLinks(BaseModel):
+    """Where a succeeded job's output lives. ``adapt`` and ``train`` jobs register a new model:
+    ``model_id`` and ``weights_url`` name it. ``evaluate`` jobs register none: both are
+    ``null`` (always present, never omitted) and the report holds the result."""
+
+    model_id: ResourceId | None
+    weights_url: str | None
+    report_url: str
+
+    @model_validator(mode="after")
+    def _model_fields_together(self) -> Self:
+        if (self.model_id is None) != (self.weights_url is None):
+            raise ValueError(
+                f"model_id ({self.model_id!r}) and weights_url ({self.weights_url!r}) are "
+                "either both set (a new model) or both null (an evaluate job)"
+            )
+        return self
+
+
+class JobPublic(BaseModel):
+    """A job as the API shows it."""
+
+    id: ResourceId
+    kind: JobKind
+    status: JobStatus
+    model_id: ResourceId
+    dataset_id: ResourceId
+    params: JobParams
+    created_at: UtcDatetime
+    started_at: UtcDatetime | None = None
+    finished_at: UtcDatetime | None = None
+    progress: Progress | None = None
+    error: str | None = None
+    result: JobResultLinks | None = None
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _params_match_kind(cls, value: Any, info: ValidationInfo) -> Any:
+        return params_for_kind(value, info)
+
+
+class JobPayloadModel(RequestModel):
+    """The input model as a worker needs it: enough to rebuild it and fetch its weights."""
+
+    id: ResourceId
+    architecture: ArchitectureName
+    kwargs: ArchitectureKwargs
+    weights_sha256: Sha256Hex
+
+
+class JobPayloadDataset(RequestModel):
+    """The dataset as a worker needs it, with the facts the API found when it was uploaded,
+    so that no worker reads a whole dataset to plan. The facts are null in payloads enqueued
+    by releases that did not send them; a worker then reads them from the file."""
+
+    id: ResourceId
+    sha256: Sha256Hex
+    format: ArrayFormat
+    num_samples: int | None = Field(default=None, ge=1)
+    sample_shape: list[int] | None = None
+    dtype: SampleDtype | None = None
+    has_labels: bool | None = None
+    label_kind: LabelKind | None = None
+
+
+class JobPayload(RequestModel):
+    """What the service enqueues for a worker (as JSON). Strict like a request: a field the
+    worker does not know means the two sides disagree on the contract."""
+
+    job_id: ResourceId
+    tenant_id: ResourceId
+    kind: JobKind
+    model: JobPayloadModel
+    dataset: JobPayloadDataset
+    params: JobParams
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _params_match_kind(cls, value: Any, info: ValidationInfo) -> Any:
+        return params_for_kind(value, info)

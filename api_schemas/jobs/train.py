@@ -1,0 +1,37 @@
+"""Train jobs: all parameters trained with a plain optimizer on a labelled dataset."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from api_schemas.common import RequestModel, ResourceId
+from api_schemas.jobs.params import BatchSize, CheckpointPolicy, Device
+from api_schemas.models import Seed
+
+__all__ = ["TrainJobCreate", "TrainParams"]
+
+
+class TrainParams(RequestModel):
+    """Train all parameters with a plain optimizer. ``loss=None`` picks cross-entropy for class
+    labels and MSE for float targets."""
+
+    epochs: int = Field(default=1, ge=1, le=1000)
+    batch_size: BatchSize = 64
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(default=0.05, gt=0.0)
+    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    loss: Literal["cross_entropy", "mse"] | None = None
+    validation_fraction: float = Field(default=0.1, ge=0.0, le=0.9)
+    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
+    seed: Seed = 0
+    device: Device = "auto"
+
+
+class TrainJobCreate(RequestModel):
+    """Asks for training of a model on a labelled dataset."""
+
+    kind: Literal["train"]
+    model_id: ResourceId
+    dataset_id: ResourceId
+    params: TrainParams = Field(default_factory=TrainParams)
