@@ -65,6 +65,13 @@ ESTIMATORS: Final[dict[str, EstimatorSpec]] = {
         sharding=None,
         sequential_reason="each batch updates the statistics the next batch starts from",
     ),
+    "ema_momentum": EstimatorSpec(
+        "the train-mode loop with a momentum of the job's own (`momentum`)",
+        "workers.estimators.ema_momentum:run",
+        resets=False,
+        sharding=None,
+        sequential_reason="each batch updates the statistics the next batch starts from",
+    ),
     "cumulative": EstimatorSpec(
         "reset, then an equal-weight average of batch statistics (as update_bn)",
         "workers.estimators.running:run_cumulative",
@@ -106,12 +113,13 @@ else:
 class AdaptParams(RequestModel):
     """Re-estimate normalization statistics on a dataset.
 
-    Estimators (:data:`ESTIMATORS`): ``ema`` (the layers' own momentum), ``cumulative``
-    (equal-weight average of batch statistics, as ``update_bn``), ``precise`` (mean and variance of
-    all activations, whatever the batch split), ``prior`` (``prior_base`` target statistics mixed
-    with the source ones: weight ``prior_strength / (prior_strength + n)`` on the source, ``n`` the
-    number of target samples) and ``entropy`` (TENT: ``steps`` optimizer steps with ``lr`` on the
-    layers' affine parameters, minimising prediction entropy; ``steps=None`` is one pass). All but
+    Estimators (:data:`ESTIMATORS`): ``ema`` (the layers' own momentum), ``ema_momentum``
+    (the same loop with ``momentum``), ``cumulative`` (equal-weight average of batch
+    statistics, as ``update_bn``), ``precise`` (mean and variance of all activations, whatever
+    the batch split), ``prior`` (``prior_base`` target statistics mixed with the source ones:
+    weight ``prior_strength / (prior_strength + n)`` on the source, ``n`` the number of target
+    samples) and ``entropy`` (TENT: ``steps`` optimizer steps with ``lr`` on the layers' affine
+    parameters, minimising prediction entropy; ``steps=None`` is one pass). All but
     ``entropy`` use forward passes only.
 
     ``reset=None`` means the estimator's default, see :meth:`effective_reset`. ``include`` and
@@ -138,6 +146,8 @@ class AdaptParams(RequestModel):
     exclude: PatternList = Field(default_factory=list)
     prior_strength: float = Field(default=16.0, ge=0.0, allow_inf_nan=False)
     prior_base: Literal["precise", "cumulative"] = "precise"
+    # ema_momentum: the weight of each new batch's statistics.
+    momentum: float = Field(default=0.1, gt=0.0, le=1.0, allow_inf_nan=False)
     lr: float = Field(default=1e-3, gt=0.0, allow_inf_nan=False)
     steps: int | None = Field(default=None, ge=1)
     optimizer: Literal["sgd", "adam"] = "adam"

@@ -1,0 +1,37 @@
+"""The ``ema_momentum`` estimator: the train-mode running-average loop with the job's own
+``momentum`` instead of each layer's (torch's default 0.1 keeps about 1e-5 of the source
+statistics after 100 batches; a smaller momentum blends the target in more slowly)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from workers.estimators.running import AdaptStats, adapt_batchnorm, resolve_batchnorm
+
+if TYPE_CHECKING:
+    from workers.estimators.dispatch import EstimatorTask
+
+__all__ = ["run"]
+
+
+def run(task: EstimatorTask) -> AdaptStats:
+    """The ``ema_momentum`` row of the estimator table: ``ema`` with the selected layers'
+    momentum set to the job's for the pass, and put back after it."""
+    selected = resolve_batchnorm(task.model, task.layers)
+    momenta = [bn.momentum for bn in selected]
+    try:
+        for bn in selected:
+            bn.momentum = task.params.momentum
+        task.start()
+        return adapt_batchnorm(
+            task.model,
+            task.batches(),
+            estimator="ema",
+            layers=task.layers,
+            reset=task.reset,
+            progress=task.hooks.report,
+            should_stop=task.hooks.should_stop,
+        )
+    finally:
+        for bn, momentum in zip(selected, momenta, strict=True):
+            bn.momentum = momentum
