@@ -77,7 +77,14 @@ def test_unknown_estimator() -> None:
     with pytest.raises(ValidationError) as exc:
         AdaptParams.model_validate({"estimator": "magic"})
     assert error_types(exc) == [(("estimator",), "literal_error")]
-    assert set(ESTIMATOR_NAMES) == {"ema", "cumulative", "precise", "prior", "entropy"}
+    assert set(ESTIMATOR_NAMES) == {
+        "ema",
+        "ema_momentum",
+        "cumulative",
+        "precise",
+        "prior",
+        "entropy",
+    }
 
 
 @pytest.mark.parametrize(
