@@ -5,7 +5,8 @@
 - :func:`~workers.sharding.jobs.start_shards` and the children's RQ entry points — in
   workers/sharding/jobs.py.
 
-See NOTE [ Sharded adaptation ].
+See NOTE [ Sharded adaptation ]. About 400 lines on purpose: the NOTE, the messages the
+children exchange and the computations they run are one design, read together.
 """
 
 from __future__ import annotations
