@@ -9,7 +9,6 @@ by default; the merge of a sharded job passes another :data:`Estimate` instead
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from api_schemas import AdaptParams
+from workers import import_path
 from workers.estimators.running import AdaptStats
 from workers.running.data import iter_batches, num_batches
 from workers.running.hooks import JobHooks
@@ -70,8 +70,7 @@ Runner = Callable[[EstimatorTask], AdaptStats]
 
 def load_runner(path: str) -> Runner:
     """The function a ``module:function`` path names."""
-    module, _, name = path.partition(":")
-    runner: Runner = getattr(importlib.import_module(module), name)
+    runner: Runner = import_path(path)
     return runner
 
 

@@ -9,20 +9,21 @@ propagates to RQ.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import socket
 from collections.abc import Callable
 from typing import Any
 
-from api_schemas import JOB_KINDS, JobPayload, JobStatus
+from api_schemas import ESTIMATORS, JOB_KINDS, JobPayload, JobStatus
 from service.records.connection import redis_client
 from service.records.sync import Records
 from service.settings import Settings, get_settings
 from service.store import open_store
 from service.store.base import Store
+from workers import import_path
 from workers.errors import JobCanceled
+from workers.estimators.dispatch import load_runner
 from workers.running.saving import error_message
 
 __all__ = ["load_runners", "run_job"]
@@ -58,13 +59,14 @@ Runner = Callable[[JobPayload, Records, Store, Settings], dict[str, str]]
 
 def _runner(path: str) -> Runner:
     """The function a ``module:function`` path of the job-kind table names."""
-    module, _, name = path.partition(":")
-    runner: Runner = getattr(importlib.import_module(module), name)
+    runner: Runner = import_path(path)
     return runner
 
 
 def load_runners() -> None:
-    """Imports every kind's runner, so that forked job processes find them (and torch)
-    imported already."""
+    """Imports every kind's runner and every estimator's, so that forked job processes find
+    them (and torch) imported already."""
     for spec in JOB_KINDS.values():
         _runner(spec.runner)
+    for estimator in ESTIMATORS.values():
+        load_runner(estimator.runner)
