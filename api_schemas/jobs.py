@@ -293,9 +293,11 @@ _JOB_CREATE: Final[TypeAdapter[_AnyJobCreate]] = TypeAdapter(JobCreate)
 def parse_job_create(data: object) -> _AnyJobCreate:
     """Validates a decoded JSON body as one of the job requests, chosen by its ``kind``.
 
-    Raises pydantic's ``ValidationError``.
+    Strict: a JSON string is never coerced into a number or a boolean (``"batch_size": "64"``
+    is an error, not 64), so what runs is what the client sent. Raises pydantic's
+    ``ValidationError``.
     """
-    return _JOB_CREATE.validate_python(data)
+    return _JOB_CREATE.validate_python(data, strict=True)
 
 
 class Progress(BaseModel):

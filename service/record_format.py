@@ -6,7 +6,6 @@ Pure functions: nothing here talks to Redis. See :mod:`service.records` for the 
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
 from collections.abc import Mapping
@@ -54,7 +53,9 @@ def encode_token(member: str) -> str:
 def decode_token(token: str) -> str:
     try:
         member = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-    except (binascii.Error, UnicodeDecodeError) as exc:
+    except ValueError as exc:
+        # binascii.Error and UnicodeDecodeError are ValueErrors, and so is what base64 raises
+        # for a token with non-ASCII characters (`page_token=%C3%A9`).
         raise InvalidPageTokenError(
             "page_token is not one this service issued; pass the next_page_token of the "
             "previous page, or none for the first page"

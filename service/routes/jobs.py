@@ -229,6 +229,19 @@ def list_jobs(
     return records.list_jobs(tenant, min(page_size, settings.page_size_max), page_token, status)
 
 
+@router.api_route(
+    "/{job_id}:cancel", methods=["GET", "PUT", "PATCH", "DELETE"], include_in_schema=False
+)
+def cancel_wrong_method(request: Request) -> None:
+    """Without this, ``GET /v1/jobs/abc:cancel`` would reach ``GET /v1/jobs/{job_id}`` with
+    the id ``abc:cancel`` (Starlette's path parameters match the colon) and answer 422."""
+    raise ApiError(
+        405,
+        f"{request.method} is not allowed on a job's :cancel; send POST to cancel the job",
+        headers={"Allow": "POST"},
+    )
+
+
 @router.get("/{job_id}")
 async def get_job(job: JobDep) -> JobPublic:
     return job
