@@ -63,6 +63,7 @@ __all__ = [
     "contract_metrics",
     "load_job",
     "load_model",
+    "one_sample_batch_explained",
     "resolve_device",
     "weights_bytes",
 ]
@@ -187,7 +188,7 @@ def compute(
         adapted = select_batchnorm(model, params.include, params.exclude)
         reset = params.effective_reset()
         run = estimate or functools.partial(run_estimator, x=x, reset=reset, device=device)
-        with _one_sample_batch_explained(len(x), params.batch_size, params.max_batches):
+        with one_sample_batch_explained(len(x), params.batch_size, params.max_batches):
             stats = run(model, params, adapted, hooks)
         _check_statistics_finite(model, adapted)
         # `batches` is what each adapted layer ran in train mode (entropy: one per step), so
@@ -204,7 +205,7 @@ def compute(
                 hooks.start_phase("train", total, "steps", float(params.batch_size))
             hooks.report(done)
 
-        with _one_sample_batch_explained(None, params.batch_size, None):
+        with one_sample_batch_explained(None, params.batch_size, None):
             trained = train_model(
                 model,
                 x,
@@ -326,7 +327,7 @@ _ONE_VALUE_PER_CHANNEL: Final = "Expected more than 1 value per channel when tra
 
 
 @contextmanager
-def _one_sample_batch_explained(
+def one_sample_batch_explained(
     num_samples: int | None, batch_size: int, max_batches: int | None
 ) -> Iterator[None]:
     """Turns torch's error on a one-sample batch in train mode into one that says what to do.
