@@ -13,7 +13,12 @@ import logging
 import threading
 from collections.abc import Callable
 
-from service.reaper import enqueue_ready_children, reap_stale_jobs
+from service.reaper import (
+    enqueue_ready_children,
+    reap_lost_queued_jobs,
+    reap_stale_jobs,
+    sweep_interval_s,
+)
 from service.records import Records
 from service.settings import Settings
 from service.store import Store
@@ -37,11 +42,13 @@ class Housekeeping:
         self._settings = settings
         self._interval_s = interval_s
         self._stop = threading.Event()
+        # The reaper's pace sets how fast a dead job ends (NOTE [ Heartbeat bound ]).
+        reap_every_s = min(interval_s, sweep_interval_s(settings.heartbeat_timeout_s))
         self._threads = [
-            threading.Thread(target=self._every, args=(task,), name=name, daemon=True)
-            for name, task in (
-                ("bnadapt-reaper", self._reap),
-                ("bnadapt-store-gc", self._collect),
+            threading.Thread(target=self._every, args=(task, every), name=name, daemon=True)
+            for name, task, every in (
+                ("bnadapt-reaper", self._reap, reap_every_s),
+                ("bnadapt-store-gc", self._collect, interval_s),
             )
         ]
 
@@ -55,8 +62,8 @@ class Housekeeping:
         for thread in self._threads:
             thread.join(timeout=5)
 
-    def _every(self, task: Callable[[], None]) -> None:
-        while not self._stop.wait(self._interval_s):
+    def _every(self, task: Callable[[], None], interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
             try:
                 task()
             except Exception:  # Redis down, say: logged, and tried again next round.
@@ -67,6 +74,7 @@ class Housekeeping:
         if moved:
             log.info("moved %d jobs RQ left ready to the queue", moved)
         reap_stale_jobs(self._records, self._settings.heartbeat_timeout_s)
+        reap_lost_queued_jobs(self._records, self._settings.heartbeat_timeout_s)
 
     def _collect(self) -> None:
         settings = self._settings

@@ -13,6 +13,7 @@ __all__ = [
     "ARCHITECTURES",
     "INSPECTORS_ALIVE",
     "INSPECT_REQUESTS",
+    "QUEUED_JOBS",
     "RUNNING_JOBS",
     "STORE_GC_LOCK",
     "STORE_GC_STARTED",
@@ -45,6 +46,8 @@ INSPECTORS_ALIVE: Final = f"{PREFIX}:inspectors-alive"
 INSPECT_REQUESTS: Final = f"{PREFIX}:inspect:requests"
 # Set of job ids whose status is `running`, for the reaper.
 RUNNING_JOBS: Final = f"{PREFIX}:jobs:running"
+# Set of job ids whose status is `queued`, for the reaper to compare with RQ's view.
+QUEUED_JOBS: Final = f"{PREFIX}:jobs:queued"
 # Sorted set: store objects whose reference was dropped, scored by when (seconds since the
 # epoch); see NOTE [ Store garbage collection ] in service/store_gc.py.
 STORE_RELEASED: Final = f"{PREFIX}:store:released"

@@ -49,20 +49,21 @@ __all__ = ["ApiKey", "Records", "release_sha_ref"]
 
 R = TypeVar("R", bound=BaseModel)
 
-# KEYS[1]: the job hash, KEYS[2]: the running-jobs set. ARGV[1]: allowed current statuses,
-# comma-separated; ARGV[2]: the new status; ARGV[3..]: field, value pairs to set with it.
-# Returns the status after the call: ARGV[2] if applied, else the unchanged current one.
+# KEYS[1]: the job hash, KEYS[2]: the running-jobs set, KEYS[3]: the queued-jobs set.
+# ARGV[1]: allowed current statuses, comma-separated; ARGV[2]: the new status; ARGV[3..]:
+# field, value pairs to set with it. Returns the status after the call: ARGV[2] if applied,
+# else the unchanged current one. Keeps each job id in the set of its status (if any).
 _TRANSITION_LUA: Final = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return false end
 for allowed in string.gmatch(ARGV[1], '[^,]+') do
   if allowed == current then
     redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
-    if ARGV[2] == 'running' then
-      redis.call('SADD', KEYS[2], string.sub(KEYS[1], string.len('bnadapt:job:') + 1))
-    else
-      redis.call('SREM', KEYS[2], string.sub(KEYS[1], string.len('bnadapt:job:') + 1))
-    end
+    local id = string.sub(KEYS[1], string.len('bnadapt:job:') + 1)
+    redis.call('SREM', KEYS[2], id)
+    redis.call('SREM', KEYS[3], id)
+    if ARGV[2] == 'running' then redis.call('SADD', KEYS[2], id) end
+    if ARGV[2] == 'queued' then redis.call('SADD', KEYS[3], id) end
     return ARGV[2]
   end
 end
@@ -208,6 +209,7 @@ class Records:
             keys.record("job", job.id),
             mapping={"status": job.status.value, "payload": payload.model_dump_json()},
         )
+        pipe.sadd(keys.QUEUED_JOBS, job.id)
         for sha256 in uses:
             pipe.sadd(keys.sha_refs(sha256), job.id)
         if enqueue is not None:
@@ -218,6 +220,7 @@ class Records:
         """Only for a job that could not be enqueued."""
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, "job", job.id, job.created_at)
+        pipe.srem(keys.QUEUED_JOBS, job.id)
         pipe.execute()
 
     def get_job(self, tenant_id: str, job_id: str) -> JobPublic | None:
@@ -266,7 +269,9 @@ class Records:
         args: list[str] = [",".join(s.value for s in allowed), new.value]
         for name, value in (fields or {}).items():
             args += [name, value]
-        result = self._transition(keys=[keys.record("job", job_id), keys.RUNNING_JOBS], args=args)
+        result = self._transition(
+            keys=[keys.record("job", job_id), keys.RUNNING_JOBS, keys.QUEUED_JOBS], args=args
+        )
         return None if result is None else JobStatus(text(result))
 
     def mark_started(self, job_id: str, worker: str) -> bool:
@@ -308,6 +313,9 @@ class Records:
     def running_jobs(self) -> list[str]:
         return sorted(text(m) for m in self.client.smembers(keys.RUNNING_JOBS))
 
+    def queued_jobs(self) -> list[str]:
+        return sorted(text(m) for m in self.client.smembers(keys.QUEUED_JOBS))
+
     def request_cancel(self, job_id: str) -> None:
         self.client.set(keys.job_cancel(job_id), "1")
 
@@ -324,16 +332,30 @@ class Records:
         return bool(self.client.exists(keys.job_heartbeat(job_id)))
 
     def remember_idempotency(
-        self, tenant_id: str, key: str, body_sha256: str, job_id: str, ttl_s: int
+        self, tenant_id: str, key: str, body_sha256: str, job_id: str, ttl_s: float
     ) -> tuple[str, str]:
-        """Binds ``key`` to (body hash, job id) unless already bound; returns the binding."""
+        """Binds ``key`` to (body hash, job id) for ``ttl_s`` unless already bound; returns the
+        binding. The API binds with a short lease, made long by :meth:`bind_idempotency` in
+        the MULTI that writes the job: NOTE [ Idempotency lease ] in service/routes/jobs.py."""
         name = keys.idempotency(tenant_id, key)
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(name, f"{body_sha256}:{job_id}", nx=True, ex=ttl_s)
+        pipe.set(name, f"{body_sha256}:{job_id}", nx=True, px=max(int(ttl_s * 1000), 1))
         pipe.get(name)
         bound = text(pipe.execute()[1])
         body, _, bound_job = bound.partition(":")
         return body, bound_job
+
+    @staticmethod
+    def bind_idempotency(
+        pipe: redis.client.Pipeline,
+        tenant_id: str,
+        key: str,
+        body_sha256: str,
+        job_id: str,
+        ttl_s: int,
+    ) -> None:
+        """Queues on ``pipe`` the long binding of ``key`` to the job it writes."""
+        pipe.set(keys.idempotency(tenant_id, key), f"{body_sha256}:{job_id}", ex=ttl_s)
 
     def forget_idempotency(self, tenant_id: str, key: str) -> None:
         self.client.delete(keys.idempotency(tenant_id, key))

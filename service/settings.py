@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     # An uploaded npz member may hold at most this many times its compressed size: reading
     # it allocates the uncompressed size (service/arrays.py).
     max_npz_ratio: float = Field(default=DEFAULT_MAX_NPZ_RATIO, ge=1)
+    # How long an Idempotency-Key stays reserved for a POST /v1/jobs that has not written its
+    # job yet (NOTE [ Idempotency lease ] in service/routes/jobs.py).
+    idempotency_lease_s: float = Field(default=10.0, gt=0)
     # How long POST /v1/models waits for a worker to check the weights.
     inspect_timeout_s: float = Field(default=60.0, gt=0)
     # A running job whose worker has not written a heartbeat for this long is failed.

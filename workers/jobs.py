@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any
+import time
+from typing import Any, Final
 
 from api_schemas import (
     AdaptParams,
@@ -36,6 +37,10 @@ __all__ = ["run_job"]
 
 log = logging.getLogger(__name__)
 
+# Fault injection, for tests only: seconds a job's process waits between RQ's fork and marking
+# the job running, so that a test can kill it in that window (tests/test_reliability.py).
+FAULT_START_DELAY_ENV: Final = "BNADAPT_FAULT_START_DELAY_S"
+
 
 def _worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -46,6 +51,8 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
     job = JobPayload.model_validate(payload)
     records = Records(redis_client(settings.redis_url))
     store = LocalStore(settings.store_path)
+    if delay := os.environ.get(FAULT_START_DELAY_ENV):
+        time.sleep(float(delay))
     if not records.mark_started(job.job_id, _worker_name()):
         status = records.job_status(job.job_id)
         log.info("job %s not started: it is %s", job.job_id, status)

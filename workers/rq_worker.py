@@ -51,7 +51,10 @@ def main() -> None:
             "out of memory: try a smaller batch_size, or a machine with more memory"
         )
         if not fail_killed_child(records, job.func_name, job.args, error):
-            records.mark_finished(job.id, JobStatus.FAILED, error=error)
+            # Queued too: the process may die after the fork, before it marks itself running.
+            records.mark_finished(
+                job.id, JobStatus.FAILED, error=error, allowed=(JobStatus.QUEUED, JobStatus.RUNNING)
+            )
 
     if settings.worker_threads is not None:
         torch.set_num_threads(settings.worker_threads)  # a setting, no op: survives the fork

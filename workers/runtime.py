@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Final, Literal
 
 from api_schemas import JobStatus, Progress, utc_now
+from service.reaper import heartbeat_key_ttl_s
 from service.records import Records
 
 __all__ = ["JobRuntime"]
@@ -30,10 +31,10 @@ PUBLISH_INTERVAL_S: Final = 0.5
 class JobRuntime:
     """Use as a context manager around the job's work."""
 
-    def __init__(self, records: Records, job_id: str, heartbeat_ttl_s: float) -> None:
+    def __init__(self, records: Records, job_id: str, heartbeat_timeout_s: float) -> None:
         self._records = records
         self._job_id = job_id
-        self._ttl_s = heartbeat_ttl_s
+        self._ttl_s = heartbeat_key_ttl_s(heartbeat_timeout_s)  # NOTE [ Heartbeat bound ]
         self._lock = threading.Lock()
         self._progress: Progress | None = None
         self._phase_start = time.monotonic()

@@ -102,14 +102,22 @@ def _body_sha256(request: JobCreate) -> str:
     return hashlib.sha256(request.model_dump_json().encode()).hexdigest()
 
 
+# NOTE [ Idempotency lease ]
+# A request with an Idempotency-Key first reserves the key for its new job id with a short
+# lease (``idempotency_lease_s``, SET NX), then writes the job, its queue entry and the key's
+# 24-hour binding in one MULTI. A retry during the lease answers 409 "retry shortly"; a retry
+# after it finds the 24-hour binding and answers the job. If the API process dies between the
+# two steps, the lease expires and a retry makes the job anew: a crashed request never blocks
+# its key for longer than the lease (it used to block it for the whole 24 hours). The lease
+# outlasts the second step by far (a few Redis round trips).
+
+
 def _existing_for_key(
-    records: Records, tenant: str, key: str, body_sha256: str, job_id: str
+    records: Records, tenant: str, key: str, body_sha256: str, job_id: str, lease_s: float
 ) -> JobPublic | None:
     """The job an earlier request with this Idempotency-Key made, or None if this is the first
-    request with it (the key is then bound to ``job_id``)."""
-    bound_body, bound_job = records.remember_idempotency(
-        tenant, key, body_sha256, job_id, IDEMPOTENCY_TTL_S
-    )
+    request with it (the key is then leased to ``job_id``: NOTE [ Idempotency lease ])."""
+    bound_body, bound_job = records.remember_idempotency(tenant, key, body_sha256, job_id, lease_s)
     if bound_body != body_sha256:
         raise ApiError(
             422,
@@ -122,8 +130,9 @@ def _existing_for_key(
     if job is None:
         raise ApiError(
             409,
-            f"a request with Idempotency-Key {key!r} is still being processed; retry shortly",
-            headers={"Retry-After": "1"},
+            f"a request with Idempotency-Key {key!r} is still being processed; retry in "
+            f"{lease_s:g} s at most (a request that crashed gives up the key by then)",
+            headers={"Retry-After": str(max(1, round(lease_s)))},
         )
     return job
 
@@ -157,8 +166,9 @@ def create_job(
 
     job_id = new_id("job")
     if idempotency_key is not None:
+        body_sha256 = _body_sha256(job_request)
         existing = _existing_for_key(
-            records, tenant, idempotency_key, _body_sha256(job_request), job_id
+            records, tenant, idempotency_key, body_sha256, job_id, settings.idempotency_lease_s
         )
         if existing is not None:
             response.headers["Location"] = f"/v1/jobs/{existing.id}"
@@ -187,22 +197,26 @@ def create_job(
         params=job_request.params,
     )
     queue: Queue = request.app.state.queue
+
+    def enqueue(pipe: redis.client.Pipeline) -> None:
+        queue.enqueue_call(
+            JOB_FUNCTION,
+            args=(payload.model_dump(mode="json"),),
+            job_id=job_id,
+            timeout=settings.job_timeout_s,
+            result_ttl=RQ_RESULT_TTL_S,
+            failure_ttl=RQ_FAILURE_TTL_S,
+            description=f"{job.kind} {model.id} on {dataset.id}",
+            pipeline=pipe,
+        )
+        if idempotency_key is not None:
+            records.bind_idempotency(
+                pipe, tenant, idempotency_key, body_sha256, job_id, IDEMPOTENCY_TTL_S
+            )
+
     try:
         records.create_job(
-            tenant,
-            job,
-            payload,
-            uses=(model.sha256, dataset.sha256),
-            enqueue=lambda pipe: queue.enqueue_call(
-                JOB_FUNCTION,
-                args=(payload.model_dump(mode="json"),),
-                job_id=job_id,
-                timeout=settings.job_timeout_s,
-                result_ttl=RQ_RESULT_TTL_S,
-                failure_ttl=RQ_FAILURE_TTL_S,
-                description=f"{job.kind} {model.id} on {dataset.id}",
-                pipeline=pipe,
-            ),
+            tenant, job, payload, uses=(model.sha256, dataset.sha256), enqueue=enqueue
         )
     except redis.RedisError:
         # The MULTI wrote all or nothing, but its answer may have been lost: undo it, so that
