@@ -19,6 +19,7 @@ from api_schemas.datasets import ArrayFormat
 from api_schemas.models import Seed
 
 __all__ = [
+    "DEFAULT_MAX_ATTEMPTS",
     "DEVICE_PATTERN",
     "ESTIMATOR_NAMES",
     "MAX_BATCH_SIZE",
@@ -29,6 +30,7 @@ __all__ = [
     "EstimatorName",
     "EvaluateJobCreate",
     "EvaluateParams",
+    "JobAttempt",
     "JobCreate",
     "JobKind",
     "JobParams",
@@ -56,6 +58,11 @@ ESTIMATOR_NAMES: Final[tuple[EstimatorName, ...]] = get_args(EstimatorName)
 MAX_BATCH_SIZE: Final = 65536
 # Shards of one adapt job; each is an RQ job with its statistics in Redis (see workers/shards.py).
 MAX_SHARDS: Final = 256
+# How many times a job runs when its runs are interrupted (its process killed, its heartbeat
+# lost); a job that fails for its own reasons (bad data, NaN) runs once.
+DEFAULT_MAX_ATTEMPTS: Final = 3
+MAX_ATTEMPTS: Final = 10
+MaxAttempts = Annotated[int, Field(ge=1, le=MAX_ATTEMPTS)]
 
 
 def num_batches(num_samples: int, batch_size: int, max_batches: int | None = None) -> int:
@@ -264,6 +271,7 @@ class AdaptJobCreate(RequestModel):
     model_id: ResourceId
     dataset_id: ResourceId
     params: AdaptParams = Field(default_factory=AdaptParams)
+    max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
 
 
 class TrainJobCreate(RequestModel):
@@ -273,6 +281,7 @@ class TrainJobCreate(RequestModel):
     model_id: ResourceId
     dataset_id: ResourceId
     params: TrainParams = Field(default_factory=TrainParams)
+    max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
 
 
 class EvaluateJobCreate(RequestModel):
@@ -283,6 +292,7 @@ class EvaluateJobCreate(RequestModel):
     model_id: ResourceId
     dataset_id: ResourceId
     params: EvaluateParams = Field(default_factory=EvaluateParams)
+    max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
 
 
 _AnyJobCreate = AdaptJobCreate | TrainJobCreate | EvaluateJobCreate
@@ -331,8 +341,18 @@ class JobResultLinks(BaseModel):
         return self
 
 
+class JobAttempt(BaseModel):
+    """A run of a job that was interrupted (its process died, its heartbeat was lost); the job
+    ran again after it unless it was the last of ``max_attempts``."""
+
+    attempt: int = Field(ge=1)
+    worker: str | None = None
+    ended_at: UtcDatetime
+    reason: str
+
+
 class JobPublic(BaseModel):
-    """A job as the API shows it."""
+    """A job as the API shows it. ``attempts`` lists the interrupted runs, oldest first."""
 
     id: ResourceId
     kind: JobKind
@@ -346,6 +366,8 @@ class JobPublic(BaseModel):
     progress: Progress | None = None
     error: str | None = None
     result: JobResultLinks | None = None
+    max_attempts: MaxAttempts = 1
+    attempts: list[JobAttempt] = Field(default_factory=list)
 
     @field_validator("params", mode="before")
     @classmethod

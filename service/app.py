@@ -5,6 +5,8 @@ Run it with ``uvicorn --factory service.app:create_app`` or ``bnadapt api``.
 
 from __future__ import annotations
 
+import multiprocessing
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Final
@@ -13,6 +15,7 @@ from fastapi import FastAPI
 from rq import Queue
 
 from service.housekeeping import Housekeeping
+from service.parent_death import die_with_parent
 from service.problems import install_problem_handlers
 from service.records import Records
 from service.records_async import AsyncRecords, async_redis_client
@@ -32,6 +35,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        parent = multiprocessing.parent_process()
+        if parent is not None and parent.pid is not None:
+            # A worker of `uvicorn --workers N`: when the parent dies (even by SIGKILL), shut
+            # down gracefully instead of serving the port on for nobody.
+            die_with_parent(signal.SIGTERM, parent.pid)
         client = redis_client(settings.redis_url)
         records = Records(client)
         app.state.settings = settings

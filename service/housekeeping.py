@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+
+import redis
 
 from service.reaper import (
     enqueue_ready_children,
+    heartbeat_key_ttl_s,
     reap_lost_queued_jobs,
     reap_stale_jobs,
     sweep_interval_s,
@@ -42,6 +46,7 @@ class Housekeeping:
         self._settings = settings
         self._interval_s = interval_s
         self._stop = threading.Event()
+        self._redis_back_at = float("-inf")  # when a sweep last failed to reach Redis
         # The reaper's pace sets how fast a dead job ends (NOTE [ Heartbeat bound ]).
         reap_every_s = min(interval_s, sweep_interval_s(settings.heartbeat_timeout_s))
         self._threads = [
@@ -66,15 +71,26 @@ class Housekeeping:
         while not self._stop.wait(interval_s):
             try:
                 task()
+            except redis.ConnectionError:
+                log.warning("%s: Redis unreachable", threading.current_thread().name)
+                self._redis_back_at = time.monotonic()
             except Exception:  # Redis down, say: logged, and tried again next round.
                 log.exception("%s failed", threading.current_thread().name)
 
     def _reap(self) -> None:
+        # Heartbeats written during a Redis outage were lost, not missed: the jobs rode the
+        # outage out (service/redis_conn.py), so a sweep judges heartbeats only once it has
+        # seen Redis for a whole heartbeat TTL again (NOTE [ Heartbeat bound ]).
+        if time.monotonic() - self._redis_back_at < heartbeat_key_ttl_s(
+            self._settings.heartbeat_timeout_s
+        ):
+            self._records.client.ping()
+            return
         moved = enqueue_ready_children(self._records.client, self._settings.queue)
         if moved:
             log.info("moved %d jobs RQ left ready to the queue", moved)
         reap_stale_jobs(self._records, self._settings.heartbeat_timeout_s)
-        reap_lost_queued_jobs(self._records, self._settings.heartbeat_timeout_s)
+        reap_lost_queued_jobs(self._records, self._settings)
 
     def _collect(self) -> None:
         settings = self._settings

@@ -25,6 +25,7 @@ __all__ = [
     "job_cancel",
     "job_child_result",
     "job_heartbeat",
+    "job_output",
     "job_progress",
     "job_shard_progress",
     "job_shards",
@@ -84,6 +85,11 @@ def tenant_index(tenant_id: str, kind: ResourceKind) -> str:
 def sha_refs(sha256: str) -> str:
     """Set of ids (models, datasets, jobs' reports) that use this store object."""
     return f"{PREFIX}:sha-refs:{sha256}"
+
+
+def job_output(job_id: str) -> str:
+    """The id of the model a job registered: at most one per job, whatever its attempts."""
+    return f"{PREFIX}:job:{job_id}:output"
 
 
 def job_progress(job_id: str) -> str:

@@ -16,18 +16,23 @@ no child is running to notice it.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Final
 
 import redis
 from rq import Queue
-from rq.exceptions import NoSuchJobError
+from rq.exceptions import DuplicateJobError, NoSuchJobError
 from rq.job import Job
 from rq.job import JobStatus as RqStatus
 
 from api_schemas import JobStatus, utc_now
+from service.job_queue import enqueue_run
 from service.records import Records
+from service.settings import Settings
 from service.shard_records import ChildState, ShardRecords, describe_child, is_shard
 
 __all__ = [
@@ -106,10 +111,11 @@ def reap_stale_jobs(records: Records, heartbeat_timeout_s: float) -> list[str]:
         error = (
             f"the process running this job stopped sending heartbeats for "
             f"{heartbeat_timeout_s:g} s (killed, out of memory, or its machine was lost); "
-            "nothing it was writing was kept: submit the job again"
+            "nothing it was writing was kept"
         )
-        if records.mark_finished(job_id, JobStatus.FAILED, error=error):
-            log.warning("job %s failed: no heartbeat", job_id)
+        now = records.interrupt(job_id, (JobStatus.RUNNING,), error)
+        if now in (JobStatus.QUEUED, JobStatus.FAILED):
+            log.warning("job %s lost its heartbeat: now %s", job_id, now)
             reaped.append(job_id)
     return reaped
 
@@ -132,25 +138,35 @@ def _aware(moment: datetime) -> datetime:
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
 
 
-def reap_lost_queued_jobs(records: Records, heartbeat_timeout_s: float) -> list[str]:
-    """Marks failed every queued job that RQ will never run, or whose process died between
-    RQ's fork and the job marking itself running; returns their ids.
+def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
+    """Enqueues the attempts whose backoff has passed, and ends the current attempt of every
+    queued job that RQ will never run or whose process died between RQ's fork and the job
+    marking itself running (NOTE [ Job attempts ] in service/records.py); returns the ids of
+    the jobs it changed.
 
-    The record and the RQ job are written in one MULTI (service/routes/jobs.py), so a queued
-    record always has its RQ job until RQ's result TTL; the job's process moves the record to
-    running within milliseconds of RQ starting it."""
-    reaped = []
-    ttl = timedelta(seconds=heartbeat_key_ttl_s(heartbeat_timeout_s))
+    The record and the RQ job of a first attempt are written in one MULTI
+    (service/routes/jobs.py); the job's process moves the record to running within
+    milliseconds of RQ starting it."""
+    changed = []
+    ttl = timedelta(seconds=heartbeat_key_ttl_s(settings.heartbeat_timeout_s))
+    queue = Queue(settings.queue, connection=records.client, serializer="json")
     for job_id in records.queued_jobs():
+        rq_id, retry_at, payload = records.queue_entry(job_id)
         try:
-            rq_job = Job.fetch(job_id, connection=records.client, serializer="json")
-            rq_status: RqStatus | None = rq_job.get_status(refresh=False)
+            rq_job: Job | None = Job.fetch(rq_id, connection=records.client, serializer="json")
         except NoSuchJobError:
-            rq_job, rq_status = None, None
+            rq_job = None
+        if rq_job is None and retry_at is not None and payload is not None:
+            if time.time() >= retry_at:
+                _enqueue_retry(records, queue, settings, job_id, rq_id, payload)
+                changed.append(job_id)
+            continue
+        if rq_job is not None and retry_at is not None:
+            records.mark_enqueued(job_id, rq_id)  # a sweep died after enqueueing it
+        rq_status = None if rq_job is None else rq_job.get_status(refresh=False)
         if rq_status in _WAITING:
             continue  # waiting for a worker, however long that takes
-        if rq_status is RqStatus.STARTED:
-            assert rq_job is not None
+        if rq_job is not None and rq_status is RqStatus.STARTED:
             started = rq_job.started_at
             if started is None or utc_now() - _aware(started) < ttl:
                 continue  # forked a moment ago: it marks itself running in milliseconds
@@ -162,13 +178,20 @@ def reap_lost_queued_jobs(records: Records, heartbeat_timeout_s: float) -> list[
             what = "its queue entry is gone (removed from the queue outside bnadapt?)"
         else:
             what = f"its queue entry ended {rq_status.value} before the job started"
-        error = f"{what}; nothing ran to completion: submit the job again"
-        if records.mark_finished(
-            job_id, JobStatus.FAILED, error=error, allowed=(JobStatus.QUEUED,)
-        ):
-            log.warning("queued job %s failed: %s", job_id, what)
-            reaped.append(job_id)
-    return reaped
+        status = records.interrupt(job_id, (JobStatus.QUEUED,), what)
+        if status in (JobStatus.QUEUED, JobStatus.FAILED):
+            log.warning("queued job %s: %s; now %s", job_id, what, status)
+            changed.append(job_id)
+    return changed
+
+
+def _enqueue_retry(
+    records: Records, queue: Queue, settings: Settings, job_id: str, rq_id: str, payload: str
+) -> None:
+    with contextlib.suppress(DuplicateJobError):  # another sweep enqueued it a moment ago
+        enqueue_run(queue, json.loads(payload), rq_id, settings.job_timeout_s, f"{job_id} (retry)")
+    records.mark_enqueued(job_id, rq_id)
+    log.info("job %s: attempt %s queued", job_id, rq_id)
 
 
 def judge_sharded(

@@ -8,13 +8,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from api_schemas import JobPublic, JobResultLinks, JobStatus, Progress
+from api_schemas import JobAttempt, JobPublic, JobResultLinks, JobStatus, Progress
 from service.errors import InvalidPageTokenError
 
 __all__ = [
@@ -109,6 +110,8 @@ def job_from_fields(
         update["error"] = fields["error"]
     if fields.get("result"):
         update["result"] = JobResultLinks.model_validate_json(fields["result"])
+    if fields.get("attempts"):
+        update["attempts"] = [JobAttempt.model_validate(a) for a in json.loads(fields["attempts"])]
     if progress is not None:
         try:
             update["progress"] = Progress.model_validate_json(progress)

@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     # How long an Idempotency-Key stays reserved for a POST /v1/jobs that has not written its
     # job yet (NOTE [ Idempotency lease ] in service/routes/jobs.py).
     idempotency_lease_s: float = Field(default=10.0, gt=0)
+    # How long a running job keeps retrying its Redis writes (with backoff) through an outage
+    # before it stops and its attempt counts as interrupted.
+    redis_outage_s: float = Field(default=30.0, gt=0)
     # How long POST /v1/models waits for a worker to check the weights.
     inspect_timeout_s: float = Field(default=60.0, gt=0)
     # A running job whose worker has not written a heartbeat for this long is failed.

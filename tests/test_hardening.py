@@ -121,6 +121,7 @@ def test_adaptation_with_non_finite_statistics_fails_naming_the_layer(client: Cl
     assert done["status"] == "failed"
     assert "non-finite" in done["error"]
     assert "BatchNorm layer '" in done["error"]
+    assert done["attempts"] == []  # the job's own failure: not retried
     assert not [m for m in client.http.get("/v1/models").json()["items"] if m["job_id"]]
 
 

@@ -25,6 +25,7 @@ from api_schemas import ArchitecturePublic, BatchNormLayer, ProblemItem
 from api_schemas.inspection import InspectFailure, InspectRequest, InspectSuccess
 from service import keys
 from service.errors import ObjectNotFoundError, WeightsFileError
+from service.parent_death import die_with_supervisor
 from service.redis_conn import redis_client
 from service.settings import Settings, get_settings
 from service.store import LocalStore, Store
@@ -259,6 +260,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Answer model inspection requests.")
     parser.parse_args()
+    die_with_supervisor()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s inspector %(message)s")
     serve(get_settings())
 

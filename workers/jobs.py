@@ -10,11 +10,14 @@ job with ``shards > 1`` only enqueues its shards and their merge here (workers/s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
 from typing import Any, Final
+
+import redis
 
 from api_schemas import (
     AdaptParams,
@@ -37,6 +40,10 @@ __all__ = ["run_job"]
 
 log = logging.getLogger(__name__)
 
+_LOST_REDIS: Final = (
+    "the job's process could not reach Redis for longer than BNADAPT_REDIS_OUTAGE_S and "
+    "stopped; check that Redis runs and is reachable from the workers"
+)
 # Fault injection, for tests only: seconds a job's process waits between RQ's fork and marking
 # the job running, so that a test can kill it in that window (tests/test_reliability.py).
 FAULT_START_DELAY_ENV: Final = "BNADAPT_FAULT_START_DELAY_S"
@@ -49,7 +56,7 @@ def _worker_name() -> str:
 def run_job(payload: dict[str, Any]) -> dict[str, str]:
     settings = get_settings()
     job = JobPayload.model_validate(payload)
-    records = Records(redis_client(settings.redis_url))
+    records = Records(redis_client(settings.redis_url, outage_s=settings.redis_outage_s))
     store = LocalStore(settings.store_path)
     if delay := os.environ.get(FAULT_START_DELAY_ENV):
         time.sleep(float(delay))
@@ -60,7 +67,9 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
     try:
         if isinstance(job.params, EvaluateParams):
             return _run_evaluation(job, records, store, settings.heartbeat_timeout_s)
-        with JobRuntime(records, job.job_id, settings.heartbeat_timeout_s) as runtime:
+        with JobRuntime(
+            records, job.job_id, settings.heartbeat_timeout_s, settings.redis_outage_s
+        ) as runtime:
             if isinstance(job.params, AdaptParams) and job.params.shards > 1:
                 # Returns once the shards are queued: waiting here for them could deadlock.
                 return start_shards(job, records, store, runtime, settings)
@@ -68,9 +77,21 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
             saved = save_outcome(job, outcome, records, store, runtime)
         return mark_succeeded(job, saved, records)
     except JobCanceled:
-        records.mark_finished(job.job_id, JobStatus.CANCELED)
-        return {"job_id": job.job_id, "status": JobStatus.CANCELED.value}
+        if records.cancel_requested(job.job_id):
+            records.mark_finished(job.job_id, JobStatus.CANCELED)
+            return {"job_id": job.job_id, "status": JobStatus.CANCELED.value}
+        # Nobody asked: the job ended elsewhere (kept), or this process lost Redis for longer
+        # than BNADAPT_REDIS_OUTAGE_S: an interruption, retried (NOTE [ Job attempts ]).
+        status = records.interrupt(job.job_id, (JobStatus.RUNNING,), _LOST_REDIS)
+        return {"job_id": job.job_id, "status": str(status)}
+    except redis.RedisError as exc:
+        # Redis stayed away past the retries of every write: not the job's fault. If Redis is
+        # still away, the sweep sees the lost heartbeat instead.
+        with contextlib.suppress(redis.RedisError):
+            records.interrupt(job.job_id, (JobStatus.RUNNING,), f"{_LOST_REDIS} ({exc})")
+        raise
     except Exception as exc:
+        # The job's own failure (bad data, NaN, a bug): retrying would fail the same way.
         records.mark_finished(job.job_id, JobStatus.FAILED, error=error_message(exc))
         raise
 

@@ -19,6 +19,7 @@ from rq.job import Job
 
 import workers.jobs  # noqa: F401  (imported for its torch import: fast forks)
 from api_schemas import JobStatus
+from service.parent_death import die_with_supervisor
 from service.records import Records
 from service.redis_conn import redis_client
 from service.settings import get_settings
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--device", default=os.environ.get(WORKER_DEVICE_ENV, "auto"))
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     args = parser.parse_args()
+    die_with_supervisor()  # `bnadapt worker` killed: finish the job at hand, then exit
     os.environ[WORKER_DEVICE_ENV] = args.device
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(message)s")
     settings = get_settings()
@@ -52,9 +54,9 @@ def main() -> None:
         )
         if not fail_killed_child(records, job.func_name, job.args, error):
             # Queued too: the process may die after the fork, before it marks itself running.
-            records.mark_finished(
-                job.id, JobStatus.FAILED, error=error, allowed=(JobStatus.QUEUED, JobStatus.RUNNING)
-            )
+            # The RQ id is the job id's, or that of a later attempt (NOTE [ Job attempts ]).
+            job_id = str(job.args[0]["job_id"]) if job.args else job.id
+            records.interrupt(job_id, (JobStatus.QUEUED, JobStatus.RUNNING), error)
 
     if settings.worker_threads is not None:
         torch.set_num_threads(settings.worker_threads)  # a setting, no op: survives the fork

@@ -31,6 +31,7 @@ from api_schemas import (
 from api_schemas.jobs import num_batches
 from service.deps import JobDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.errors import ObjectNotFoundError
+from service.job_queue import JOB_FUNCTION, enqueue_run
 from service.problems import ApiError, not_found
 from service.records import Records
 
@@ -40,12 +41,7 @@ log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-# Enqueued by dotted path: the service never imports workers (or torch).
-JOB_FUNCTION: Final = "workers.jobs.run_job"
 IDEMPOTENCY_TTL_S: Final = 24 * 3600
-# RQ's own job hash may go after this; our records never expire.
-RQ_RESULT_TTL_S: Final = 24 * 3600
-RQ_FAILURE_TTL_S: Final = 7 * 24 * 3600
 _IDEMPOTENCY_KEY_PATTERN: Final = r"^[A-Za-z0-9_.:-]{1,128}$"
 
 
@@ -182,6 +178,7 @@ def create_job(
         dataset_id=dataset.id,
         params=job_request.params,
         created_at=utc_now(),
+        max_attempts=job_request.max_attempts,
     )
     payload = JobPayload(
         job_id=job_id,
@@ -199,14 +196,12 @@ def create_job(
     queue: Queue = request.app.state.queue
 
     def enqueue(pipe: redis.client.Pipeline) -> None:
-        queue.enqueue_call(
-            JOB_FUNCTION,
-            args=(payload.model_dump(mode="json"),),
-            job_id=job_id,
-            timeout=settings.job_timeout_s,
-            result_ttl=RQ_RESULT_TTL_S,
-            failure_ttl=RQ_FAILURE_TTL_S,
-            description=f"{job.kind} {model.id} on {dataset.id}",
+        enqueue_run(
+            queue,
+            payload.model_dump(mode="json"),
+            job_id,
+            settings.job_timeout_s,
+            f"{job.kind} {model.id} on {dataset.id}",
             pipeline=pipe,
         )
         if idempotency_key is not None:
