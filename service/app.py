@@ -9,14 +9,15 @@ import multiprocessing
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Final
+from typing import Any, Final
 
 from fastapi import FastAPI
 from rq import Queue
 
+from api_schemas import Problem, ProblemItem
 from service.housekeeping import Housekeeping
 from service.parent_death import die_with_parent
-from service.problems import install_problem_handlers
+from service.problems import install_problem_handlers, problem_responses
 from service.records import Records
 from service.records_async import AsyncRecords, async_redis_client
 from service.redis_conn import redis_client
@@ -28,6 +29,7 @@ __all__ = ["create_app"]
 
 VERSION: Final = "0.1.0"
 HOUSEKEEPING_INTERVAL_S: Final = 5.0
+_REF: Final = "#/components/schemas/{model}"
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -64,12 +66,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_problem_handlers(app)
-    for router in (
-        health.router,
-        architectures.router,
-        models.router,
-        datasets.router,
-        jobs.router,
-    ):
-        app.include_router(router)
+    # Every error a route can answer is in the OpenAPI document, as application/problem+json
+    # (422 replaces FastAPI's own, whose body is not the one the API sends).
+    app.include_router(health.router, responses=problem_responses(503))
+    for router in (architectures.router, models.router, datasets.router, jobs.router):
+        app.include_router(router, responses=problem_responses(400, 401, 404, 409, 413, 422, 503))
+    _add_problem_schema(app)
     return app
+
+
+def _add_problem_schema(app: FastAPI) -> None:
+    """Puts the ``Problem`` schema that :func:`problem_responses` refers to into the document
+    (no route returns it as its model, so FastAPI would leave it out)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = build()
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            problem = Problem.model_json_schema(ref_template=_REF)
+            problem.pop("$defs", None)  # ProblemItem: its own entry, next
+            schemas.setdefault("Problem", problem)
+            schemas.setdefault("ProblemItem", ProblemItem.model_json_schema(ref_template=_REF))
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -239,7 +239,9 @@ def list_jobs(
 
 
 @router.api_route(
-    "/{job_id}:cancel", methods=["GET", "PUT", "PATCH", "DELETE"], include_in_schema=False
+    "/{job_id}:cancel",
+    methods=["GET", "PUT", "PATCH", "DELETE", "OPTIONS"],
+    include_in_schema=False,
 )
 def cancel_wrong_method(request: Request) -> None:
     """Without this, ``GET /v1/jobs/abc:cancel`` would reach ``GET /v1/jobs/{job_id}`` with
