@@ -89,7 +89,9 @@ RETRY_BACKOFF_MAX_S: Final = 30.0
 # KEYS[1]: the job hash, KEYS[2]: the running-jobs set, KEYS[3]: the queued-jobs set.
 # ARGV[1]: allowed current statuses, comma-separated; ARGV[2]: why the attempt ended; ARGV[3]:
 # now (ISO 8601); ARGV[4]: now (seconds since the epoch); ARGV[5], ARGV[6]: backoff base and
-# cap (s). Returns the status after the call (see NOTE [ Job attempts ]).
+# cap (s); ARGV[7]: the RQ id of the attempt that ended, or '' for the current one (an old
+# attempt's process must not end a newer attempt). Returns the status after the call (see
+# NOTE [ Job attempts ]).
 _INTERRUPT_LUA: Final = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return false end
@@ -98,6 +100,8 @@ for allowed in string.gmatch(ARGV[1], '[^,]+') do
   if allowed == current then ok = true end
 end
 if not ok then return current end
+local rq_id = redis.call('HGET', KEYS[1], 'rq_id')
+if ARGV[7] ~= '' and rq_id and rq_id ~= ARGV[7] then return current end
 local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '1')
 local max = tonumber(redis.call('HGET', KEYS[1], 'max_attempts') or '1')
 local history = cjson.decode(redis.call('HGET', KEYS[1], 'attempts') or '[]')
@@ -339,11 +343,16 @@ class Records:
         return None if result is None else JobStatus(text(result))
 
     def interrupt(
-        self, job_id: str, allowed: tuple[JobStatus, ...], reason: str
+        self,
+        job_id: str,
+        allowed: tuple[JobStatus, ...],
+        reason: str,
+        rq_id: str | None = None,
     ) -> JobStatus | None:
         """Ends the current attempt of a job whose run was interrupted: back to ``queued`` for
         another attempt, or ``failed`` with ``reason`` after the last one (NOTE [ Job
-        attempts ]). Only if the status is one of ``allowed``; returns the status after."""
+        attempts ]). Only if the status is one of ``allowed`` and, with ``rq_id``, if that is
+        the current attempt's RQ id; returns the status after."""
         now = utc_now()
         result = self._interrupt(
             keys=[keys.record("job", job_id), keys.RUNNING_JOBS, keys.QUEUED_JOBS],
@@ -354,6 +363,7 @@ class Records:
                 now.timestamp(),
                 RETRY_BACKOFF_BASE_S,
                 RETRY_BACKOFF_MAX_S,
+                rq_id or "",
             ],
         )
         return None if result is None else JobStatus(text(result))

@@ -18,6 +18,7 @@ import time
 from typing import Any, Final
 
 import redis
+from rq import get_current_job
 
 from api_schemas import (
     AdaptParams,
@@ -82,18 +83,26 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
             return {"job_id": job.job_id, "status": JobStatus.CANCELED.value}
         # Nobody asked: the job ended elsewhere (kept), or this process lost Redis for longer
         # than BNADAPT_REDIS_OUTAGE_S: an interruption, retried (NOTE [ Job attempts ]).
-        status = records.interrupt(job.job_id, (JobStatus.RUNNING,), _LOST_REDIS)
+        status = records.interrupt(job.job_id, (JobStatus.RUNNING,), _LOST_REDIS, _rq_id(job))
         return {"job_id": job.job_id, "status": str(status)}
     except redis.RedisError as exc:
         # Redis stayed away past the retries of every write: not the job's fault. If Redis is
         # still away, the sweep sees the lost heartbeat instead.
         with contextlib.suppress(redis.RedisError):
-            records.interrupt(job.job_id, (JobStatus.RUNNING,), f"{_LOST_REDIS} ({exc})")
+            records.interrupt(
+                job.job_id, (JobStatus.RUNNING,), f"{_LOST_REDIS} ({exc})", _rq_id(job)
+            )
         raise
     except Exception as exc:
         # The job's own failure (bad data, NaN, a bug): retrying would fail the same way.
         records.mark_finished(job.job_id, JobStatus.FAILED, error=error_message(exc))
         raise
+
+
+def _rq_id(job: JobPayload) -> str:
+    """The RQ id of this attempt (NOTE [ Job attempts ] in service/records.py)."""
+    current = get_current_job()
+    return current.id if current is not None else job.job_id
 
 
 def _run_evaluation(

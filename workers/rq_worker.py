@@ -56,7 +56,7 @@ def main() -> None:
             # Queued too: the process may die after the fork, before it marks itself running.
             # The RQ id is the job id's, or that of a later attempt (NOTE [ Job attempts ]).
             job_id = str(job.args[0]["job_id"]) if job.args else job.id
-            records.interrupt(job_id, (JobStatus.QUEUED, JobStatus.RUNNING), error)
+            records.interrupt(job_id, (JobStatus.QUEUED, JobStatus.RUNNING), error, rq_id=job.id)
 
     if settings.worker_threads is not None:
         torch.set_num_threads(settings.worker_threads)  # a setting, no op: survives the fork
