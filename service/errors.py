@@ -7,6 +7,7 @@ Exception tree::
     │   ├── StoreTooLargeError   an object went over the size limit while being written
     │   └── ObjectNotFoundError  no object with that sha256
     ├── ArrayFileError           a dataset file is unreadable or breaks the dataset rules
+    │   └── ArrayLimitError      it would take more memory to read than the limits allow
     ├── InvalidPageTokenError    a page token this service did not hand out
     ├── WeightsFileError         a weights file is not an acceptable safetensors file
     └── EmbeddedServerError      the private Redis-compatible server (service/local/embedded.py)
@@ -19,6 +20,7 @@ Messages are meant for the user: they say what is wrong, with the values involve
 
 __all__ = [
     "ArrayFileError",
+    "ArrayLimitError",
     "BnadaptError",
     "DataDirInUseError",
     "EmbeddedServerError",
@@ -50,6 +52,10 @@ class ObjectNotFoundError(StoreError):
 
 class ArrayFileError(BnadaptError):
     """A dataset file is unreadable or breaks the dataset rules."""
+
+
+class ArrayLimitError(ArrayFileError):
+    """A dataset file would inflate past a limit when read (a compressed npz, say)."""
 
 
 class WeightsFileError(BnadaptError):

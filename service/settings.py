@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
     "DEFAULT_MAX_DATASET_BYTES",
+    "DEFAULT_MAX_NPZ_RATIO",
     "DEFAULT_MAX_WEIGHTS_BYTES",
     "Settings",
     "get_settings",
@@ -19,6 +20,8 @@ __all__ = [
 MIB: Final = 1024 * 1024
 DEFAULT_MAX_WEIGHTS_BYTES: Final = 2048 * MIB
 DEFAULT_MAX_DATASET_BYTES: Final = 4096 * MIB
+# numpy.savez_compressed shrinks real image data 2-20 times; zeros shrink ~1000 times.
+DEFAULT_MAX_NPZ_RATIO: Final = 100.0
 
 
 class Settings(BaseSettings):
@@ -36,6 +39,15 @@ class Settings(BaseSettings):
     max_dataset_bytes: int = Field(default=DEFAULT_MAX_DATASET_BYTES, ge=1)
     # Largest x a dataset may hold, in elements (bounds the memory a worker needs).
     max_dataset_elements: int = Field(default=2_000_000_000, ge=1)
+    # An uploaded npz member may hold at most this many times its compressed size: reading
+    # it allocates the uncompressed size (service/formats/arrays.py).
+    max_npz_ratio: float = Field(default=DEFAULT_MAX_NPZ_RATIO, ge=1)
+    # How long an Idempotency-Key stays reserved for a POST /v1/jobs that has not written its
+    # job yet (NOTE [ Idempotency lease ] in service/api/routes/jobs.py).
+    idempotency_lease_s: float = Field(default=10.0, gt=0)
+    # How long a running job keeps retrying its Redis writes (with backoff) through an outage
+    # before it stops and its attempt counts as interrupted.
+    redis_outage_s: float = Field(default=30.0, gt=0)
     # How long POST /v1/models waits for a worker to check the weights.
     inspect_timeout_s: float = Field(default=60.0, gt=0)
     # A running job whose worker has not written a heartbeat for this long is failed.

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from service.errors import ArrayFileError, BnadaptError, WeightsFileError
+from service.errors import ArrayFileError, ArrayLimitError, BnadaptError, WeightsFileError
 from service.formats.arrays import ArrayFacts, describe_arrays, read_arrays, sniff_format
 from service.formats.weights import WeightSpec, read_weights_header
 
@@ -302,8 +302,18 @@ def test_short_npz_member_data(tmp_path: Path) -> None:
     path = tmp_path / "d.npz"
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr("x.npy", member.read_bytes()[:-10])
-    with pytest.raises(ArrayFileError, match="could not be read"):
+    # Refused from the sizes in the headers, before an array is allocated.
+    with pytest.raises(ArrayFileError, match=r"holds only .* truncated or damaged"):
         read_arrays(path)
+
+
+def test_npz_member_that_inflates_past_the_ratio(tmp_path: Path) -> None:
+    path = tmp_path / "d.npz"
+    np.savez_compressed(path, x=np.zeros((17_000, 1000), np.float32))  # 68 MB of zeros
+    with pytest.raises(ArrayLimitError, match=r"the limit is 100 times \(setting BNADAPT_MAX"):
+        read_arrays(path, max_ratio=100)
+    assert read_arrays(path, max_ratio=2000).x.shape == (17_000, 1000)
+    assert read_arrays(path).x.shape == (17_000, 1000)  # workers: the API checked it
 
 
 def test_truncated_safetensors(tmp_path: Path) -> None:

@@ -279,7 +279,7 @@ def test_bad_jobs_are_refused_and_the_service_still_works(stack: Stack) -> None:
     problem(client.submit(job(kind="finetune")), 422, "kind")
     problem(client.submit(job(params={"bogus": 1})), 422, "bogus")
     problem(client.http.get("/v1/jobs/job_doesnotexist"), 404, "job")
-    problem(client.http.get("/v1/jobs/abc:cancel"), 422, "job_id")
+    problem(client.http.get("/v1/jobs/abc:cancel"), 405, "POST")  # not a job id
     problem(client.http.get("/v1/jobs/bad%20id"), 422)
     problem(client.http.get("/v1/models/..%2Fetc"), 404)
     problem(client.http.get("/v1/jobs", params={"page_token": "!!!"}), 422, "page_token")

@@ -25,8 +25,9 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         yield stack
 
 
-def running_job(stack: Stack, client: Client) -> str:
-    job = created(client.submit(long_train(client)), 202)
+def running_job(stack: Stack, client: Client, max_attempts: int = 1) -> str:
+    """A long job, running; with one attempt, an interruption fails it (no retry)."""
+    job = created(client.submit({**long_train(client), "max_attempts": max_attempts}), 202)
     wait_for(
         lambda: client.http.get(f"/v1/jobs/{job['id']}").json()["status"] == "running",
         timeout_s=60,

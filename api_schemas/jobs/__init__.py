@@ -27,6 +27,7 @@ from api_schemas.jobs.kinds import (
     parse_job_create,
 )
 from api_schemas.jobs.params import (
+    DEFAULT_MAX_ATTEMPTS,
     DEVICE_PATTERN,
     MAX_BATCH_SIZE,
     MAX_SHARDS,
@@ -35,6 +36,7 @@ from api_schemas.jobs.params import (
     num_batches,
 )
 from api_schemas.jobs.public import (
+    JobAttempt,
     JobPayload,
     JobPayloadDataset,
     JobPayloadModel,
@@ -46,6 +48,7 @@ from api_schemas.jobs.public import (
 from api_schemas.jobs.train import TrainJobCreate, TrainParams
 
 __all__ = [
+    "DEFAULT_MAX_ATTEMPTS",
     "DEVICE_PATTERN",
     "ESTIMATORS",
     "ESTIMATOR_NAMES",
@@ -60,6 +63,7 @@ __all__ = [
     "EstimatorSpec",
     "EvaluateJobCreate",
     "EvaluateParams",
+    "JobAttempt",
     "JobCreate",
     "JobKind",
     "JobKindSpec",

@@ -15,10 +15,12 @@ from pydantic import Field, model_validator
 
 from api_schemas.common import RequestModel, ResourceId
 from api_schemas.jobs.params import (
+    DEFAULT_MAX_ATTEMPTS,
     MAX_SHARDS,
     BatchSize,
     CheckpointPolicy,
     Device,
+    MaxAttempts,
     ModulePattern,
     PatternList,
 )
@@ -213,3 +215,4 @@ class AdaptJobCreate(RequestModel):
     model_id: ResourceId
     dataset_id: ResourceId
     params: AdaptParams = Field(default_factory=AdaptParams)
+    max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS

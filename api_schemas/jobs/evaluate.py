@@ -5,7 +5,7 @@ from typing import Literal
 from pydantic import Field
 
 from api_schemas.common import RequestModel, ResourceId
-from api_schemas.jobs.params import BatchSize, Device
+from api_schemas.jobs.params import DEFAULT_MAX_ATTEMPTS, BatchSize, Device, MaxAttempts
 
 __all__ = ["EvaluateJobCreate", "EvaluateParams"]
 
@@ -28,3 +28,4 @@ class EvaluateJobCreate(RequestModel):
     model_id: ResourceId
     dataset_id: ResourceId
     params: EvaluateParams = Field(default_factory=EvaluateParams)
+    max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS

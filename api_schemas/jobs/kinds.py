@@ -83,9 +83,11 @@ _JOB_CREATE: Final[TypeAdapter[AnyJobCreate]] = TypeAdapter(JobCreate)
 def parse_job_create(data: object) -> AnyJobCreate:
     """Validates a decoded JSON body as one of the job requests, chosen by its ``kind``.
 
-    Raises pydantic's ``ValidationError``.
+    Strict: a JSON string is never coerced into a number or a boolean (``"batch_size": "64"``
+    is an error, not 64), so what runs is what the client sent. Raises pydantic's
+    ``ValidationError``.
     """
-    return _JOB_CREATE.validate_python(data)
+    return _JOB_CREATE.validate_python(data, strict=True)
 
 
 def params_for_kind(value: Any, info: ValidationInfo) -> Any:

@@ -7,12 +7,15 @@ from pydantic import Field, StringConstraints
 from api_schemas.common import RequestModel
 
 __all__ = [
+    "DEFAULT_MAX_ATTEMPTS",
     "DEVICE_PATTERN",
+    "MAX_ATTEMPTS",
     "MAX_BATCH_SIZE",
     "MAX_SHARDS",
     "BatchSize",
     "CheckpointPolicy",
     "Device",
+    "MaxAttempts",
     "ModulePattern",
     "PatternList",
     "num_batches",
@@ -22,6 +25,11 @@ MAX_BATCH_SIZE: Final = 65536
 # Shards of one adapt job; each is an RQ job with its statistics in Redis (see
 # workers/sharding/compute.py).
 MAX_SHARDS: Final = 256
+# How many times a job runs when its runs are interrupted (its process killed, its heartbeat
+# lost); a job that fails for its own reasons (bad data, NaN) runs once.
+DEFAULT_MAX_ATTEMPTS: Final = 3
+MAX_ATTEMPTS: Final = 10
+MaxAttempts = Annotated[int, Field(ge=1, le=MAX_ATTEMPTS)]
 
 
 def num_batches(num_samples: int, batch_size: int, max_batches: int | None = None) -> int:

@@ -9,8 +9,10 @@ from api_schemas.architectures import ArchitectureKwargs, ArchitectureName
 from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
 from api_schemas.datasets import ArrayFormat, LabelKind, SampleDtype
 from api_schemas.jobs.kinds import JobKind, JobParams, params_for_kind
+from api_schemas.jobs.params import MaxAttempts
 
 __all__ = [
+    "JobAttempt",
     "JobPayload",
     "JobPayloadDataset",
     "JobPayloadModel",
@@ -67,8 +69,18 @@ class JobResultLinks(BaseModel):
         return self
 
 
+class JobAttempt(BaseModel):
+    """A run of a job that was interrupted (its process died, its heartbeat was lost); the job
+    ran again after it unless it was the last of ``max_attempts``."""
+
+    attempt: int = Field(ge=1)
+    worker: str | None = None
+    ended_at: UtcDatetime
+    reason: str
+
+
 class JobPublic(BaseModel):
-    """A job as the API shows it."""
+    """A job as the API shows it. ``attempts`` lists the interrupted runs, oldest first."""
 
     id: ResourceId
     kind: JobKind
@@ -82,6 +94,8 @@ class JobPublic(BaseModel):
     progress: Progress | None = None
     error: str | None = None
     result: JobResultLinks | None = None
+    max_attempts: MaxAttempts = 1
+    attempts: list[JobAttempt] = Field(default_factory=list)
 
     @field_validator("params", mode="before")
     @classmethod

@@ -5,7 +5,13 @@ from typing import Literal
 from pydantic import Field
 
 from api_schemas.common import RequestModel, ResourceId
-from api_schemas.jobs.params import BatchSize, CheckpointPolicy, Device
+from api_schemas.jobs.params import (
+    DEFAULT_MAX_ATTEMPTS,
+    BatchSize,
+    CheckpointPolicy,
+    Device,
+    MaxAttempts,
+)
 from api_schemas.models import Seed
 
 __all__ = ["TrainJobCreate", "TrainParams"]
@@ -35,3 +41,4 @@ class TrainJobCreate(RequestModel):
     model_id: ResourceId
     dataset_id: ResourceId
     params: TrainParams = Field(default_factory=TrainParams)
+    max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS

@@ -5,14 +5,17 @@ Run it with ``uvicorn --factory service.api.app:create_app`` or ``bnadapt api``.
 
 from __future__ import annotations
 
+import multiprocessing
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Final
+from typing import Any, Final
 
 from fastapi import FastAPI
 from rq import Queue
 
-from service.api.problems import install_problem_handlers
+from api_schemas import Problem, ProblemItem
+from service.api.problems import install_problem_handlers, problem_responses
 from service.api.routes import architectures, datasets, health, jobs, models
 from service.records.aio import AsyncRecords, async_redis_client
 from service.records.connection import redis_client
@@ -20,11 +23,13 @@ from service.records.sync import Records
 from service.settings import Settings, get_settings
 from service.store import open_store
 from service.upkeep.housekeeping import Housekeeping
+from service.upkeep.parent_death import die_with_parent
 
 __all__ = ["create_app"]
 
 VERSION: Final = "0.1.0"
 HOUSEKEEPING_INTERVAL_S: Final = 5.0
+_REF: Final = "#/components/schemas/{model}"
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -32,6 +37,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        parent = multiprocessing.parent_process()
+        if parent is not None and parent.pid is not None:
+            # A worker of `uvicorn --workers N`: when the parent dies (even by SIGKILL), shut
+            # down gracefully instead of serving the port on for nobody.
+            die_with_parent(signal.SIGTERM, parent.pid)
         client = redis_client(settings.redis_url)
         records = Records(client)
         app.state.settings = settings
@@ -56,12 +66,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_problem_handlers(app)
-    for router in (
-        health.router,
-        architectures.router,
-        models.router,
-        datasets.router,
-        jobs.router,
-    ):
-        app.include_router(router)
+    # Every error a route can answer is in the OpenAPI document, as application/problem+json
+    # (422 replaces FastAPI's own, whose body is not the one the API sends).
+    app.include_router(health.router, responses=problem_responses(503))
+    for router in (architectures.router, models.router, datasets.router, jobs.router):
+        app.include_router(router, responses=problem_responses(400, 401, 404, 409, 413, 422, 503))
+    _add_problem_schema(app)
     return app
+
+
+def _add_problem_schema(app: FastAPI) -> None:
+    """Puts the ``Problem`` schema that :func:`problem_responses` refers to into the document
+    (no route returns it as its model, so FastAPI would leave it out)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = build()
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            problem = Problem.model_json_schema(ref_template=_REF)
+            problem.pop("$defs", None)  # ProblemItem: its own entry, next
+            schemas.setdefault("Problem", problem)
+            schemas.setdefault("ProblemItem", ProblemItem.model_json_schema(ref_template=_REF))
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

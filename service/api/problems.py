@@ -10,13 +10,21 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from api_schemas import Problem, ProblemItem
 from service.errors import BnadaptError, InvalidPageTokenError
 
-__all__ = ["ApiError", "install_problem_handlers", "not_found", "problem_items"]
+__all__ = [
+    "ApiError",
+    "install_problem_handlers",
+    "not_found",
+    "problem_items",
+    "problem_responses",
+]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +40,20 @@ _TITLES = {
     500: "Internal server error",
     503: "Service unavailable",
 }
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for error statuses, each a problem+json body: for a
+    router's ``responses=``, so that the document lists every status a route can answer."""
+    return {
+        status: {
+            "description": _TITLES[status],
+            "content": {
+                "application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}
+            },
+        }
+        for status in statuses
+    }
 
 
 class ApiError(BnadaptError):
@@ -95,6 +117,18 @@ def _summary(errors: list[ProblemItem]) -> str:
     return "invalid request: " + "; ".join(parts) + more
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods of every documented route on the request's path."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        if isinstance(route, APIRoute) and not route.include_in_schema:
+            continue
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods - {"HEAD"})
+
+
 def install_problem_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
@@ -111,6 +145,11 @@ def install_problem_handlers(app: FastAPI) -> None:
         if exc.status_code == 413:
             detail = f"{detail or 'request body too large'}; the limits are settings"
         headers = dict(exc.headers) if exc.headers else None
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route on the path only.
+            allowed = _allowed_methods(request)
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+            detail = f"{request.method} is not allowed here; use {' or '.join(allowed)}"
         return _response(request, exc.status_code, detail, headers=headers)
 
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:

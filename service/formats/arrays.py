@@ -12,7 +12,8 @@ sample, in an ``.npz`` (never unpickled) or a ``.safetensors`` file. The rules:
   who then knows what the service trains on.
 
 Sizes and counts are checked from the file headers before any data is read, so a hostile file
-(a compressed npz that inflates, a header with a million entries) costs little.
+(a compressed npz that inflates, a header with a million entries) costs little: see NOTE
+[ Compressed npz members ].
 """
 
 import math
@@ -26,7 +27,7 @@ import numpy.typing as npt
 from safetensors import SafetensorError, safe_open
 
 from api_schemas.datasets import ArrayFormat, LabelKind, SampleDtype
-from service.errors import ArrayFileError
+from service.errors import ArrayFileError, ArrayLimitError
 from service.formats.sniff import check_safetensors_header, safetensors_specs, sniff, what_it_is
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
 DEFAULT_MAX_ELEMENTS: Final = 1 << 30  # x and y together: 4 GiB as float32
 DEFAULT_MAX_CLASSES: Final = 100_000
 _MAX_ARRAYS_HEADER_BYTES: Final = 1 << 20  # two tensors and some metadata
+# An npz member this small may inflate any number of times (NOTE [ Compressed npz members ]).
+_RATIO_FREE_BYTES: Final = 64 << 20
 
 _HOW_TO_SAVE: Final = (
     "save the arrays with numpy.savez(path, x=x, y=y) or "
@@ -208,7 +211,47 @@ def _npy_spec(file: IO[bytes], member: str) -> _Spec:
     return _Spec(tuple(shape), name)
 
 
-def _read_npz(path: Path, max_elements: int) -> dict[str, npt.NDArray[Any]]:
+# NOTE [ Compressed npz members ]
+# Reading a member allocates what its .npy header declares (shape x itemsize), whatever the
+# member's size in the zip: a 1 MiB member of deflated zeros declaring 1.4 GB made the API
+# allocate 1.4 GB. Before any data is read, each member must declare no more bytes than the
+# zip says it uncompresses to (else it is truncated or lying), and with ``max_ratio`` (the API,
+# on uploads) a member over ``_RATIO_FREE_BYTES`` must uncompress to at most ``max_ratio``
+# times its compressed size. zipfile stops a member's output at its declared uncompressed
+# size, so the memory a read takes is bounded by ``max_ratio`` times the upload's size (or
+# ``_RATIO_FREE_BYTES`` per member: small label arrays of one class compress 1000 times).
+# Workers read files the API already checked and pass no ratio, so raising the setting needs no
+# change on them.
+
+
+def _check_member_size(
+    info: zipfile.ZipInfo, spec: _Spec, max_ratio: float | None, header_bytes: int
+) -> None:
+    """See NOTE [ Compressed npz members ]."""
+    declared = math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
+    if declared > info.file_size - header_bytes:
+        raise ArrayFileError(
+            f"{info.filename} in the npz declares {declared} bytes of data (shape "
+            f"{spec.shape}, {spec.dtype}) but holds only {info.file_size - header_bytes}; the "
+            f"file is truncated or damaged: {_HOW_TO_SAVE}"
+        )
+    if max_ratio is None or info.file_size <= _RATIO_FREE_BYTES:
+        return
+    ratio = info.file_size / max(info.compress_size, 1)
+    if ratio > max_ratio:
+        raise ArrayLimitError(
+            f"{info.filename} in the npz uncompresses to {info.file_size} bytes, {ratio:.0f} "
+            f"times its compressed size of {info.compress_size} bytes; the limit is "
+            f"{max_ratio:g} times (setting BNADAPT_MAX_NPZ_RATIO), so that a small upload "
+            "cannot take gigabytes of memory to read. Save the arrays uncompressed with "
+            "numpy.savez (the upload size limit then applies), or ask the operator to raise "
+            "BNADAPT_MAX_NPZ_RATIO"
+        )
+
+
+def _read_npz(
+    path: Path, max_elements: int, max_ratio: float | None = None
+) -> dict[str, npt.NDArray[Any]]:
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
@@ -223,10 +266,16 @@ def _read_npz(path: Path, max_elements: int) -> dict[str, npt.NDArray[Any]]:
             _check_names(keys)
             arrays = dict(zip(keys, names, strict=True))
             specs = {}
+            header_bytes = {}
             for key, member in arrays.items():
                 with archive.open(member) as file:
                     specs[key] = _npy_spec(file, member)
+                    header_bytes[key] = file.tell()
             _check_specs(specs, max_elements)
+            for key, member in arrays.items():
+                _check_member_size(
+                    archive.getinfo(member), specs[key], max_ratio, header_bytes[key]
+                )
             loaded = {}
             for key, member in arrays.items():
                 with archive.open(member) as file:
@@ -306,8 +355,11 @@ def read_arrays(
     *,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     max_classes: int = DEFAULT_MAX_CLASSES,
+    max_ratio: float | None = None,
 ) -> LoadedArrays:
-    """Reads and validates a dataset file; raises ``ArrayFileError`` naming what to fix.
+    """Reads and validates a dataset file; raises ``ArrayFileError`` naming what to fix
+    (``ArrayLimitError`` for an npz member that inflates more than ``max_ratio`` times: see
+    NOTE [ Compressed npz members ]).
 
     ``format`` is detected from the content when None; when given, the content must agree.
     """
@@ -318,7 +370,9 @@ def read_arrays(
             "that matches the content, or none"
         )
     arrays = (
-        _read_npz(path, max_elements) if found == "npz" else _read_safetensors(path, max_elements)
+        _read_npz(path, max_elements, max_ratio)
+        if found == "npz"
+        else _read_safetensors(path, max_elements)
     )
     return _check_values(arrays["x"], arrays.get("y"), max_classes)
 
@@ -329,10 +383,13 @@ def describe_arrays(
     *,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     max_classes: int = DEFAULT_MAX_CLASSES,
+    max_ratio: float | None = None,
 ) -> ArrayFacts:
     """Reads and validates a dataset file (see :func:`read_arrays`) and returns its facts."""
     found = format or sniff_format(path)
-    arrays = read_arrays(path, found, max_elements=max_elements, max_classes=max_classes)
+    arrays = read_arrays(
+        path, found, max_elements=max_elements, max_classes=max_classes, max_ratio=max_ratio
+    )
     return ArrayFacts(
         format=found,
         num_samples=int(arrays.x.shape[0]),

@@ -6,16 +6,16 @@ Pure functions: nothing here talks to Redis. See :mod:`service.records.sync` for
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
+import json
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from api_schemas import JobPublic, JobResultLinks, JobStatus, Progress
+from api_schemas import JobAttempt, JobPublic, JobResultLinks, JobStatus, Progress
 from service.errors import InvalidPageTokenError
 
 __all__ = [
@@ -54,7 +54,9 @@ def encode_token(member: str) -> str:
 def decode_token(token: str) -> str:
     try:
         member = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-    except (binascii.Error, UnicodeDecodeError) as exc:
+    except ValueError as exc:
+        # binascii.Error and UnicodeDecodeError are ValueErrors, and so is what base64 raises
+        # for a token with non-ASCII characters (`page_token=%C3%A9`).
         raise InvalidPageTokenError(
             "page_token is not one this service issued; pass the next_page_token of the "
             "previous page, or none for the first page"
@@ -108,6 +110,8 @@ def job_from_fields(
         update["error"] = fields["error"]
     if fields.get("result"):
         update["result"] = JobResultLinks.model_validate_json(fields["result"])
+    if fields.get("attempts"):
+        update["attempts"] = [JobAttempt.model_validate(a) for a in json.loads(fields["attempts"])]
     if progress is not None:
         try:
             update["progress"] = Progress.model_validate_json(progress)

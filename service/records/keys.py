@@ -13,6 +13,7 @@ __all__ = [
     "ARCHITECTURES",
     "INSPECTORS_ALIVE",
     "INSPECT_REQUESTS",
+    "QUEUED_JOBS",
     "RUNNING_JOBS",
     "STORE_GC_LOCK",
     "STORE_GC_STARTED",
@@ -24,6 +25,7 @@ __all__ = [
     "job_cancel",
     "job_child_result",
     "job_heartbeat",
+    "job_output",
     "job_progress",
     "job_shard_progress",
     "job_shards",
@@ -45,6 +47,8 @@ INSPECTORS_ALIVE: Final = f"{PREFIX}:inspectors-alive"
 INSPECT_REQUESTS: Final = f"{PREFIX}:inspect:requests"
 # Set of job ids whose status is `running`, for the reaper.
 RUNNING_JOBS: Final = f"{PREFIX}:jobs:running"
+# Set of job ids whose status is `queued`, for the reaper to compare with RQ's view.
+QUEUED_JOBS: Final = f"{PREFIX}:jobs:queued"
 # Sorted set: store objects whose reference was dropped, scored by when (seconds since the
 # epoch); see NOTE [ Store garbage collection ] in service/store/gc.py.
 STORE_RELEASED: Final = f"{PREFIX}:store:released"
@@ -81,6 +85,11 @@ def tenant_index(tenant_id: str, kind: ResourceKind) -> str:
 def sha_refs(sha256: str) -> str:
     """Set of ids (models, datasets, jobs' reports) that use this store object."""
     return f"{PREFIX}:sha-refs:{sha256}"
+
+
+def job_output(job_id: str) -> str:
+    """The id of the model a job registered: at most one per job, whatever its attempts."""
+    return f"{PREFIX}:job:{job_id}:output"
 
 
 def job_progress(job_id: str) -> str:

@@ -49,24 +49,82 @@ __all__ = ["ApiKey", "Records", "release_sha_ref"]
 
 R = TypeVar("R", bound=BaseModel)
 
-# KEYS[1]: the job hash, KEYS[2]: the running-jobs set. ARGV[1]: allowed current statuses,
-# comma-separated; ARGV[2]: the new status; ARGV[3..]: field, value pairs to set with it.
-# Returns the status after the call: ARGV[2] if applied, else the unchanged current one.
+# KEYS[1]: the job hash, KEYS[2]: the running-jobs set, KEYS[3]: the queued-jobs set.
+# ARGV[1]: allowed current statuses, comma-separated; ARGV[2]: the new status; ARGV[3..]:
+# field, value pairs to set with it. Returns the status after the call: ARGV[2] if applied,
+# else the unchanged current one. Keeps each job id in the set of its status (if any).
 _TRANSITION_LUA: Final = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return false end
 for allowed in string.gmatch(ARGV[1], '[^,]+') do
   if allowed == current then
     redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
-    if ARGV[2] == 'running' then
-      redis.call('SADD', KEYS[2], string.sub(KEYS[1], string.len('bnadapt:job:') + 1))
-    else
-      redis.call('SREM', KEYS[2], string.sub(KEYS[1], string.len('bnadapt:job:') + 1))
-    end
+    local id = string.sub(KEYS[1], string.len('bnadapt:job:') + 1)
+    redis.call('SREM', KEYS[2], id)
+    redis.call('SREM', KEYS[3], id)
+    if ARGV[2] == 'running' then redis.call('SADD', KEYS[2], id) end
+    if ARGV[2] == 'queued' then redis.call('SADD', KEYS[3], id) end
     return ARGV[2]
   end
 end
 return current
+"""
+
+
+# NOTE [ Job attempts ]
+# A job runs up to ``max_attempts`` times when its runs are interrupted (the process killed,
+# the heartbeat lost, the queue entry lost); a job failing for its own reasons (an exception
+# in the job: bad data, NaN, validation) is failed at once. An interruption is one atomic
+# step (_INTERRUPT_LUA): the ended attempt is appended to the record's ``attempts``, and the
+# job either goes back to ``queued`` with ``attempt`` + 1, a fresh RQ id ``<job>-attempt-<n>``
+# (an RQ maintenance run may still mark the old RQ job failed: it must not touch the new one)
+# and ``retry_at`` (exponential backoff), or, after the last attempt, to ``failed``. The RQ
+# job of the new attempt is enqueued by the sweep once ``retry_at`` has passed
+# (service/upkeep/reaper.py), so a crash between the two steps loses nothing. Effects happen once:
+# the first attempt to register a model claims ``keys.job_output`` and later ones reuse that
+# model (workers/running/saving.py).
+RETRY_BACKOFF_BASE_S: Final = 1.0
+RETRY_BACKOFF_MAX_S: Final = 30.0
+
+# KEYS[1]: the job hash, KEYS[2]: the running-jobs set, KEYS[3]: the queued-jobs set.
+# ARGV[1]: allowed current statuses, comma-separated; ARGV[2]: why the attempt ended; ARGV[3]:
+# now (ISO 8601); ARGV[4]: now (seconds since the epoch); ARGV[5], ARGV[6]: backoff base and
+# cap (s); ARGV[7]: the RQ id of the attempt that ended, or '' for the current one (an old
+# attempt's process must not end a newer attempt). Returns the status after the call (see
+# NOTE [ Job attempts ]).
+_INTERRUPT_LUA: Final = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return false end
+local ok = false
+for allowed in string.gmatch(ARGV[1], '[^,]+') do
+  if allowed == current then ok = true end
+end
+if not ok then return current end
+local rq_id = redis.call('HGET', KEYS[1], 'rq_id')
+if ARGV[7] ~= '' and rq_id and rq_id ~= ARGV[7] then return current end
+local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '1')
+local max = tonumber(redis.call('HGET', KEYS[1], 'max_attempts') or '1')
+local history = cjson.decode(redis.call('HGET', KEYS[1], 'attempts') or '[]')
+local worker = redis.call('HGET', KEYS[1], 'worker')
+table.insert(history, {attempt = attempt, worker = worker or cjson.null,
+                       ended_at = ARGV[3], reason = ARGV[2]})
+local id = string.sub(KEYS[1], string.len('bnadapt:job:') + 1)
+redis.call('SREM', KEYS[2], id)
+if attempt < max then
+  local delay = math.min(tonumber(ARGV[5]) * 2 ^ (attempt - 1), tonumber(ARGV[6]))
+  redis.call('HSET', KEYS[1], 'status', 'queued', 'attempt', attempt + 1,
+             'attempts', cjson.encode(history), 'retry_at', tonumber(ARGV[4]) + delay,
+             'rq_id', id .. '-attempt-' .. (attempt + 1))
+  redis.call('HDEL', KEYS[1], 'started_at', 'worker')
+  redis.call('SADD', KEYS[3], id)
+  return 'queued'
+end
+local error = ARGV[2]
+if max > 1 then error = error .. ' (attempt ' .. attempt .. ' of ' .. max .. ')' end
+redis.call('HSET', KEYS[1], 'status', 'failed', 'attempts', cjson.encode(history),
+           'error', error, 'finished_at', ARGV[3])
+redis.call('SREM', KEYS[3], id)
+return 'failed'
 """
 
 
@@ -88,6 +146,11 @@ class Records:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
         self._transition = client.register_script(_TRANSITION_LUA)
+        self._interrupt = client.register_script(_INTERRUPT_LUA)
+        self._mark_enqueued = client.register_script(
+            "if redis.call('HGET', KEYS[1], 'rq_id') == ARGV[1] then "
+            "redis.call('HDEL', KEYS[1], 'retry_at') end"
+        )
 
     # --- tenants and API keys -------------------------------------------------------------
 
@@ -206,8 +269,15 @@ class Records:
         self._put(pipe, tenant_id, "job", job.id, job, job.created_at)
         pipe.hset(
             keys.record("job", job.id),
-            mapping={"status": job.status.value, "payload": payload.model_dump_json()},
+            mapping={
+                "status": job.status.value,
+                "payload": payload.model_dump_json(),
+                "attempt": "1",
+                "max_attempts": str(job.max_attempts),
+                "rq_id": job.id,
+            },
         )
+        pipe.sadd(keys.QUEUED_JOBS, job.id)
         for sha256 in uses:
             pipe.sadd(keys.sha_refs(sha256), job.id)
         if enqueue is not None:
@@ -218,6 +288,7 @@ class Records:
         """Only for a job that could not be enqueued."""
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, "job", job.id, job.created_at)
+        pipe.srem(keys.QUEUED_JOBS, job.id)
         pipe.execute()
 
     def get_job(self, tenant_id: str, job_id: str) -> JobPublic | None:
@@ -258,8 +329,65 @@ class Records:
         args: list[str] = [",".join(s.value for s in allowed), new.value]
         for name, value in (fields or {}).items():
             args += [name, value]
-        result = self._transition(keys=[keys.record("job", job_id), keys.RUNNING_JOBS], args=args)
+        result = self._transition(
+            keys=[keys.record("job", job_id), keys.RUNNING_JOBS, keys.QUEUED_JOBS], args=args
+        )
         return None if result is None else JobStatus(text(result))
+
+    def interrupt(
+        self,
+        job_id: str,
+        allowed: tuple[JobStatus, ...],
+        reason: str,
+        rq_id: str | None = None,
+    ) -> JobStatus | None:
+        """Ends the current attempt of a job whose run was interrupted: back to ``queued`` for
+        another attempt, or ``failed`` with ``reason`` after the last one (NOTE [ Job
+        attempts ]). Only if the status is one of ``allowed`` and, with ``rq_id``, if that is
+        the current attempt's RQ id; returns the status after."""
+        now = utc_now()
+        result = self._interrupt(
+            keys=[keys.record("job", job_id), keys.RUNNING_JOBS, keys.QUEUED_JOBS],
+            args=[
+                ",".join(s.value for s in allowed),
+                reason,
+                now.isoformat(),
+                now.timestamp(),
+                RETRY_BACKOFF_BASE_S,
+                RETRY_BACKOFF_MAX_S,
+                rq_id or "",
+            ],
+        )
+        return None if result is None else JobStatus(text(result))
+
+    def queue_entry(self, job_id: str) -> tuple[str, float | None, str | None]:
+        """The RQ id of the job's current attempt, when it may be enqueued (seconds since
+        the epoch) if its enqueueing is still due, and its payload."""
+        rq_id, retry_at, payload = cast(
+            "list[bytes | None]",
+            self.client.hmget(keys.record("job", job_id), ["rq_id", "retry_at", "payload"]),
+        )
+        return (
+            text(rq_id) if rq_id else job_id,
+            float(text(retry_at)) if retry_at else None,
+            None if payload is None else text(payload),
+        )
+
+    def mark_enqueued(self, job_id: str, rq_id: str) -> None:
+        """The RQ job ``rq_id`` exists: if it is still the current attempt's, nothing more is
+        due (a compare-and-delete: an interruption meanwhile made a newer attempt due)."""
+        self._mark_enqueued(keys=[keys.record("job", job_id)], args=[rq_id])
+
+    def claim_output(self, job_id: str, model_id: str) -> str:
+        """The id of the model job ``job_id`` registers: ``model_id`` if no attempt of the job
+        claimed one before, else that one's (NOTE [ Job attempts ])."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(keys.job_output(job_id), model_id, nx=True)
+        pipe.get(keys.job_output(job_id))
+        return text(pipe.execute()[1])
+
+    def release_output(self, job_id: str) -> None:
+        self.client.delete(keys.job_output(job_id))
 
     def mark_started(self, job_id: str, worker: str) -> bool:
         new = self.transition(
@@ -300,6 +428,9 @@ class Records:
     def running_jobs(self) -> list[str]:
         return sorted(text(m) for m in self.client.smembers(keys.RUNNING_JOBS))
 
+    def queued_jobs(self) -> list[str]:
+        return sorted(text(m) for m in self.client.smembers(keys.QUEUED_JOBS))
+
     def request_cancel(self, job_id: str) -> None:
         self.client.set(keys.job_cancel(job_id), "1")
 
@@ -316,16 +447,30 @@ class Records:
         return bool(self.client.exists(keys.job_heartbeat(job_id)))
 
     def remember_idempotency(
-        self, tenant_id: str, key: str, body_sha256: str, job_id: str, ttl_s: int
+        self, tenant_id: str, key: str, body_sha256: str, job_id: str, ttl_s: float
     ) -> tuple[str, str]:
-        """Binds ``key`` to (body hash, job id) unless already bound; returns the binding."""
+        """Binds ``key`` to (body hash, job id) for ``ttl_s`` unless already bound; returns the
+        binding. The API binds with a short lease, made long by :meth:`bind_idempotency` in
+        the MULTI that writes the job: NOTE [ Idempotency lease ] in service/api/routes/jobs.py."""
         name = keys.idempotency(tenant_id, key)
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(name, f"{body_sha256}:{job_id}", nx=True, ex=ttl_s)
+        pipe.set(name, f"{body_sha256}:{job_id}", nx=True, px=max(int(ttl_s * 1000), 1))
         pipe.get(name)
         bound = text(pipe.execute()[1])
         body, _, bound_job = bound.partition(":")
         return body, bound_job
+
+    @staticmethod
+    def bind_idempotency(
+        pipe: redis.client.Pipeline,
+        tenant_id: str,
+        key: str,
+        body_sha256: str,
+        job_id: str,
+        ttl_s: int,
+    ) -> None:
+        """Queues on ``pipe`` the long binding of ``key`` to the job it writes."""
+        pipe.set(keys.idempotency(tenant_id, key), f"{body_sha256}:{job_id}", ex=ttl_s)
 
     def forget_idempotency(self, tenant_id: str, key: str) -> None:
         self.client.delete(keys.idempotency(tenant_id, key))

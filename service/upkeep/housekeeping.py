@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+
+import redis
 
 from service.records.sync import Records
 from service.settings import Settings
 from service.store.base import Store
 from service.store.gc import collect_if_due
-from service.upkeep.reaper import enqueue_ready_children, reap_stale_jobs
+from service.upkeep.reaper import (
+    enqueue_ready_children,
+    heartbeat_key_ttl_s,
+    reap_lost_queued_jobs,
+    reap_stale_jobs,
+    sweep_interval_s,
+)
 
 __all__ = ["Housekeeping"]
 
@@ -37,11 +46,14 @@ class Housekeeping:
         self._settings = settings
         self._interval_s = interval_s
         self._stop = threading.Event()
+        self._redis_back_at = float("-inf")  # when a sweep last failed to reach Redis
+        # The reaper's pace sets how fast a dead job ends (NOTE [ Heartbeat bound ]).
+        reap_every_s = min(interval_s, sweep_interval_s(settings.heartbeat_timeout_s))
         self._threads = [
-            threading.Thread(target=self._every, args=(task,), name=name, daemon=True)
-            for name, task in (
-                ("bnadapt-reaper", self._reap),
-                ("bnadapt-store-gc", self._collect),
+            threading.Thread(target=self._every, args=(task, every), name=name, daemon=True)
+            for name, task, every in (
+                ("bnadapt-reaper", self._reap, reap_every_s),
+                ("bnadapt-store-gc", self._collect, interval_s),
             )
         ]
 
@@ -55,18 +67,30 @@ class Housekeeping:
         for thread in self._threads:
             thread.join(timeout=5)
 
-    def _every(self, task: Callable[[], None]) -> None:
-        while not self._stop.wait(self._interval_s):
+    def _every(self, task: Callable[[], None], interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
             try:
                 task()
+            except redis.ConnectionError:
+                log.warning("%s: Redis unreachable", threading.current_thread().name)
+                self._redis_back_at = time.monotonic()
             except Exception:  # Redis down, say: logged, and tried again next round.
                 log.exception("%s failed", threading.current_thread().name)
 
     def _reap(self) -> None:
+        # Heartbeats written during a Redis outage were lost, not missed: the jobs rode the
+        # outage out (service/records/connection.py), so a sweep judges heartbeats only once it has
+        # seen Redis for a whole heartbeat TTL again (NOTE [ Heartbeat bound ]).
+        if time.monotonic() - self._redis_back_at < heartbeat_key_ttl_s(
+            self._settings.heartbeat_timeout_s
+        ):
+            self._records.client.ping()
+            return
         moved = enqueue_ready_children(self._records.client, self._settings.queue)
         if moved:
             log.info("moved %d jobs RQ left ready to the queue", moved)
         reap_stale_jobs(self._records, self._settings.heartbeat_timeout_s)
+        reap_lost_queued_jobs(self._records, self._settings)
 
     def _collect(self) -> None:
         settings = self._settings

@@ -1,9 +1,11 @@
-"""Fails running jobs whose process is gone, so no job stays `running` forever.
+"""Ends jobs whose process is gone, so no job stays `queued` or `running` forever.
 
-A running job refreshes its heartbeat key (TTL ``heartbeat_timeout_s``) about twice a second
-from a thread of the job's own process. If the worker or the job's process is killed (SIGKILL,
-out of memory, a machine lost), the key expires and the next sweep marks the job failed. The
-sweep is a compare-and-set, so the API and every worker supervisor may run it at once.
+A running job refreshes its heartbeat key about twice a second from a thread of the job's own
+process. If the worker or the job's process is killed (SIGKILL, out of memory, a machine
+lost), the key expires and the next sweep marks the job failed. A queued job is compared with
+RQ's view of it (:func:`reap_lost_queued_jobs`): its process may have died after RQ forked it
+and before it marked itself running. Verdicts are compare-and-sets, so the API and every
+worker supervisor may sweep at once. How fast: NOTE [ Heartbeat bound ].
 
 A sharded job (see NOTE [ Sharded adaptation ] in workers/sharding/compute.py) has no process of
 its own once its shards are queued: it is judged by its children instead (:func:`judge_sharded`). It
@@ -14,23 +16,61 @@ no child is running to notice it.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
-from datetime import timedelta
+import time
+from datetime import UTC, datetime, timedelta
 from typing import Final
 
 import redis
 from rq import Queue
+from rq.exceptions import DuplicateJobError, NoSuchJobError
+from rq.job import Job
+from rq.job import JobStatus as RqStatus
 
 from api_schemas import JobStatus, utc_now
+from service.records.queue import enqueue_run
 from service.records.shards import ChildState, ShardRecords, describe_child, is_shard
 from service.records.sync import Records
+from service.settings import Settings
 
-__all__ = ["enqueue_ready_children", "judge_sharded", "reap_stale_jobs"]
+__all__ = [
+    "MAX_SWEEP_INTERVAL_S",
+    "enqueue_ready_children",
+    "heartbeat_key_ttl_s",
+    "judge_sharded",
+    "reap_lost_queued_jobs",
+    "reap_stale_jobs",
+    "sweep_interval_s",
+]
 
 # A child in one of these states while its parent still runs means the parent cannot finish.
 _ENDED_EARLY: Final = (ChildState.FAILED, ChildState.STOPPED, ChildState.CANCELED)
 
 log = logging.getLogger(__name__)
+
+# NOTE [ Heartbeat bound ]
+# A job whose process dies at time d ends terminal by d + BNADAPT_HEARTBEAT_TIMEOUT_S (T),
+# while any API or worker runs sweeps. The heartbeat key lives ``heartbeat_key_ttl_s(T)`` =
+# T - 2 I after the last beat (which came before d), with I = ``sweep_interval_s(T)``: the
+# key is gone by d + T - 2 I, the next sweep starts within I of that, and one more I is left
+# for the sweep's own round trips. A job just marked running is given the same TTL before its
+# missing heartbeat counts (its first beat follows the mark within milliseconds). A queued job
+# whose RQ job started (its process was forked) is judged the same way from RQ's start time.
+# T = 30 s: sweeps every 5 s, heartbeat TTL 20 s, which is also the longest a job's Redis
+# writes may fail before the job stops itself (workers/running/runtime.py).
+MAX_SWEEP_INTERVAL_S: Final = 5.0
+
+
+def sweep_interval_s(heartbeat_timeout_s: float) -> float:
+    """How often housekeeping sweeps (NOTE [ Heartbeat bound ])."""
+    return min(MAX_SWEEP_INTERVAL_S, heartbeat_timeout_s / 6)
+
+
+def heartbeat_key_ttl_s(heartbeat_timeout_s: float) -> float:
+    """The TTL of a job's heartbeat key (NOTE [ Heartbeat bound ])."""
+    return heartbeat_timeout_s - 2 * sweep_interval_s(heartbeat_timeout_s)
 
 
 def enqueue_ready_children(client: redis.Redis, queue_name: str) -> int:
@@ -50,7 +90,7 @@ def enqueue_ready_children(client: redis.Redis, queue_name: str) -> int:
 def reap_stale_jobs(records: Records, heartbeat_timeout_s: float) -> list[str]:
     """Marks failed every running job without a heartbeat; returns their ids."""
     reaped = []
-    grace = timedelta(seconds=heartbeat_timeout_s)
+    grace = timedelta(seconds=heartbeat_key_ttl_s(heartbeat_timeout_s))
     shard_records = ShardRecords(records.client)
     for job_id in records.running_jobs():
         children = shard_records.children(job_id)
@@ -71,12 +111,87 @@ def reap_stale_jobs(records: Records, heartbeat_timeout_s: float) -> list[str]:
         error = (
             f"the process running this job stopped sending heartbeats for "
             f"{heartbeat_timeout_s:g} s (killed, out of memory, or its machine was lost); "
-            "nothing it was writing was kept: submit the job again"
+            "nothing it was writing was kept"
         )
-        if records.mark_finished(job_id, JobStatus.FAILED, error=error):
-            log.warning("job %s failed: no heartbeat", job_id)
+        now = records.interrupt(job_id, (JobStatus.RUNNING,), error)
+        if now in (JobStatus.QUEUED, JobStatus.FAILED):
+            log.warning("job %s lost its heartbeat: now %s", job_id, now)
             reaped.append(job_id)
     return reaped
+
+
+# RQ states of a job that a worker will still take.
+_WAITING: Final = frozenset(
+    {
+        RqStatus.CREATED,
+        RqStatus.QUEUED,
+        RqStatus.DEFERRED,
+        RqStatus.SCHEDULED,
+        RqStatus.RATE_LIMITED,
+        RqStatus.READY_TO_ENQUEUE,
+    }
+)
+
+
+def _aware(moment: datetime) -> datetime:
+    """RQ's timestamps are UTC, naive or not."""
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
+
+
+def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
+    """Enqueues the attempts whose backoff has passed, and ends the current attempt of every
+    queued job that RQ will never run or whose process died between RQ's fork and the job
+    marking itself running (NOTE [ Job attempts ] in service/records/sync.py); returns the ids of
+    the jobs it changed.
+
+    The record and the RQ job of a first attempt are written in one MULTI
+    (service/api/routes/jobs.py); the job's process moves the record to running within
+    milliseconds of RQ starting it."""
+    changed = []
+    ttl = timedelta(seconds=heartbeat_key_ttl_s(settings.heartbeat_timeout_s))
+    queue = Queue(settings.queue, connection=records.client, serializer="json")
+    for job_id in records.queued_jobs():
+        rq_id, retry_at, payload = records.queue_entry(job_id)
+        try:
+            rq_job: Job | None = Job.fetch(rq_id, connection=records.client, serializer="json")
+        except NoSuchJobError:
+            rq_job = None
+        if rq_job is None and retry_at is not None and payload is not None:
+            if time.time() >= retry_at:
+                _enqueue_retry(records, queue, settings, job_id, rq_id, payload)
+                changed.append(job_id)
+            continue
+        if rq_job is not None and retry_at is not None:
+            records.mark_enqueued(job_id, rq_id)  # a sweep died after enqueueing it
+        rq_status = None if rq_job is None else rq_job.get_status(refresh=False)
+        if rq_status in _WAITING:
+            continue  # waiting for a worker, however long that takes
+        if rq_job is not None and rq_status is RqStatus.STARTED:
+            started = rq_job.started_at
+            if started is None or utc_now() - _aware(started) < ttl:
+                continue  # forked a moment ago: it marks itself running in milliseconds
+            what = (
+                f"its process started over {ttl.total_seconds():g} s ago but never marked the "
+                "job running (killed, out of memory, or its machine was lost)"
+            )
+        elif rq_status is None:
+            what = "its queue entry is gone (removed from the queue outside bnadapt?)"
+        else:
+            what = f"its queue entry ended {rq_status.value} before the job started"
+        status = records.interrupt(job_id, (JobStatus.QUEUED,), what)
+        if status in (JobStatus.QUEUED, JobStatus.FAILED):
+            log.warning("queued job %s: %s; now %s", job_id, what, status)
+            changed.append(job_id)
+    return changed
+
+
+def _enqueue_retry(
+    records: Records, queue: Queue, settings: Settings, job_id: str, rq_id: str, payload: str
+) -> None:
+    with contextlib.suppress(DuplicateJobError):  # another sweep enqueued it a moment ago
+        enqueue_run(queue, json.loads(payload), rq_id, settings.job_timeout_s, f"{job_id} (retry)")
+    records.mark_enqueued(job_id, rq_id)
+    log.info("job %s: attempt %s queued", job_id, rq_id)
 
 
 def judge_sharded(

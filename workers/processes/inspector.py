@@ -30,6 +30,7 @@ from service.records.connection import redis_client
 from service.settings import Settings, get_settings
 from service.store import open_store
 from service.store.base import Store
+from service.upkeep.parent_death import die_with_supervisor
 from workers.errors import ArchitectureError
 from workers.models.architectures import (
     batchnorm_layers,
@@ -108,6 +109,66 @@ def _compare(
     )
 
 
+# File dtypes (safetensors codes) that load into a tensor of the model's dtype without losing
+# anything; any other pair is refused rather than cast silently (int8 or bool into a float
+# weight, float64 rounded to float32). Integer buffers (num_batches_tracked) stay integers.
+_INTEGER_CODES: Final = frozenset({"I8", "I16", "I32", "I64", "U8", "U16", "U32"})
+_LOSSLESS_CODES: Final[dict[str, frozenset[str]]] = {
+    "float32": frozenset({"F32", "F16", "BF16"}),
+    "float64": frozenset({"F64", "F32", "F16", "BF16"}),
+    "float16": frozenset({"F16"}),
+    "bfloat16": frozenset({"BF16"}),
+    "int64": _INTEGER_CODES,
+    "int32": frozenset({"I32", "I16", "I8", "U16", "U8"}),
+    "bool": frozenset({"BOOL"}),
+}
+
+
+def _check_dtypes(
+    expected: dict[str, tuple[tuple[int, ...], str]], found: dict[str, str]
+) -> InspectFailure | None:
+    """Refuses tensors whose dtype would be converted with a loss (or changed in kind)."""
+    wrong = sorted(
+        key
+        for key, (_, dtype) in expected.items()
+        if found[key] not in _LOSSLESS_CODES.get(dtype, frozenset())
+    )
+    if not wrong:
+        return None
+    listed = [f"{k} is {found[k]}, the model holds {expected[k][1]}" for k in wrong]
+    return _failure(
+        422,
+        f"{len(wrong)} tensor(s) of the weights have a dtype that would be converted with a "
+        f"loss or change of kind on loading: {'; '.join(listed[:10])}"
+        + (f" (+{len(wrong) - 10} more)" if len(wrong) > 10 else "")
+        + ". Save the weights in the model's own dtypes, e.g. from model.float().state_dict() "
+        "(integer buffers such as num_batches_tracked stay integers)",
+        [ProblemItem(loc=["weights", k], msg=f"dtype {found[k]}") for k in wrong],
+    )
+
+
+def _check_finite(state: dict[str, torch.Tensor]) -> InspectFailure | None:
+    """Refuses weights holding NaN or infinities: every job on them would produce NaN."""
+    bad = {
+        key: int((~torch.isfinite(value)).sum())
+        for key, value in state.items()
+        if value.is_floating_point()
+    }
+    bad = {key: count for key, count in sorted(bad.items()) if count}
+    if not bad:
+        return None
+    listed = [f"{k} ({n} of {state[k].numel()} values)" for k, n in bad.items()]
+    return _failure(
+        422,
+        f"the weights hold non-finite values (NaN or Inf) in {len(bad)} tensor(s): "
+        f"{', '.join(listed[:10])}"
+        + (f" (+{len(bad) - 10} more)" if len(bad) > 10 else "")
+        + "; a model with such weights computes NaN outputs and statistics: upload weights "
+        "from before the training diverged",
+        [ProblemItem(loc=["weights", k], msg=f"{n} non-finite values") for k, n in bad.items()],
+    )
+
+
 def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFailure:
     """Answers one request; every anticipated problem is an ``InspectFailure``."""
     try:
@@ -122,14 +183,19 @@ def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFa
             sha256 = request.weights_sha256
             path = store.local_path(sha256)
             header = read_weights_header(path)
-            mismatch = _compare(
-                state_spec(request.architecture, kwargs),
-                {k: spec.shape for k, spec in header.items()},
+            expected = state_spec(request.architecture, kwargs)
+            mismatch = _compare(expected, {k: spec.shape for k, spec in header.items()})
+            mismatch = mismatch or _check_dtypes(
+                expected, {k: spec.dtype for k, spec in header.items()}
             )
             if mismatch is not None:
                 return mismatch
+            state = safetensors.torch.load_file(str(path))
+            not_finite = _check_finite(state)
+            if not_finite is not None:
+                return not_finite
             model = build_model(request.architecture, kwargs)
-            model.load_state_dict(safetensors.torch.load_file(str(path)), strict=True)
+            model.load_state_dict(state, strict=True)
             size = path.stat().st_size
     except ArchitectureError as exc:
         return _failure(422, str(exc))
@@ -195,6 +261,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Answer model inspection requests.")
     parser.parse_args()
+    die_with_supervisor()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s inspector %(message)s")
     serve(get_settings())
 

@@ -22,6 +22,7 @@ from api_schemas import JobStatus
 from service.records.connection import redis_client
 from service.records.sync import Records
 from service.settings import get_settings
+from service.upkeep.parent_death import die_with_supervisor
 from workers.models.architectures import registry
 from workers.running.compute import WORKER_DEVICE_ENV
 from workers.running.job import load_runners
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--device", default=os.environ.get(WORKER_DEVICE_ENV, "auto"))
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     args = parser.parse_args()
+    die_with_supervisor()  # `bnadapt worker` killed: finish the job at hand, then exit
     os.environ[WORKER_DEVICE_ENV] = args.device
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(message)s")
     settings = get_settings()
@@ -52,7 +54,10 @@ def main() -> None:
             "out of memory: try a smaller batch_size, or a machine with more memory"
         )
         if not fail_killed_child(records, job.func_name, job.args, error):
-            records.mark_finished(job.id, JobStatus.FAILED, error=error)
+            # Queued too: the process may die after the fork, before it marks itself running.
+            # The RQ id is the job id's, or that of a later attempt (NOTE [ Job attempts ]).
+            job_id = str(job.args[0]["job_id"]) if job.args else job.id
+            records.interrupt(job_id, (JobStatus.QUEUED, JobStatus.RUNNING), error, rq_id=job.id)
 
     if settings.worker_threads is not None:
         torch.set_num_threads(settings.worker_threads)  # a setting, no op: survives the fork

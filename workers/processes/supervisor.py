@@ -26,6 +26,7 @@ from service.records.sync import Records
 from service.settings import get_settings
 from service.store import open_store
 from service.upkeep.housekeeping import Housekeeping
+from service.upkeep.parent_death import SUPERVISOR_PID_ENV
 from workers.running.compute import WORKER_DEVICE_ENV
 
 __all__ = ["main", "worker_commands"]
@@ -71,7 +72,10 @@ def worker_commands(device: str) -> list[tuple[str, list[str], dict[str, str]]]:
 
 
 def _start(child: _Child) -> None:
-    env = {**os.environ, **child.env}
+    # The child asks to get SIGTERM when this process dies, even by SIGKILL (RQ's worker then
+    # finishes its job and exits; the inspector exits at once): no orphan keeps taking jobs
+    # beside a restarted supervisor. Started from the main thread: see die_with_parent.
+    env = {**os.environ, **child.env, SUPERVISOR_PID_ENV: str(os.getpid())}
     child.process = subprocess.Popen(child.command, env=env)  # noqa: S603 - our own argv
     child.started = time.monotonic()
     log.info("started %s (pid %d)", child.name, child.process.pid)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
@@ -33,7 +35,7 @@ from api_schemas.reports import (
 )
 from service.formats.arrays import read_arrays
 from service.store.base import Store
-from workers.errors import ArchitectureError, DataError, WorkerError
+from workers.errors import AdaptError, ArchitectureError, DataError, WorkerError
 from workers.estimators.dispatch import Estimate, run_estimator
 from workers.estimators.running import select_batchnorm
 from workers.models.architectures import (
@@ -62,6 +64,7 @@ __all__ = [
     "contract_metrics",
     "load_job",
     "load_model",
+    "one_sample_batch_explained",
     "resolve_device",
     "weights_bytes",
 ]
@@ -166,13 +169,20 @@ def compute(
     def measure_on_all(phase: str) -> EvalMetrics | None:
         if y is None or loss is None or not measure:
             return None
-        hooks.start_phase(phase, 1, "batches", float(len(x)))
-        # In the job's own batches: the size the user chose to fit the device's memory.
-        found = evaluate_sums(
-            model, x, y, batch_size=params.batch_size, loss=loss, device=device
+        # In the job's own batches: the size the user chose to fit the device's memory. Counted
+        # batch by batch, and stopped at the next batch by a cancel, like every other phase.
+        batch_size = params.batch_size
+        hooks.start_phase(phase, num_batches(len(x), batch_size), "batches", float(batch_size))
+        return evaluate_sums(
+            model,
+            x,
+            y,
+            batch_size=batch_size,
+            loss=loss,
+            device=device,
+            progress=hooks.report,
+            should_stop=hooks.should_stop,
         ).metrics()
-        hooks.report(1)
-        return found
 
     loaded = time.perf_counter()
     before = state_snapshot(model)
@@ -186,7 +196,9 @@ def compute(
         adapted = select_batchnorm(model, params.include, params.exclude)
         reset = params.effective_reset()
         run = estimate or functools.partial(run_estimator, x=x, reset=reset, device=device)
-        stats = run(model, params, adapted, hooks)
+        with one_sample_batch_explained(len(x), params.batch_size, params.max_batches):
+            stats = run(model, params, adapted, hooks)
+        _check_statistics_finite(model, adapted)
         # `batches` is what each adapted layer ran in train mode (entropy: one per step), so
         # num_batches_tracked_after == (0 if reset else before) + batches in the report.
         batches, samples, estimator = stats.batches, stats.samples, params.estimator
@@ -201,26 +213,28 @@ def compute(
                 hooks.start_phase("train", total, "steps", float(params.batch_size))
             hooks.report(done)
 
-        trained = train_model(
-            model,
-            x,
-            y,
-            epochs=params.epochs,
-            batch_size=params.batch_size,
-            optimizer=params.optimizer,
-            lr=params.lr,
-            momentum=params.momentum,
-            weight_decay=params.weight_decay,
-            loss=loss,
-            validation_fraction=params.validation_fraction,
-            seed=params.seed,
-            device=device,
-            progress=progress,
-            should_stop=hooks.should_stop,
-        )
+        with one_sample_batch_explained(None, params.batch_size, None):
+            trained = train_model(
+                model,
+                x,
+                y,
+                epochs=params.epochs,
+                batch_size=params.batch_size,
+                optimizer=params.optimizer,
+                lr=params.lr,
+                momentum=params.momentum,
+                weight_decay=params.weight_decay,
+                loss=loss,
+                validation_fraction=params.validation_fraction,
+                seed=params.seed,
+                device=device,
+                progress=progress,
+                should_stop=hooks.should_stop,
+            )
         epochs = [EpochLog(**asdict(e)) for e in trained.epochs]
         batches, samples, estimator = trained.steps, trained.samples, None
         adapted = all_bn
+        _check_statistics_finite(model, adapted, adapting=False)
     computed = time.perf_counter()
     metrics_after = measure_on_all("evaluate after")
     after = state_snapshot(model)
@@ -314,3 +328,62 @@ def _batchnorm_names(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for name, module in named_modules(model)
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
     ]
+
+
+# What torch's batch_norm raises in train mode on one value per channel: a (1, C) batch.
+_ONE_VALUE_PER_CHANNEL: Final = "Expected more than 1 value per channel when training"
+
+
+@contextmanager
+def one_sample_batch_explained(
+    num_samples: int | None, batch_size: int, max_batches: int | None
+) -> Iterator[None]:
+    """Turns torch's error on a one-sample batch in train mode into one that says what to do.
+
+    A last batch of one sample (``num_samples % batch_size == 1``) cannot give a BatchNorm1d
+    layer over (B, C) features a variance. It is refused rather than dropped: dropping it
+    would silently leave a sample out and change the batch count the report checks the
+    statistics against, so the user chooses instead."""
+    try:
+        yield
+    except ValueError as exc:
+        if _ONE_VALUE_PER_CHANNEL not in str(exc):
+            raise
+        if num_samples is None:
+            where = "a batch of the training split holds one sample"
+            fix = "choose a batch_size for which the training split does not leave one sample"
+        else:
+            full = num_samples // batch_size
+            where = (
+                f"the last batch holds one sample ({num_samples} samples in batches of "
+                f"{batch_size})"
+            )
+            fix = (
+                f"use a batch_size that does not leave one sample over (e.g. {batch_size + 1}), "
+                f"or max_batches={full} to leave the last sample out"
+                if max_batches is None or max_batches > full
+                else "use a different batch_size"
+            )
+        raise DataError(
+            f"{where}, and a BatchNorm layer in train mode cannot compute statistics from one "
+            f"value per channel; {fix}"
+        ) from exc
+
+
+def _check_statistics_finite(model: nn.Module, layers: list[str], adapting: bool = True) -> None:
+    """Raises :class:`AdaptError` naming the first layer whose running statistics are NaN or
+    infinite: such a model would compute NaN for every input, so it is not registered."""
+    modules = dict(named_modules(model))
+    for name in layers:
+        module = modules[name]
+        for buffer in ("running_mean", "running_var"):
+            value = getattr(module, buffer, None)
+            if isinstance(value, torch.Tensor) and not bool(torch.isfinite(value).all()):
+                bad = int((~torch.isfinite(value)).sum())
+                raise AdaptError(
+                    f"the {buffer} of BatchNorm layer {name!r} came out non-finite ({bad} of "
+                    f"{value.numel()} channels NaN or Inf): its inputs overflowed or held NaN. "
+                    "Check the dataset's scale (x is used as given; uint8 is scaled to [0, 1]) "
+                    "and the model's weights"
+                    + (f", or leave the layer out with exclude=[{name!r}]" if adapting else "")
+                )

@@ -9,11 +9,16 @@ propagates to RQ.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
+
+import redis
+from rq import get_current_job
 
 from api_schemas import ESTIMATORS, JOB_KINDS, JobPayload, JobStatus
 from service.records.connection import redis_client
@@ -30,6 +35,14 @@ __all__ = ["load_runners", "run_job"]
 
 log = logging.getLogger(__name__)
 
+_LOST_REDIS: Final = (
+    "the job's process could not reach Redis for longer than BNADAPT_REDIS_OUTAGE_S and "
+    "stopped; check that Redis runs and is reachable from the workers"
+)
+# Fault injection, for tests only: seconds a job's process waits between RQ's fork and marking
+# the job running, so that a test can kill it in that window (tests/test_reliability.py).
+FAULT_START_DELAY_ENV: Final = "BNADAPT_FAULT_START_DELAY_S"
+
 
 def _worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -38,8 +51,10 @@ def _worker_name() -> str:
 def run_job(payload: dict[str, Any]) -> dict[str, str]:
     settings = get_settings()
     job = JobPayload.model_validate(payload)
-    records = Records(redis_client(settings.redis_url))
+    records = Records(redis_client(settings.redis_url, outage_s=settings.redis_outage_s))
     store = open_store(settings)
+    if delay := os.environ.get(FAULT_START_DELAY_ENV):
+        time.sleep(float(delay))
     if not records.mark_started(job.job_id, _worker_name()):
         status = records.job_status(job.job_id)
         log.info("job %s not started: it is %s", job.job_id, status)
@@ -47,11 +62,31 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
     try:
         return _runner(JOB_KINDS[job.kind].runner)(job, records, store, settings)
     except JobCanceled:
-        records.mark_finished(job.job_id, JobStatus.CANCELED)
-        return {"job_id": job.job_id, "status": JobStatus.CANCELED.value}
+        if records.cancel_requested(job.job_id):
+            records.mark_finished(job.job_id, JobStatus.CANCELED)
+            return {"job_id": job.job_id, "status": JobStatus.CANCELED.value}
+        # Nobody asked: the job ended elsewhere (kept), or this process lost Redis for longer
+        # than BNADAPT_REDIS_OUTAGE_S: an interruption, retried (NOTE [ Job attempts ]).
+        status = records.interrupt(job.job_id, (JobStatus.RUNNING,), _LOST_REDIS, _rq_id(job))
+        return {"job_id": job.job_id, "status": str(status)}
+    except redis.RedisError as exc:
+        # Redis stayed away past the retries of every write: not the job's fault. If Redis is
+        # still away, the sweep sees the lost heartbeat instead.
+        with contextlib.suppress(redis.RedisError):
+            records.interrupt(
+                job.job_id, (JobStatus.RUNNING,), f"{_LOST_REDIS} ({exc})", _rq_id(job)
+            )
+        raise
     except Exception as exc:
+        # The job's own failure (bad data, NaN, a bug): retrying would fail the same way.
         records.mark_finished(job.job_id, JobStatus.FAILED, error=error_message(exc))
         raise
+
+
+def _rq_id(job: JobPayload) -> str:
+    """The RQ id of this attempt (NOTE [ Job attempts ] in service/records/sync.py)."""
+    current = get_current_job()
+    return current.id if current is not None else job.job_id
 
 
 Runner = Callable[[JobPayload, Records, Store, Settings], dict[str, str]]

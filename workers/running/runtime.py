@@ -4,9 +4,10 @@ A daemon thread of the job's process writes, about twice a second, the heartbeat
 knows the process lives: see service/upkeep/reaper.py) and the latest progress, and reads the cancel
 flag. The compute loop only touches memory: ``report(done)`` and ``should_stop()`` cost no
 Redis round trip. Redis writes are best effort: a short outage delays progress, never kills
-the job. A job nobody waits for any more stops itself at its next batch, as if canceled: when
-its record is no longer ``running`` (the reaper failed it after a lost heartbeat) or when
-Redis stayed unreachable for longer than the heartbeat TTL (the reaper will fail it).
+the job (its client retries through an outage of ``BNADAPT_REDIS_OUTAGE_S``). A job nobody
+waits for any more stops itself at its next batch, as if canceled: when its record is no
+longer ``running`` (the reaper ended the attempt after a lost heartbeat) or when Redis stayed
+unreachable for longer than the outage it rides out (the attempt is then retried).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Final, Literal
 
 from api_schemas import JobStatus, Progress, utc_now
 from service.records.sync import Records
+from service.upkeep.reaper import heartbeat_key_ttl_s
 
 __all__ = ["JobRuntime"]
 
@@ -30,10 +32,18 @@ PUBLISH_INTERVAL_S: Final = 0.5
 class JobRuntime:
     """Use as a context manager around the job's work."""
 
-    def __init__(self, records: Records, job_id: str, heartbeat_ttl_s: float) -> None:
+    def __init__(
+        self,
+        records: Records,
+        job_id: str,
+        heartbeat_timeout_s: float,
+        redis_outage_s: float | None = None,
+    ) -> None:
         self._records = records
         self._job_id = job_id
-        self._ttl_s = heartbeat_ttl_s
+        self._ttl_s = heartbeat_key_ttl_s(heartbeat_timeout_s)  # NOTE [ Heartbeat bound ]
+        # How long Redis may stay away before the job stops (its attempt is then retried).
+        self._outage_s = redis_outage_s if redis_outage_s is not None else self._ttl_s
         self._lock = threading.Lock()
         self._progress: Progress | None = None
         self._phase_start = time.monotonic()
@@ -126,8 +136,10 @@ class JobRuntime:
             self._last_published = time.monotonic()
         except Exception:  # Redis unreachable: keep computing, try again next tick
             log.warning("could not publish job %s state", self._job_id, exc_info=True)
-            if time.monotonic() - self._last_published > self._ttl_s:
-                log.warning("job %s lost Redis for %.0f s; stopping it", self._job_id, self._ttl_s)
+            if time.monotonic() - self._last_published > self._outage_s:
+                log.warning(
+                    "job %s lost Redis for %.0f s; stopping it", self._job_id, self._outage_s
+                )
                 self._canceled.set()
 
     def _run(self) -> None:

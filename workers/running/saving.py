@@ -96,8 +96,10 @@ def begin_saving(job: JobPayload, runtime: JobRuntime) -> None:
 def register_output(
     job: JobPayload, weights: StoredWeights, records: Records, store: Store
 ) -> SavedOutcome:
-    """Writes the report to the store and registers the new model with ``weights``."""
-    model_id = new_id("mdl")
+    """Writes the report to the store and registers the new model with ``weights``; at most
+    one model per job, whatever its attempts: a later attempt reuses the model an earlier one
+    registered (NOTE [ Job attempts ] in service/records/sync.py)."""
+    model_id = records.claim_output(job.job_id, new_id("mdl"))
     report = weights.report.model_copy(update={"output_model_id": model_id})
     report_sha256 = store.put_bytes(report.model_dump_json(indent=2).encode())
     model = ModelPublic(
@@ -115,6 +117,9 @@ def register_output(
         created_at=utc_now(),
     )
     records.add_sha_ref(report_sha256, job.job_id)
+    registered = records.get_model(job.tenant_id, model_id)
+    if registered is not None:
+        return SavedOutcome(registered, report_sha256)
     records.put_model(job.tenant_id, model)
     return SavedOutcome(model, report_sha256)
 
@@ -130,9 +135,14 @@ def mark_succeeded(job: JobPayload, saved: SavedOutcome, records: Records) -> di
     if not records.mark_finished(
         job.job_id, JobStatus.SUCCEEDED, result=links, report_sha256=saved.report_sha256
     ):
-        # The reaper gave up on this job meanwhile: keep its verdict, drop the output.
-        records.delete_model(job.tenant_id, model)
-        return {"job_id": job.job_id, "status": str(records.job_status(job.job_id))}
+        # The job ended meanwhile (the reaper gave up on it, or another attempt of it
+        # succeeded with this same model), or another attempt of it is due: keep the model
+        # unless the job ended without it.
+        status = records.job_status(job.job_id)
+        if status in (JobStatus.FAILED, JobStatus.CANCELED):
+            records.delete_model(job.tenant_id, model)
+            records.release_output(job.job_id)
+        return {"job_id": job.job_id, "status": str(status)}
     return {"job_id": job.job_id, "status": JobStatus.SUCCEEDED.value, "model_id": model.id}
 
 

@@ -106,7 +106,7 @@ def run_child(
     is stopped. Skips the child, returning at once, unless it is queued and the parent runs."""
     settings = get_settings()
     parent_id = sharded.payload.job_id
-    records = Records(redis_client(settings.redis_url))
+    records = Records(redis_client(settings.redis_url, outage_s=settings.redis_outage_s))
     shard_records = ShardRecords(records.client)
     answer = {"job_id": parent_id, "child": child}
     refused = shard_records.claim(parent_id, child, process_name(), settings.heartbeat_timeout_s)

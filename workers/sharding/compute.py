@@ -36,6 +36,7 @@ from workers.running.compute import (
     compute,
     contract_metrics,
     load_job,
+    one_sample_batch_explained,
 )
 from workers.running.data import iter_batches, num_batches
 from workers.running.evaluation import Loss, MetricSums, evaluate_sums, loss_for
@@ -279,14 +280,15 @@ def collect_shard(
         )
     hooks.start_phase("adapt", shard.batches, "batches", float(size))
     data = (batch.to(job.device) for batch in iter_batches(part, size))  # (B, ...)
-    stats = collect_statistics(
-        job.model,
-        data,
-        layers=layers,
-        progress=hooks.report,
-        should_stop=hooks.should_stop,
-        weighting=_weighting(params),
-    )
+    with one_sample_batch_explained(len(job.x), size, params.max_batches):
+        stats = collect_statistics(
+            job.model,
+            data,
+            layers=layers,
+            progress=hooks.report,
+            should_stop=hooks.should_stop,
+            weighting=_weighting(params),
+        )
     summary = ShardSummary(
         **shard.model_dump(),
         samples=len(part),

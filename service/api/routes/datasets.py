@@ -10,7 +10,7 @@ from api_schemas import DatasetPublic, Page, new_id, utc_now
 from service.api.deps import DatasetDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError
 from service.api.transfers import store_upload
-from service.errors import ArrayFileError
+from service.errors import ArrayFileError, ArrayLimitError
 from service.formats.arrays import describe_arrays
 from service.settings import DEFAULT_MAX_DATASET_BYTES
 
@@ -35,8 +35,12 @@ def create_dataset(
     sha256, size = store_upload(store, file.file, settings.max_dataset_bytes, "dataset file")
     try:
         facts = describe_arrays(
-            store.local_path(sha256), max_elements=settings.max_dataset_elements
+            store.local_path(sha256),
+            max_elements=settings.max_dataset_elements,
+            max_ratio=settings.max_npz_ratio,
         )
+    except ArrayLimitError as exc:
+        raise ApiError(413, str(exc)) from exc
     except ArrayFileError as exc:
         raise ApiError(422, str(exc)) from exc
     dataset = DatasetPublic(

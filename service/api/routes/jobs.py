@@ -31,6 +31,7 @@ from api_schemas.jobs import num_batches
 from service.api.deps import JobDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError, not_found
 from service.errors import ObjectNotFoundError
+from service.records.queue import JOB_FUNCTION, enqueue_run
 from service.records.sync import Records
 
 __all__ = ["JOB_FUNCTION", "router"]
@@ -39,12 +40,7 @@ log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-# Enqueued by dotted path: the service never imports workers (or torch).
-JOB_FUNCTION: Final = "workers.running.job.run_job"
 IDEMPOTENCY_TTL_S: Final = 24 * 3600
-# RQ's own job hash may go after this; our records never expire.
-RQ_RESULT_TTL_S: Final = 24 * 3600
-RQ_FAILURE_TTL_S: Final = 7 * 24 * 3600
 _IDEMPOTENCY_KEY_PATTERN: Final = r"^[A-Za-z0-9_.:-]{1,128}$"
 
 
@@ -100,14 +96,22 @@ def _body_sha256(request: JobCreate) -> str:
     return hashlib.sha256(request.model_dump_json().encode()).hexdigest()
 
 
+# NOTE [ Idempotency lease ]
+# A request with an Idempotency-Key first reserves the key for its new job id with a short
+# lease (``idempotency_lease_s``, SET NX), then writes the job, its queue entry and the key's
+# 24-hour binding in one MULTI. A retry during the lease answers 409 "retry shortly"; a retry
+# after it finds the 24-hour binding and answers the job. If the API process dies between the
+# two steps, the lease expires and a retry makes the job anew: a crashed request never blocks
+# its key for longer than the lease (it used to block it for the whole 24 hours). The lease
+# outlasts the second step by far (a few Redis round trips).
+
+
 def _existing_for_key(
-    records: Records, tenant: str, key: str, body_sha256: str, job_id: str
+    records: Records, tenant: str, key: str, body_sha256: str, job_id: str, lease_s: float
 ) -> JobPublic | None:
     """The job an earlier request with this Idempotency-Key made, or None if this is the first
-    request with it (the key is then bound to ``job_id``)."""
-    bound_body, bound_job = records.remember_idempotency(
-        tenant, key, body_sha256, job_id, IDEMPOTENCY_TTL_S
-    )
+    request with it (the key is then leased to ``job_id``: NOTE [ Idempotency lease ])."""
+    bound_body, bound_job = records.remember_idempotency(tenant, key, body_sha256, job_id, lease_s)
     if bound_body != body_sha256:
         raise ApiError(
             422,
@@ -120,8 +124,9 @@ def _existing_for_key(
     if job is None:
         raise ApiError(
             409,
-            f"a request with Idempotency-Key {key!r} is still being processed; retry shortly",
-            headers={"Retry-After": "1"},
+            f"a request with Idempotency-Key {key!r} is still being processed; retry in "
+            f"{lease_s:g} s at most (a request that crashed gives up the key by then)",
+            headers={"Retry-After": str(max(1, round(lease_s)))},
         )
     return job
 
@@ -155,8 +160,9 @@ def create_job(
 
     job_id = new_id("job")
     if idempotency_key is not None:
+        body_sha256 = _body_sha256(job_request)
         existing = _existing_for_key(
-            records, tenant, idempotency_key, _body_sha256(job_request), job_id
+            records, tenant, idempotency_key, body_sha256, job_id, settings.idempotency_lease_s
         )
         if existing is not None:
             response.headers["Location"] = f"/v1/jobs/{existing.id}"
@@ -170,6 +176,7 @@ def create_job(
         dataset_id=dataset.id,
         params=job_request.params,
         created_at=utc_now(),
+        max_attempts=job_request.max_attempts,
     )
     payload = JobPayload(
         job_id=job_id,
@@ -194,22 +201,24 @@ def create_job(
         params=job_request.params,
     )
     queue: Queue = request.app.state.queue
+
+    def enqueue(pipe: redis.client.Pipeline) -> None:
+        enqueue_run(
+            queue,
+            payload.model_dump(mode="json"),
+            job_id,
+            settings.job_timeout_s,
+            f"{job.kind} {model.id} on {dataset.id}",
+            pipeline=pipe,
+        )
+        if idempotency_key is not None:
+            records.bind_idempotency(
+                pipe, tenant, idempotency_key, body_sha256, job_id, IDEMPOTENCY_TTL_S
+            )
+
     try:
         records.create_job(
-            tenant,
-            job,
-            payload,
-            uses=(model.sha256, dataset.sha256),
-            enqueue=lambda pipe: queue.enqueue_call(
-                JOB_FUNCTION,
-                args=(payload.model_dump(mode="json"),),
-                job_id=job_id,
-                timeout=settings.job_timeout_s,
-                result_ttl=RQ_RESULT_TTL_S,
-                failure_ttl=RQ_FAILURE_TTL_S,
-                description=f"{job.kind} {model.id} on {dataset.id}",
-                pipeline=pipe,
-            ),
+            tenant, job, payload, uses=(model.sha256, dataset.sha256), enqueue=enqueue
         )
     except redis.RedisError:
         # The MULTI wrote all or nothing, but its answer may have been lost: undo it, so that
@@ -234,6 +243,21 @@ def list_jobs(
 ) -> Page[JobPublic]:
     """Newest first; ``status`` filters."""
     return records.list_jobs(tenant, min(page_size, settings.page_size_max), page_token, status)
+
+
+@router.api_route(
+    "/{job_id}:cancel",
+    methods=["GET", "PUT", "PATCH", "DELETE", "OPTIONS"],
+    include_in_schema=False,
+)
+def cancel_wrong_method(request: Request) -> None:
+    """Without this, ``GET /v1/jobs/abc:cancel`` would reach ``GET /v1/jobs/{job_id}`` with
+    the id ``abc:cancel`` (Starlette's path parameters match the colon) and answer 422."""
+    raise ApiError(
+        405,
+        f"{request.method} is not allowed on a job's :cancel; send POST to cancel the job",
+        headers={"Allow": "POST"},
+    )
 
 
 @router.get("/{job_id}")

@@ -27,7 +27,7 @@ _MULTIPART_SLACK = 1024 * 1024
 
 def _parse_meta(meta: str) -> ModelCreate:
     try:
-        return ModelCreate.model_validate_json(meta)
+        return ModelCreate.model_validate_json(meta, strict=True)  # no "0" for 0
     except ValidationError as exc:
         items = problem_items(exc.errors())
         for item in items:

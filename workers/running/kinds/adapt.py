@@ -22,5 +22,7 @@ def run(job: JobPayload, records: Records, store: Store, settings: Settings) -> 
     assert isinstance(params, AdaptParams), f"{job.kind} jobs do not run the adapt runner"
     if params.shards == 1:
         return train.run(job, records, store, settings)
-    with JobRuntime(records, job.job_id, settings.heartbeat_timeout_s) as runtime:
+    with JobRuntime(
+        records, job.job_id, settings.heartbeat_timeout_s, settings.redis_outage_s
+    ) as runtime:
         return start_shards(job, records, store, runtime, settings)

@@ -15,7 +15,9 @@ __all__ = ["run"]
 
 def run(job: JobPayload, records: Records, store: Store, settings: Settings) -> dict[str, str]:
     """Evaluates, stores the report and marks the job succeeded; no model is registered."""
-    with JobRuntime(records, job.job_id, settings.heartbeat_timeout_s) as runtime:
+    with JobRuntime(
+        records, job.job_id, settings.heartbeat_timeout_s, settings.redis_outage_s
+    ) as runtime:
         report = compute_evaluation(job, store, runtime)
         if runtime.check_cancel_now():
             raise JobCanceled(f"job {job.job_id} was canceled")

@@ -16,7 +16,9 @@ __all__ = ["run"]
 def run(job: JobPayload, records: Records, store: Store, settings: Settings) -> dict[str, str]:
     """Runs the job's computation, saves weights and report, registers the new model and
     marks the job succeeded; returns the RQ job's result."""
-    with JobRuntime(records, job.job_id, settings.heartbeat_timeout_s) as runtime:
+    with JobRuntime(
+        records, job.job_id, settings.heartbeat_timeout_s, settings.redis_outage_s
+    ) as runtime:
         outcome = compute(job, store, runtime)
         saved = save_outcome(job, outcome, records, store, runtime)
     return mark_succeeded(job, saved, records)

@@ -1,0 +1,116 @@
+"""A job's attempts (NOTE [ Job attempts ] in service/records/sync.py) on a real Redis-compatible
+server, with real RQ jobs that no worker takes: the sweep's part is played by calling it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rq import Queue
+from rq.job import Job
+
+from api_schemas import AdaptParams, JobPublic, JobStatus, new_id, utc_now
+from service.records.connection import redis_client
+from service.records.queue import enqueue_run
+from service.records.sync import RETRY_BACKOFF_BASE_S, Records
+from service.settings import Settings
+from service.store.local import LocalStore
+from service.upkeep.reaper import reap_lost_queued_jobs
+from tests.stack import npz_bytes
+from tests.test_shards import adapt_payload
+
+TENANT = "tn_attempts"
+
+
+@pytest.fixture
+def records(redis_url: str) -> Records:
+    return Records(redis_client(redis_url))
+
+
+@pytest.fixture
+def settings(redis_url: str, tmp_path: Path) -> Settings:
+    return Settings(redis_url=redis_url, data_dir=tmp_path, queue="attempt-tests")
+
+
+def queued_job(records: Records, settings: Settings, max_attempts: int) -> str:
+    """A job as the API writes it: the record and its first RQ job, in one MULTI."""
+    store = LocalStore(settings.store_path)
+    job_id = new_id("job")
+    x = npz_bytes(x=np.zeros((4, 1, 8, 8), np.float32))
+    payload = adapt_payload(store, x, AdaptParams(), 4, job_id, TENANT)
+    public = JobPublic(
+        id=job_id,
+        kind="adapt",
+        status=JobStatus.QUEUED,
+        model_id=payload.model.id,
+        dataset_id=payload.dataset.id,
+        params=payload.params,
+        created_at=utc_now(),
+        max_attempts=max_attempts,
+    )
+    queue = Queue(settings.queue, connection=records.client, serializer="json")
+    records.create_job(
+        TENANT,
+        public,
+        payload,
+        enqueue=lambda pipe: enqueue_run(
+            queue, payload.model_dump(mode="json"), job_id, 60, "test", pipeline=pipe
+        ),
+    )
+    return job_id
+
+
+def test_an_interrupted_attempt_queues_the_next_until_the_last(
+    records: Records, settings: Settings
+) -> None:
+    job_id = queued_job(records, settings, max_attempts=2)
+    assert records.mark_started(job_id, "host:1")
+    # A process of another (older) attempt cannot end this one.
+    assert records.interrupt(job_id, (JobStatus.RUNNING,), "old", rq_id="other") is (
+        JobStatus.RUNNING
+    )
+    assert records.interrupt(job_id, (JobStatus.RUNNING,), "killed", rq_id=job_id) is (
+        JobStatus.QUEUED
+    )
+    rq_id, retry_at, _ = records.queue_entry(job_id)
+    assert rq_id == f"{job_id}-attempt-2"
+    assert retry_at is not None
+    job = records.get_job(TENANT, job_id)
+    assert job is not None
+    assert [(a.attempt, a.worker, a.reason) for a in job.attempts] == [(1, "host:1", "killed")]
+    assert job.started_at is None
+    # The sweep enqueues the next attempt once its backoff has passed, once.
+    assert reap_lost_queued_jobs(records, settings) == []
+    time.sleep(RETRY_BACKOFF_BASE_S)
+    assert reap_lost_queued_jobs(records, settings) == [job_id]
+    assert reap_lost_queued_jobs(records, settings) == []
+    assert Job.fetch(rq_id, connection=records.client, serializer="json").get_status() == "queued"
+    assert records.queue_entry(job_id)[1] is None
+    assert records.mark_started(job_id, "host:2")
+    assert records.interrupt(job_id, (JobStatus.RUNNING,), "killed again") is JobStatus.FAILED
+    job = records.get_job(TENANT, job_id)
+    assert job is not None
+    assert job.error == "killed again (attempt 2 of 2)"
+    assert [a.attempt for a in job.attempts] == [1, 2]
+    assert records.queued_jobs() == records.running_jobs() == []
+
+
+def test_a_queued_job_whose_queue_entry_is_gone_is_retried(
+    records: Records, settings: Settings
+) -> None:
+    job_id = queued_job(records, settings, max_attempts=3)
+    Job.fetch(job_id, connection=records.client, serializer="json").delete()
+    assert reap_lost_queued_jobs(records, settings) == [job_id]
+    job = records.get_job(TENANT, job_id)
+    assert job is not None
+    assert job.status is JobStatus.QUEUED
+    assert "queue entry is gone" in job.attempts[0].reason
+
+
+def test_one_output_model_per_job(records: Records) -> None:
+    assert records.claim_output("job_a", "mdl_1") == "mdl_1"
+    assert records.claim_output("job_a", "mdl_2") == "mdl_1"
+    records.release_output("job_a")
+    assert records.claim_output("job_a", "mdl_3") == "mdl_3"

@@ -1,0 +1,288 @@
+"""Every job ends terminal within a stated bound, whatever process dies when: real kills of
+real processes of the running stack (tests/stack.py), observed over HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from rq import Worker
+
+from api_schemas import parse_job_create
+from service.api.routes.jobs import _body_sha256
+from service.local.embedded import RedisServer, free_port
+from service.local.up import api_command
+from service.records.connection import redis_client
+from tests.servers import stop_process, wait_for
+from tests.stack import REPO, Client, Stack, running_stack
+from tests.test_e2e import created, digits_npz, problem
+
+pytestmark = pytest.mark.slow
+
+# tests/stack.py runs the stack with BNADAPT_HEARTBEAT_TIMEOUT_S=4 (NOTE [ Heartbeat bound ]).
+HEARTBEAT_TIMEOUT_S = 4.0
+SLACK_S = 10.0
+# Long enough that the test kills the job's process inside the window.
+START_DELAY_S = "120"
+
+
+@pytest.fixture
+def slow_start(tmp_path: Path) -> Iterator[Stack]:
+    """A stack whose job processes wait between RQ's fork and marking the job running."""
+    with running_stack(tmp_path, {"BNADAPT_FAULT_START_DELAY_S": START_DELAY_S}) as stack:
+        yield stack
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # The command may hold spaces and parentheses: the fields follow the last ')'.
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def forked_job_process(stack: Stack) -> int:
+    """The pid of the process RQ forked for the one job in progress (its work horse)."""
+    client = redis_client(stack.redis.url)
+
+    def horse() -> int | None:
+        workers = [w for w in Worker.all(connection=client) if w.get_current_job_id()]
+        if not workers or workers[0].pid is None:
+            return None
+        forked = children(workers[0].pid)
+        return forked[0] if forked else None
+
+    return wait_for(horse, timeout_s=60, what="RQ to fork a process for the job")
+
+
+def submit_small_job(client: Client) -> str:
+    model = created(client.add_model("digits_cnn", {"width": 4}))
+    dataset = created(client.add_dataset(digits_npz(n=32)))
+    body = {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"]}
+    # One attempt: the interruption ends the job (retries: test_interrupted_job_is_retried...).
+    return str(created(client.submit({**body, "max_attempts": 1}), 202)["id"])
+
+
+def test_job_process_killed_before_it_marks_itself_running(slow_start: Stack) -> None:
+    client = slow_start.client("forked")
+    job_id = submit_small_job(client)
+    pid = forked_job_process(slow_start)
+    assert client.http.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+    os.kill(pid, signal.SIGKILL)
+    done = client.wait(job_id, timeout_s=SLACK_S)  # at once: the RQ worker saw it die
+    assert done["status"] == "failed"
+    assert "process died (signal 9" in done["error"]
+
+
+def test_machine_lost_before_the_job_marks_itself_running(slow_start: Stack) -> None:
+    client = slow_start.client("lost-queued")
+    job_id = submit_small_job(client)
+    pid = forked_job_process(slow_start)
+    # Everything of the worker dies at once, the forked job process too (it runs in a session
+    # of its own): nothing is left to report, only the sweep of the API can end the job.
+    slow_start.kill_worker_group()
+    os.kill(pid, signal.SIGKILL)
+    # The bound is the heartbeat timeout from the kill; the wait allows it plus slack for
+    # this test's own polling and a loaded machine, far below the old "forever".
+    done = client.wait(job_id, timeout_s=HEARTBEAT_TIMEOUT_S + SLACK_S)
+    assert done["status"] == "failed"
+    assert "never marked the job running" in done["error"]
+
+
+LEASE_S = 2.0
+
+
+@pytest.fixture
+def short_lease(tmp_path: Path) -> Iterator[Stack]:
+    with running_stack(tmp_path, {"BNADAPT_IDEMPOTENCY_LEASE_S": str(LEASE_S)}) as stack:
+        yield stack
+
+
+def test_idempotency_key_of_a_crashed_request_is_free_after_the_lease(short_lease: Stack) -> None:
+    client = short_lease.client("crashed-request")
+    tenant = wait_for(lambda: _tenant_of(short_lease, client), what="the tenant")
+    model = created(client.add_model("digits_cnn", {"width": 4}))
+    dataset = created(client.add_dataset(digits_npz(n=32)))
+    body = {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"]}
+    # The first step of a request, done through the same Records call the API makes, and then
+    # nothing: the API process "died" before it wrote the job.
+    records = short_lease.records()
+    body_sha256 = _body_sha256(parse_job_create(body))
+    records.remember_idempotency(tenant, "crash-1", body_sha256, "job_neverwritten", LEASE_S)
+    leased = client.submit(body, **{"Idempotency-Key": "crash-1"})
+    problem(leased, 409, "still being processed")
+    assert int(leased.headers["retry-after"]) >= 1
+    # After the lease, a retry makes the job; once made, the key answers it for 24 hours.
+    job = wait_for(
+        lambda: _accepted(client.submit(body, **{"Idempotency-Key": "crash-1"})),
+        timeout_s=LEASE_S + SLACK_S,
+        interval_s=0.25,
+        what="a retry after the lease to be accepted",
+    )
+    again = created(client.submit(body, **{"Idempotency-Key": "crash-1"}), 202)
+    assert again["id"] == job["id"]
+    ttl = records.client.ttl(f"bnadapt:idem:{tenant}:crash-1")
+    assert ttl > 23 * 3600
+    assert client.wait(job["id"])["status"] == "succeeded"
+
+
+def _accepted(response: Any) -> dict[str, Any] | None:
+    if response.status_code == 409:
+        return None
+    return created(response, 202)
+
+
+def _tenant_of(stack: Stack, client: Client) -> str | None:
+    key = client.http.headers["authorization"].removeprefix("Bearer ")
+    return stack.records().tenant_for_key(key)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    with running_stack(tmp_path) as stack:
+        yield stack
+
+
+def medium_job(client: Client) -> dict[str, Any]:
+    """A train job of some seconds: long enough to be interrupted mid-run."""
+    model = created(client.add_model("digits_cnn", {"width": 16}))
+    dataset = created(client.add_dataset(digits_npz()))
+    return {
+        "kind": "train",
+        "model_id": model["id"],
+        "dataset_id": dataset["id"],
+        "params": {"epochs": 8, "batch_size": 32},
+    }
+
+
+def started_job(stack: Stack, client: Client, body: dict[str, Any]) -> tuple[str, int]:
+    """Submits ``body`` and returns the job's id and its process's pid once it has run a
+    step."""
+    job_id = str(created(client.submit(body), 202)["id"])
+
+    def stepping() -> bool:
+        job = client.http.get(f"/v1/jobs/{job_id}").json()
+        progress = job.get("progress") or {}
+        return job["status"] == "running" and progress.get("phase") == "train"
+
+    wait_for(stepping, timeout_s=60, what="the job to train")
+    worker = stack.records().client.hget(f"bnadapt:job:{job_id}", "worker")
+    assert worker is not None
+    return job_id, int(worker.decode().rsplit(":", 1)[1])
+
+
+def job_models(client: Client, job_id: str) -> list[dict[str, Any]]:
+    return [m for m in client.http.get("/v1/models").json()["items"] if m["job_id"] == job_id]
+
+
+def test_interrupted_job_is_retried_and_registers_one_model(stack: Stack) -> None:
+    client = stack.client("retried")
+    job_id, pid = started_job(stack, client, medium_job(client))
+    os.kill(pid, signal.SIGKILL)  # as the OOM killer would
+    done = client.wait(job_id, timeout_s=180)
+    assert done["status"] == "succeeded", done
+    assert done["max_attempts"] == 3
+    [attempt] = done["attempts"]
+    assert attempt["attempt"] == 1
+    assert "process died (signal 9" in attempt["reason"]
+    assert attempt["worker"].endswith(f":{pid}")
+    [model] = job_models(client, job_id)
+    assert done["result"]["model_id"] == model["id"]
+    # The report of the retried run names the one model.
+    report = client.http.get(f"/v1/jobs/{job_id}/report").json()
+    assert report["output_model_id"] == model["id"]
+
+
+def test_job_rides_out_a_short_redis_outage(stack: Stack) -> None:
+    client = stack.client("outage")
+    job_id, _ = started_job(stack, client, medium_job(client))
+    port, password = stack.redis.port, stack.redis.password
+    stack.redis.kill()  # SIGKILL; the AOF keeps what was acknowledged a second ago
+    time.sleep(3)  # the outage (longer than the test stack's heartbeat TTL of 2.7 s)
+    stack.redis = RedisServer(stack.data_dir / "redis", port=port, password=password)
+    stack.redis.start()
+    done = client.wait(job_id, timeout_s=180)
+    assert done["status"] == "succeeded", done
+    assert done["attempts"] == []  # the same run went on: no retry was needed
+    assert len(job_models(client, job_id)) == 1
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie: it exited
+    except FileNotFoundError:
+        return True
+
+
+def test_killed_supervisor_takes_its_children_along(stack: Stack) -> None:
+    assert stack.worker is not None
+    supervisor = stack.worker.pid
+    kids = wait_for(
+        lambda: children(supervisor) if len(children(supervisor)) == 2 else None,
+        timeout_s=30,
+        what="the RQ worker and the inspector",
+    )
+    os.kill(supervisor, signal.SIGKILL)
+    stack.worker.wait()
+    stack.worker = None
+    wait_for(lambda: all(_gone(pid) for pid in kids), timeout_s=60, what="the orphans to end")
+    # A new supervisor is then the only worker.
+    stack.start_worker()
+    client = redis_client(stack.redis.url)
+    wait_for(lambda: len(Worker.all(connection=client)) == 1, timeout_s=60, what="one RQ worker")
+    client_ = stack.client("after-supervisor")
+    job_id = submit_small_job(client_)
+    assert client_.wait(job_id)["status"] == "succeeded"
+
+
+def test_killed_api_parent_takes_its_workers_along(stack: Stack) -> None:
+    port = free_port()
+    argv = api_command("127.0.0.1", port, processes=2)
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    parent = subprocess.Popen(argv, env=stack.env, cwd=REPO)
+    try:
+        wait_for(healthy, timeout_s=60, what="the API to answer")
+        workers = wait_for(
+            lambda: [p for p in children(parent.pid) if b"spawn" in _cmdline(p)] or None,
+            timeout_s=30,
+            what="uvicorn's worker processes",
+        )
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        wait_for(lambda: all(_gone(p) for p in workers), timeout_s=60, what="the orphans to end")
+    finally:
+        stop_process(parent)
+    restarted = subprocess.Popen(argv, env=stack.env, cwd=REPO)
+    try:
+        wait_for(healthy, timeout_s=60, what="the restarted API to bind its port and answer")
+        assert restarted.poll() is None
+    finally:
+        stop_process(restarted)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return file.read()
+    except FileNotFoundError:
+        return b""
