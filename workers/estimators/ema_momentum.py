@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from workers.estimators.running import AdaptStats, adapt_batchnorm, resolve_batchnorm
+from workers.estimators.running import AdaptStats, resolve_batchnorm, run_ema
 
 if TYPE_CHECKING:
     from workers.estimators.dispatch import EstimatorTask
@@ -22,16 +22,7 @@ def run(task: EstimatorTask) -> AdaptStats:
     try:
         for bn in selected:
             bn.momentum = task.params.momentum
-        task.start()
-        return adapt_batchnorm(
-            task.model,
-            task.batches(),
-            estimator="ema",
-            layers=task.layers,
-            reset=task.reset,
-            progress=task.hooks.report,
-            should_stop=task.hooks.should_stop,
-        )
+        return run_ema(task)
     finally:
         for bn, momentum in zip(selected, momenta, strict=True):
             bn.momentum = momentum

@@ -169,25 +169,20 @@ def adapt_batchnorm(
 
 def run_ema(task: EstimatorTask) -> AdaptStats:
     """The ``ema`` row of the estimator table: the layers' own momentum."""
-    task.start()
-    return adapt_batchnorm(
-        task.model,
-        task.batches(),
-        estimator="ema",
-        layers=task.layers,
-        reset=task.reset,
-        progress=task.hooks.report,
-        should_stop=task.hooks.should_stop,
-    )
+    return _run(task, "ema")
 
 
 def run_cumulative(task: EstimatorTask) -> AdaptStats:
     """The ``cumulative`` row of the estimator table."""
+    return _run(task, "cumulative")
+
+
+def _run(task: EstimatorTask, estimator: Estimator) -> AdaptStats:
     task.start()
     return adapt_batchnorm(
         task.model,
         task.batches(),
-        estimator="cumulative",
+        estimator=estimator,
         layers=task.layers,
         reset=task.reset,
         progress=task.hooks.report,
