@@ -67,7 +67,9 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
         return {"job_id": job.job_id, "status": str(status)}
     try:
         if isinstance(job.params, EvaluateParams):
-            return _run_evaluation(job, records, store, settings.heartbeat_timeout_s)
+            return _run_evaluation(
+                job, records, store, settings.heartbeat_timeout_s, settings.redis_outage_s
+            )
         with JobRuntime(
             records, job.job_id, settings.heartbeat_timeout_s, settings.redis_outage_s
         ) as runtime:
@@ -85,7 +87,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
         # than BNADAPT_REDIS_OUTAGE_S: an interruption, retried (NOTE [ Job attempts ]).
         status = records.interrupt(job.job_id, (JobStatus.RUNNING,), _LOST_REDIS, _rq_id(job))
         return {"job_id": job.job_id, "status": str(status)}
-    except redis.RedisError as exc:
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
         # Redis stayed away past the retries of every write: not the job's fault. If Redis is
         # still away, the sweep sees the lost heartbeat instead.
         with contextlib.suppress(redis.RedisError):
@@ -106,10 +108,14 @@ def _rq_id(job: JobPayload) -> str:
 
 
 def _run_evaluation(
-    job: JobPayload, records: Records, store: LocalStore, heartbeat_timeout_s: float
+    job: JobPayload,
+    records: Records,
+    store: LocalStore,
+    heartbeat_timeout_s: float,
+    redis_outage_s: float,
 ) -> dict[str, str]:
     """Evaluates, stores the report and marks the job succeeded; no model is registered."""
-    with JobRuntime(records, job.job_id, heartbeat_timeout_s) as runtime:
+    with JobRuntime(records, job.job_id, heartbeat_timeout_s, redis_outage_s) as runtime:
         report = compute_evaluation(job, store, runtime)
         if runtime.check_cancel_now():
             raise JobCanceled(f"job {job.job_id} was canceled")
