@@ -71,7 +71,7 @@ class Housekeeping:
         while not self._stop.wait(interval_s):
             try:
                 task()
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):
                 log.warning("%s: Redis unreachable", threading.current_thread().name)
                 self._redis_back_at = time.monotonic()
             except Exception:  # Redis down, say: logged, and tried again next round.

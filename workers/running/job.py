@@ -69,7 +69,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
         # than BNADAPT_REDIS_OUTAGE_S: an interruption, retried (NOTE [ Job attempts ]).
         status = records.interrupt(job.job_id, (JobStatus.RUNNING,), _LOST_REDIS, _rq_id(job))
         return {"job_id": job.job_id, "status": str(status)}
-    except redis.RedisError as exc:
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
         # Redis stayed away past the retries of every write: not the job's fault. If Redis is
         # still away, the sweep sees the lost heartbeat instead.
         with contextlib.suppress(redis.RedisError):
