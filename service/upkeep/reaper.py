@@ -59,8 +59,9 @@ log = logging.getLogger(__name__)
 # missing heartbeat counts (its first beat follows the mark within milliseconds). A queued job
 # whose RQ job started (its process was forked) is judged the same way from RQ's start time.
 # T = 30 s: sweeps every 5 s, heartbeat TTL 20 s. Heartbeats lost to a Redis outage do not
-# count: a sweep judges them only after seeing Redis for a TTL again (service/upkeep/housekeeping.py),
-# while the job rides the outage out (BNADAPT_REDIS_OUTAGE_S, service/records/connection.py).
+# count: a sweep judges them only after seeing Redis for a TTL again
+# (service/upkeep/housekeeping.py), while the job rides the outage out (BNADAPT_REDIS_OUTAGE_S,
+# service/records/connection.py).
 MAX_SWEEP_INTERVAL_S: Final = 5.0
 
 
