@@ -59,9 +59,12 @@ class DatasetPublic(BaseModel):
 
 
 class UploadCreate(RequestModel):
-    """Starts a resumable upload of one dataset file, sent in numbered parts."""
+    """Starts a resumable upload of one dataset file, sent in numbered parts. With
+    ``size_bytes`` (the whole file's), a file over the limit is refused now, and completing
+    checks that every byte arrived."""
 
     name: str | None = Field(default=None, min_length=1, max_length=256)
+    size_bytes: int | None = Field(default=None, ge=1)
 
 
 class UploadPart(BaseModel):
@@ -80,6 +83,7 @@ class UploadPublic(BaseModel):
 
     id: ResourceId
     name: str | None = None
+    expected_bytes: int | None = Field(default=None, ge=1)  # the file's, when declared
     parts: list[UploadPart]
     size_bytes: int = Field(ge=0)  # of the parts received
     max_part_bytes: int = Field(ge=1)

@@ -31,6 +31,7 @@ class UploadSession:
     id: str
     tenant: str
     name: str | None
+    expected_bytes: int | None
     created_at: datetime
     expires_at: datetime
     parts: dict[int, tuple[str, int]]  # number -> (sha256, size)
@@ -41,11 +42,14 @@ class UploadRecords:
         self.client = client
         self.ttl_s = ttl_s
 
-    def create(self, upload_id: str, tenant: str, name: str | None) -> UploadSession:
+    def create(
+        self, upload_id: str, tenant: str, name: str | None, expected_bytes: int | None
+    ) -> UploadSession:
         now = time.time()
         fields: dict[str | bytes, str | bytes | int | float] = {
             "tenant": tenant,
             "name": name or "",
+            "expected_bytes": expected_bytes or 0,
             "created_at": repr(now),
             "expires_at": repr(now + self.ttl_s),
         }
@@ -53,7 +57,9 @@ class UploadRecords:
         pipe.hset(keys.upload(upload_id), mapping=cast("Mapping[Any, Any]", fields))
         pipe.expire(keys.upload(upload_id), int(self.ttl_s) + 1)
         pipe.execute()
-        return UploadSession(upload_id, tenant, name, _utc(now), _utc(now + self.ttl_s), parts={})
+        return UploadSession(
+            upload_id, tenant, name, expected_bytes, _utc(now), _utc(now + self.ttl_s), parts={}
+        )
 
     def get(self, tenant: str, upload_id: str) -> UploadSession | None:
         """The session, if it exists and belongs to ``tenant``."""
@@ -72,6 +78,7 @@ class UploadRecords:
             upload_id,
             tenant,
             fields.get("name") or None,
+            int(fields.get("expected_bytes", 0)) or None,
             _utc(float(fields["created_at"])),
             _utc(float(fields["expires_at"])),
             dict(sorted(found.items())),

@@ -73,6 +73,7 @@ def _public(session: UploadSession, settings: Settings) -> UploadPublic:
     return UploadPublic(
         id=session.id,
         name=session.name,
+        expected_bytes=session.expected_bytes,
         parts=[
             UploadPart(number=n, sha256=sha256, size_bytes=size)
             for n, (sha256, size) in session.parts.items()
@@ -93,7 +94,11 @@ def create_upload(
     request: Annotated[UploadCreate, Body()] = UploadCreate(),  # noqa: B008
 ) -> UploadPublic:
     """Starts a resumable upload; send its parts next."""
-    session = _uploads(records, settings).create(new_id("up"), tenant, request.name)
+    if request.size_bytes is not None and request.size_bytes > settings.max_dataset_bytes:
+        raise too_large("dataset file", settings.max_dataset_bytes, DATASET_BYTES_SETTING)
+    session = _uploads(records, settings).create(
+        new_id("up"), tenant, request.name, request.size_bytes
+    )
     response.headers["Location"] = f"/v1/uploads/{session.id}"
     return _public(session, settings)
 
@@ -148,6 +153,14 @@ def _join(store: Store, session: UploadSession, max_bytes: int) -> tuple[str, in
             409,
             f"upload {session.id} lacks parts {missing[:20]} of 1..{max(numbers)}; send them "
             "(GET the upload to see what arrived), then complete it",
+        )
+    received = sum(size for _, size in session.parts.values())
+    if session.expected_bytes is not None and received != session.expected_bytes:
+        raise ApiError(
+            409,
+            f"upload {session.id} has {received} of the {session.expected_bytes} bytes it "
+            "announced; send the missing parts (GET the upload to see what arrived), then "
+            "complete it",
         )
     try:
         with store.writer(max_bytes=max_bytes) as writer:
