@@ -5,7 +5,10 @@ and jobs that read a memory-mapped dataset a batch at a time."""
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,3 +220,45 @@ def test_adapt_reads_batches_and_bounds_its_measurement(stack: Stack) -> None:
     # Measured on max_batches batches, not on all 600 samples twice.
     assert report["metrics_before"]["num_samples"] == 64
     assert report["metrics_after"]["num_samples"] == 64
+
+
+def cli(stack: Stack, key: str) -> list[str]:
+    return [sys.executable, "-m", "service.local.cli", "--url", stack.url, "--key", key]
+
+
+def test_cli_resumes_an_interrupted_upload(stack: Stack, tmp_path: Path) -> None:
+    key = stack.records().create_api_key("cli-resume").key
+    x, y = images(3000)
+    x = np.repeat(x, 8, axis=2)  # 1.5 MB: two parts of 1 MB
+    path = tmp_path / "d.npz"
+    path.write_bytes(npz_bytes(x=x, y=y))
+    content = path.read_bytes()
+    client = http(stack, "cli-resume")
+    client.headers["Authorization"] = f"Bearer {key}"
+    body = {"name": "cli", "size_bytes": len(content)}
+    upload = ok(client.post("/v1/uploads", json=body), 201)
+    # Interrupted after its first part (and a part 2 with other bytes, to be replaced).
+    ok(client.put(f"/v1/uploads/{upload['id']}/parts/1", content=content[:MAX_PART_BYTES]))
+    ok(client.put(f"/v1/uploads/{upload['id']}/parts/2", content=b"stale"))
+    done = subprocess.run(
+        [*cli(stack, key), "datasets", "add", str(path), "--resume", upload["id"]],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    dataset = json.loads(done.stdout)
+    assert dataset["sha256"] == hashlib.sha256(content).hexdigest()
+    assert (dataset["name"], dataset["num_samples"]) == ("cli", 3000)
+    assert "100.0%" in done.stderr and upload["id"] in done.stderr
+    # A fresh upload through the CLI, from the start.
+    again = subprocess.run(
+        [*cli(stack, key), "datasets", "add", str(path)],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(again.stdout)["sha256"] == dataset["sha256"]
