@@ -187,6 +187,7 @@ def compute(
             batch_size=params.batch_size,
             loss=loss,
             device=device,
+            should_stop=hooks.should_stop,  # a canceled job stops between measured batches
         ).metrics()
         hooks.report(1)
         return found
