@@ -32,7 +32,7 @@ __all__ = [
 ID_PATTERN: Final = r"^[A-Za-z0-9_-]{1,64}$"
 SHA256_PATTERN: Final = r"^[0-9a-f]{64}$"
 
-IdPrefix = Literal["mdl", "ds", "job", "tn"]
+IdPrefix = Literal["mdl", "ds", "job", "tn", "up"]
 
 # pydantic matches patterns with Rust's regex, where `$` is the true end of the string (Python's
 # `re` would also accept a trailing newline).

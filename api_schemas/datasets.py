@@ -1,12 +1,25 @@
 """Datasets: an uploaded array file with ``x`` and optional ``y``."""
 
-from typing import Annotated, Literal, Self
+from typing import Annotated, Final, Literal, Self
 
 from pydantic import BaseModel, Field, model_validator
 
-from api_schemas.common import ResourceId, Sha256Hex, UtcDatetime
+from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
 
-__all__ = ["ArrayFormat", "DatasetPublic", "LabelKind", "SampleDtype"]
+__all__ = [
+    "MAX_UPLOAD_PARTS",
+    "ArrayFormat",
+    "DatasetPublic",
+    "LabelKind",
+    "SampleDtype",
+    "UploadComplete",
+    "UploadCreate",
+    "UploadPart",
+    "UploadPublic",
+]
+
+# Parts of one resumable upload are numbered 1..MAX_UPLOAD_PARTS.
+MAX_UPLOAD_PARTS: Final = 10_000
 
 ArrayFormat = Literal["npz", "safetensors"]
 SampleDtype = Literal["float32", "uint8"]
@@ -43,3 +56,43 @@ class DatasetPublic(BaseModel):
                 "num_classes is set exactly for class labels"
             )
         return self
+
+
+class UploadCreate(RequestModel):
+    """Starts a resumable upload of one dataset file, sent in numbered parts. With
+    ``size_bytes`` (the whole file's), a file over the limit is refused now, and completing
+    checks that every byte arrived."""
+
+    name: str | None = Field(default=None, min_length=1, max_length=256)
+    size_bytes: int | None = Field(default=None, ge=1)
+
+
+class UploadPart(BaseModel):
+    """A part received: its place in the file and its bytes' digest (compare it with the
+    part you sent to know whether to send it again)."""
+
+    number: int = Field(ge=1, le=MAX_UPLOAD_PARTS)
+    sha256: Sha256Hex
+    size_bytes: int = Field(ge=0)
+
+
+class UploadPublic(BaseModel):
+    """A resumable upload: the parts received so far, in order. Send the missing ones with
+    ``PUT /v1/uploads/{id}/parts/{number}`` (again, after a dropped connection), then
+    ``POST /v1/uploads/{id}:complete``, which joins parts 1..n into the dataset file."""
+
+    id: ResourceId
+    name: str | None = None
+    expected_bytes: int | None = Field(default=None, ge=1)  # the file's, when declared
+    parts: list[UploadPart]
+    size_bytes: int = Field(ge=0)  # of the parts received
+    max_part_bytes: int = Field(ge=1)
+    created_at: UtcDatetime
+    expires_at: UtcDatetime
+
+
+class UploadComplete(RequestModel):
+    """Ends an upload: its parts, joined in order, become a dataset named ``name`` (default:
+    the upload's name)."""
+
+    name: str | None = Field(default=None, min_length=1, max_length=256)

@@ -12,6 +12,7 @@ print(client.report(check.id).metrics_before)  # an evaluate job's result: accur
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -21,12 +22,14 @@ from typing import Any, Final
 import httpx
 
 from api_schemas import ArchitecturePublic, DatasetPublic, JobPublic, ModelPublic, Page
+from api_schemas.datasets import UploadPublic
 from api_schemas.reports import Report
 from service.errors import BnadaptError
 
 __all__ = ["ApiClientError", "Client", "new_model_id"]
 
 DEFAULT_TIMEOUT_S: Final = 120.0
+DEFAULT_PART_BYTES: Final = 64 * 1024 * 1024  # a resumable upload's part
 POLL_INTERVAL_S: Final = 0.25
 
 
@@ -59,6 +62,7 @@ class Client:
             headers={"Authorization": f"Bearer {key}"},
             timeout=timeout_s,
         )
+        self.last_upload_id: str | None = None  # of the latest upload_dataset
 
     def close(self) -> None:
         self.http.close()
@@ -109,6 +113,69 @@ class Client:
                 data={"name": name} if name else None,
             )
         return DatasetPublic.model_validate(self._check(response).json())
+
+    def upload_dataset(
+        self,
+        path: Path,
+        name: str | None = None,
+        *,
+        upload_id: str | None = None,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        retries: int = 5,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> DatasetPublic:
+        """Uploads a dataset file of any size through a resumable upload (``/v1/uploads``):
+        parts the server already holds with the same digest are skipped, so passing the
+        ``upload_id`` of an interrupted upload resumes it; a part whose connection drops is
+        sent again, up to ``retries`` times. ``on_progress(bytes_done, bytes_total)``; the
+        first call comes once the upload exists, with ``upload_id`` set on :attr:`last_upload_id`
+        so that a caller can tell the user how to resume."""
+        total = path.stat().st_size
+        if upload_id is None:
+            body = {"name": name or path.name, "size_bytes": total}
+            upload = UploadPublic.model_validate(
+                self._check(self.http.post("/v1/uploads", json=body)).json()
+            )
+        else:
+            upload = self._upload(upload_id)
+        self.last_upload_id = upload.id
+        size = max(1, min(part_bytes, upload.max_part_bytes))
+        held = {part.number: part for part in upload.parts}
+        done = 0
+        with path.open("rb") as file:
+            for number, start in enumerate(range(0, total, size), start=1):
+                file.seek(start)
+                data = file.read(size)
+                part = held.get(number)
+                if part is None or part.sha256 != hashlib.sha256(data).hexdigest():
+                    self._put_part(upload.id, number, data, retries)
+                done += len(data)
+                if on_progress is not None:
+                    on_progress(done, total)
+        response = self.http.post(
+            f"/v1/uploads/{upload.id}:complete", json={"name": name} if name else {}
+        )
+        return DatasetPublic.model_validate(self._check(response).json())
+
+    def _upload(self, upload_id: str) -> UploadPublic:
+        response = self._check(self.http.get(f"/v1/uploads/{upload_id}"))
+        return UploadPublic.model_validate(response.json())
+
+    def _put_part(self, upload_id: str, number: int, data: bytes, retries: int) -> None:
+        for attempt in range(retries + 1):
+            try:
+                response = self.http.put(
+                    f"/v1/uploads/{upload_id}/parts/{number}",
+                    content=data,
+                    headers={"Content-Type": "application/octet-stream"},
+                )
+            except httpx.TransportError:
+                if attempt == retries:
+                    raise
+                time.sleep(min(2.0**attempt, 30.0))
+                continue
+            self._check(response)
+            return
 
     def submit(
         self,

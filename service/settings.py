@@ -10,7 +10,9 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
+    "DEFAULT_MAX_CLASSES",
     "DEFAULT_MAX_DATASET_BYTES",
+    "DEFAULT_MAX_DATASET_ELEMENTS",
     "DEFAULT_MAX_NPZ_RATIO",
     "DEFAULT_MAX_WEIGHTS_BYTES",
     "Settings",
@@ -18,8 +20,16 @@ __all__ = [
 ]
 
 MIB: Final = 1024 * 1024
-DEFAULT_MAX_WEIGHTS_BYTES: Final = 2048 * MIB
-DEFAULT_MAX_DATASET_BYTES: Final = 4096 * MIB
+GIB: Final = 1024 * MIB
+DEFAULT_MAX_WEIGHTS_BYTES: Final = 2 * GIB
+# NOTE [ Dataset limits ]
+# One set of limits, read by the API (upload routes, registration) and the workers alike, all
+# from these settings. A worker reads a dataset a batch at a time (NOTE [ Reading datasets in
+# bounded memory ] in service/formats/arrays.py), so none of them bounds a worker's memory:
+# they bound disk, upload time and what one tenant may ask of the service.
+DEFAULT_MAX_DATASET_BYTES: Final = 64 * GIB
+DEFAULT_MAX_DATASET_ELEMENTS: Final = 64 * GIB  # x and y together; a uint8 x of 64 GiB
+DEFAULT_MAX_CLASSES: Final = 100_000
 # numpy.savez_compressed shrinks real image data 2-20 times; zeros shrink ~1000 times.
 DEFAULT_MAX_NPZ_RATIO: Final = 100.0
 
@@ -36,9 +46,15 @@ class Settings(BaseSettings):
     # RQ queue the API enqueues jobs on and workers listen to.
     queue: str = Field(default="bnadapt", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     max_weights_bytes: int = Field(default=DEFAULT_MAX_WEIGHTS_BYTES, ge=1)
+    # The dataset limits (NOTE [ Dataset limits ]): a dataset file's bytes (also the body
+    # limit of the upload routes), the numbers x and y hold, the classes of class labels.
     max_dataset_bytes: int = Field(default=DEFAULT_MAX_DATASET_BYTES, ge=1)
-    # Largest x a dataset may hold, in elements (bounds the memory a worker needs).
-    max_dataset_elements: int = Field(default=2_000_000_000, ge=1)
+    max_dataset_elements: int = Field(default=DEFAULT_MAX_DATASET_ELEMENTS, ge=1)
+    max_classes: int = Field(default=DEFAULT_MAX_CLASSES, ge=1)
+    # Resumable uploads (/v1/uploads): the largest part, and how long a session (and the parts
+    # it received) lasts after it was started.
+    max_upload_part_bytes: int = Field(default=1 * GIB, ge=1)
+    upload_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0)
     # An uploaded npz member may hold at most this many times its compressed size: reading
     # it allocates the uncompressed size (service/formats/arrays.py).
     max_npz_ratio: float = Field(default=DEFAULT_MAX_NPZ_RATIO, ge=1)

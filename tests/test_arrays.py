@@ -101,9 +101,9 @@ def test_float16_targets_widen_to_float32(tmp_path: Path) -> None:
     np.testing.assert_array_equal(arrays.y, targets.astype(np.float32))
 
 
-def test_big_endian_is_made_native(tmp_path: Path) -> None:
+def test_big_endian_is_read_as_stored(tmp_path: Path) -> None:
+    # x stays in the file's byte order (memory-mapped); workers convert each batch.
     arrays = read_arrays(save_npz(tmp_path / "d.npz", x=X.astype(">f4")))
-    assert arrays.x.dtype.isnative
     np.testing.assert_array_equal(arrays.x, X)
 
 
@@ -311,8 +311,8 @@ def test_npz_member_that_inflates_past_the_ratio(tmp_path: Path) -> None:
     path = tmp_path / "d.npz"
     np.savez_compressed(path, x=np.zeros((17_000, 1000), np.float32))  # 68 MB of zeros
     with pytest.raises(ArrayLimitError, match=r"the limit is 100 times \(setting BNADAPT_MAX"):
-        read_arrays(path, max_ratio=100)
-    assert read_arrays(path, max_ratio=2000).x.shape == (17_000, 1000)
+        describe_arrays(path, max_ratio=100)
+    assert describe_arrays(path, max_ratio=2000).num_samples == 17_000
     assert read_arrays(path).x.shape == (17_000, 1000)  # workers: the API checked it
 
 
@@ -427,3 +427,61 @@ def test_weights_key_and_header_limits(tmp_path: Path) -> None:
 def test_errors_share_the_root() -> None:
     assert issubclass(ArrayFileError, BnadaptError)
     assert issubclass(WeightsFileError, BnadaptError)
+
+
+# Reading in bounded memory (NOTE [ Reading datasets in bounded memory ]).
+
+
+def test_workers_map_x_and_read_y(tmp_path: Path) -> None:
+    from service.formats.arrays import open_arrays
+
+    stored = open_arrays(save_npz(tmp_path / "d.npz", x=X, y=Y.astype(np.int32)))
+    mapped = open_arrays(save_safetensors(tmp_path / "d.safetensors", x=X, y=Y))
+    for arrays in (stored, mapped):
+        assert isinstance(arrays.x, np.memmap)
+        np.testing.assert_array_equal(arrays.x, X)
+        assert arrays.y is not None and arrays.y.dtype == np.int64
+        np.testing.assert_array_equal(arrays.y, Y)
+    compressed = tmp_path / "c.npz"
+    np.savez_compressed(compressed, x=X)
+    whole = open_arrays(compressed)
+    assert not isinstance(whole.x, np.memmap)
+    np.testing.assert_array_equal(whole.x, X)
+
+
+def test_values_checked_block_by_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import service.formats.arrays as arrays_module
+
+    monkeypatch.setattr(arrays_module, "_BLOCK_BYTES", 64)  # one sample (64 bytes) a block
+    bad = X.copy()
+    bad[7, 0, 1, 1] = np.nan
+    bad[9, 0, 0, 0] = np.inf
+    for path in (
+        save_npz(tmp_path / "d.npz", x=bad),
+        save_safetensors(tmp_path / "d.safetensors", x=bad),
+    ):
+        with pytest.raises(ArrayFileError, match=r"x contains 2 non-finite .* sample 7"):
+            describe_arrays(path)
+    labels = Y.copy()
+    labels[11] = 41
+    facts = describe_arrays(save_npz(tmp_path / "l.npz", x=X, y=labels))
+    assert facts.num_classes == 42
+
+
+def test_fortran_order_refused(tmp_path: Path) -> None:
+    path = save_npz(tmp_path / "d.npz", x=np.asfortranarray(X.reshape(12, 16)))
+    with pytest.raises(ArrayFileError, match=r"Fortran .* numpy\.ascontiguousarray\(x\)"):
+        describe_arrays(path)
+
+
+def test_truncated_stored_member_data(tmp_path: Path) -> None:
+    data = save_npz(tmp_path / "d.npz", x=X).read_bytes()
+    cut = tmp_path / "t.npz"
+    # The central directory survives, the member's data does not: a lying zip.
+    with zipfile.ZipFile(tmp_path / "d.npz") as archive:
+        info = archive.getinfo("x.npy")
+    broken = bytearray(data)
+    broken[info.header_offset + 200 : info.header_offset + 300] = b"\xff" * 100
+    cut.write_bytes(bytes(broken))
+    with pytest.raises(ArrayFileError, match="damaged"):
+        describe_arrays(cut)

@@ -148,7 +148,13 @@ def test_evaluate_matches_the_adapt_report_and_lists(stack: Stack) -> None:
                 "kind": "adapt",
                 "model_id": model["id"],
                 "dataset_id": dataset["id"],
-                "params": {"estimator": "precise", "batch_size": 64, "max_batches": 2},
+                # Measured on all 600 samples (10 batches), as the evaluate job measures.
+                "params": {
+                    "estimator": "precise",
+                    "batch_size": 64,
+                    "max_batches": 2,
+                    "measure_batches": 10,
+                },
             }
         ),
         202,

@@ -252,3 +252,23 @@ def test_iter_batches() -> None:
         iter_batches(x, 0)
     with pytest.raises(ValueError, match="max_batches must be >= 1"):
         iter_batches(x, 2, max_batches=0)
+
+
+def test_samples_read_rows_when_loaded() -> None:
+    from workers.running.data import Batches, Samples, load_rows
+
+    x8 = np.arange(10 * 2 * 3, dtype=np.uint8).reshape(10, 2, 3)
+    as_tensor = torch.from_numpy(x8).to(torch.float32).div_(255)
+    samples = Samples(x8)
+    assert samples.shape == (10, 2, 3) and len(samples[2:7]) == 5
+    assert torch.equal(samples[2:7][1:3].load(), as_tensor[3:5])
+    picked = torch.tensor([9, 0, 4])
+    assert torch.equal(load_rows(samples, picked), as_tensor[picked])
+    assert torch.equal(samples[5:][torch.tensor([1, 0])].load(), as_tensor[[6, 5]])
+    big_endian = np.arange(12, dtype=">f4").reshape(6, 2)
+    assert torch.equal(Samples(big_endian).load(), torch.arange(12.0).reshape(6, 2))
+    batches = Batches(samples, 4, max_batches=2)
+    assert len(batches) == 2 and torch.equal(batches[-1], as_tensor[4:8])
+    assert [b.shape[0] for b in iter_batches(samples, 4)] == [4, 4, 2]
+    with pytest.raises(ValueError, match="step 1"):
+        samples[::2]

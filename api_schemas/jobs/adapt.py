@@ -136,10 +136,15 @@ class AdaptParams(RequestModel):
     before it already adapted and in eval mode: every layer's statistics then do not depend on
     how the data is split into batches (one pass estimates all layers at once, each normalizing
     with its batch statistics, so a layer's input depends a little on the batch size), at the
-    cost of one pass over the data per layer."""
+    cost of one pass over the data per layer.
+
+    ``measure_batches`` bounds the measurement of labelled data before and after (the first
+    that many batches of ``batch_size``); None: as many as ``max_batches``, all when that is
+    None too. The report's ``metrics_*.num_samples`` says how many samples were measured."""
 
     batch_size: BatchSize = 64
     max_batches: int | None = Field(default=None, ge=1)
+    measure_batches: int | None = Field(default=None, ge=1)
     estimator: EstimatorName = "cumulative"
     reset: bool | None = None
     include: Annotated[list[ModulePattern], Field(min_length=1, max_length=256)] = Field(
@@ -158,6 +163,11 @@ class AdaptParams(RequestModel):
     device: Device = "auto"
     shards: int = Field(default=1, ge=1, le=MAX_SHARDS)
     layerwise: bool = False
+
+    def measured_samples(self, num_samples: int) -> int:
+        """How many of the dataset's first samples the before/after measurement covers."""
+        bound = self.measure_batches or self.max_batches
+        return num_samples if bound is None else min(num_samples, bound * self.batch_size)
 
     @property
     def spec(self) -> EstimatorSpec:

@@ -16,7 +16,7 @@ from rq import Queue
 
 from api_schemas import Problem, ProblemItem
 from service.api.problems import install_problem_handlers, problem_responses
-from service.api.routes import architectures, datasets, health, jobs, models
+from service.api.routes import architectures, datasets, health, jobs, models, uploads
 from service.records.aio import AsyncRecords, async_redis_client
 from service.records.connection import redis_client
 from service.records.sync import Records
@@ -69,7 +69,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Every error a route can answer is in the OpenAPI document, as application/problem+json
     # (422 replaces FastAPI's own, whose body is not the one the API sends).
     app.include_router(health.router, responses=problem_responses(503))
-    for router in (architectures.router, models.router, datasets.router, jobs.router):
+    for router in (
+        architectures.router,
+        models.router,
+        datasets.router,
+        uploads.router,
+        jobs.router,
+    ):
         app.include_router(router, responses=problem_responses(400, 401, 404, 409, 413, 422, 503))
     _add_problem_schema(app)
     return app

@@ -1,5 +1,5 @@
 """Dataset files: recognized by their content (service/formats/sniff.py), checked, then read with
-numpy. Weights files: service/formats/weights.py.
+numpy. Weights files: service/formats/weights.py. Image datasets: service/formats/images.py.
 
 A dataset holds ``x`` of shape (N, *sample_shape) and an optional ``y`` with one entry per
 sample, in an ``.npz`` (never unpickled) or a ``.safetensors`` file. The rules:
@@ -10,14 +10,27 @@ sample, in an ``.npz`` (never unpickled) or a ``.safetensors`` file. The rules:
   regression targets, finite, read as float32.
 - Lossy conversions are refused, not done silently: float64 data must be converted by the user,
   who then knows what the service trains on.
+- Arrays are stored in C order (row-major), so that a batch of samples is one run of bytes.
 
-Sizes and counts are checked from the file headers before any data is read, so a hostile file
-(a compressed npz that inflates, a header with a million entries) costs little: see NOTE
-[ Compressed npz members ].
+# NOTE [ Reading datasets in bounded memory ]
+A dataset may be far larger than the memory of the API or of a worker (the limits are in
+service/settings.py, one set for both). Nothing here holds a whole array:
+
+- Sizes, counts and dtypes are checked from the file headers before any data is read
+  (:func:`locate_arrays`), so a hostile file (a header with a million entries, an npz member
+  that inflates) costs little.
+- Registration (:func:`describe_arrays`) checks the values block by block with plain reads into
+  one buffer of at most ``_BLOCK_BYTES``: the API's memory does not grow with the file (a
+  memory map would not do here: its pages count in the process's resident memory).
+- Workers (:func:`open_arrays`) memory-map ``x`` where its bytes lie uncompressed in the file
+  (safetensors, stored npz members): a batch is read, and converted, when it is used. Only a
+  compressed npz member is read whole; ``y`` (one label per sample) is read whole.
 """
 
+import json
 import math
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final
@@ -29,6 +42,7 @@ from safetensors import SafetensorError, safe_open
 from api_schemas.datasets import ArrayFormat, LabelKind, SampleDtype
 from service.errors import ArrayFileError, ArrayLimitError
 from service.formats.sniff import check_safetensors_header, safetensors_specs, sniff, what_it_is
+from service.settings import DEFAULT_MAX_CLASSES, DEFAULT_MAX_DATASET_ELEMENTS
 
 __all__ = [
     "DEFAULT_MAX_CLASSES",
@@ -36,15 +50,17 @@ __all__ = [
     "ArrayFacts",
     "LoadedArrays",
     "describe_arrays",
+    "locate_arrays",
+    "open_arrays",
     "read_arrays",
     "sniff_format",
 ]
 
-DEFAULT_MAX_ELEMENTS: Final = 1 << 30  # x and y together: 4 GiB as float32
-DEFAULT_MAX_CLASSES: Final = 100_000
+DEFAULT_MAX_ELEMENTS: Final = DEFAULT_MAX_DATASET_ELEMENTS
 _MAX_ARRAYS_HEADER_BYTES: Final = 1 << 20  # two tensors and some metadata
-# An npz member this small may inflate any number of times (NOTE [ Compressed npz members ]).
-_RATIO_FREE_BYTES: Final = 64 << 20
+_BLOCK_BYTES: Final = 8 << 20  # one read while checking values (NOTE [ Reading datasets ... ])
+_ZIP_LOCAL_HEADER: Final = 30  # bytes before a local file header's name and extra field
+_ZIP_ENCRYPTED: Final = 0x1
 
 _HOW_TO_SAVE: Final = (
     "save the arrays with numpy.savez(path, x=x, y=y) or "
@@ -74,7 +90,9 @@ _INT_DTYPES: Final = frozenset(v for k, v in _SAFETENSORS_DTYPES.items() if k[0]
 
 @dataclass(frozen=True)
 class LoadedArrays:
-    """A validated dataset, in native byte order."""
+    """A dataset opened for reading. ``x`` may be a read-only memory map in the file's byte
+    order: convert it a batch at a time (workers/running/data.py). ``y`` is in memory, in its
+    canonical dtype."""
 
     x: npt.NDArray[Any]  # (N, *sample_shape) float32 or uint8
     y: npt.NDArray[Any] | None  # (N,) int64 class labels, or (N, ...) float32 targets
@@ -112,6 +130,17 @@ class _Spec:
     dtype: str  # numpy's name where numpy has one
 
 
+@dataclass(frozen=True)
+class ArrayLocation:
+    """Where one array's bytes are: C-ordered data of ``dtype`` and ``shape`` at ``offset`` of
+    the file, or (``offset`` None) in the compressed npz member ``member``."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    offset: int | None
+    member: str | None = None
+
+
 def sniff_format(path: Path) -> ArrayFormat:
     """The format of a dataset file, from its first bytes (never from its name).
 
@@ -137,7 +166,7 @@ def _check_names(names: list[str]) -> None:
         )
 
 
-def _check_specs(specs: dict[str, _Spec], max_elements: int) -> None:
+def _check_specs(specs: dict[str, _Spec], max_elements: int | None) -> None:
     """Applies the dataset rules that the headers alone decide."""
     x = specs["x"]
     if x.dtype == "object":
@@ -160,10 +189,11 @@ def _check_specs(specs: dict[str, _Spec], max_elements: int) -> None:
     if 0 in x.shape[1:]:
         raise ArrayFileError(f"x has shape {x.shape}: every sample is empty")
     elements = math.prod(x.shape) + (math.prod(specs["y"].shape) if "y" in specs else 0)
-    if elements > max_elements:
+    if max_elements is not None and elements > max_elements:
         raise ArrayFileError(
-            f"x and y hold {elements} numbers, more than the limit of {max_elements}; split "
-            "the dataset into smaller files"
+            f"x and y hold {elements} numbers, more than the limit of {max_elements} "
+            "(BNADAPT_MAX_DATASET_ELEMENTS, shared by the API and the workers); split the "
+            "dataset into smaller files, or raise the limit"
         )
     if "y" in specs:
         _check_label_spec(specs["y"], num_samples=x.shape[0])
@@ -194,13 +224,15 @@ def _check_label_spec(y: _Spec, num_samples: int) -> None:
         )
 
 
-def _npy_spec(file: IO[bytes], member: str) -> _Spec:
+def _npy_header(file: IO[bytes], member: str) -> tuple[_Spec, np.dtype[Any], bool]:
+    """The spec, numpy dtype and Fortran-order flag of the .npy data ``file`` starts with;
+    leaves ``file`` at the first data byte."""
     try:
         version = np.lib.format.read_magic(file)
         if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(file)
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(file)
         elif version == (2, 0):
-            shape, _, dtype = np.lib.format.read_array_header_2_0(file)
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(file)
         else:
             raise ValueError(f"unsupported .npy format version {version}")
     except ValueError as exc:
@@ -208,33 +240,24 @@ def _npy_spec(file: IO[bytes], member: str) -> _Spec:
             f"{member} in the npz is not a readable .npy array ({exc}); {_HOW_TO_SAVE}"
         ) from exc
     name = "object" if dtype.hasobject else dtype.name if dtype.fields is None else str(dtype)
-    return _Spec(tuple(shape), name)
+    return _Spec(tuple(shape), name), dtype, bool(fortran)
 
+
+# An npz member this small may inflate any number of times (NOTE [ Compressed npz members ]).
+_RATIO_FREE_BYTES: Final = 64 << 20
 
 # NOTE [ Compressed npz members ]
-# Reading a member allocates what its .npy header declares (shape x itemsize), whatever the
-# member's size in the zip: a 1 MiB member of deflated zeros declaring 1.4 GB made the API
-# allocate 1.4 GB. Before any data is read, each member must declare no more bytes than the
-# zip says it uncompresses to (else it is truncated or lying), and with ``max_ratio`` (the API,
-# on uploads) a member over ``_RATIO_FREE_BYTES`` must uncompress to at most ``max_ratio``
-# times its compressed size. zipfile stops a member's output at its declared uncompressed
-# size, so the memory a read takes is bounded by ``max_ratio`` times the upload's size (or
-# ``_RATIO_FREE_BYTES`` per member: small label arrays of one class compress 1000 times).
-# Workers read files the API already checked and pass no ratio, so raising the setting needs no
-# change on them.
+# A compressed member is read whole by a job (a memory map needs its bytes as they lie in the
+# file), so what it uncompresses to is memory a worker spends: with ``max_ratio`` (the API, on
+# uploads) a member over ``_RATIO_FREE_BYTES`` must uncompress to at most ``max_ratio`` times
+# its compressed size (a 1 MiB member of deflated zeros may declare 1.4 GB). Its declared size
+# must also fit what the zip says it holds (else it is truncated or lying). Small label arrays
+# of one class compress 1000 times, hence the free size. Workers read files the API already
+# checked and pass no ratio, so raising the setting needs no change on them.
 
 
-def _check_member_size(
-    info: zipfile.ZipInfo, spec: _Spec, max_ratio: float | None, header_bytes: int
-) -> None:
+def _check_ratio(info: zipfile.ZipInfo, max_ratio: float | None) -> None:
     """See NOTE [ Compressed npz members ]."""
-    declared = math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
-    if declared > info.file_size - header_bytes:
-        raise ArrayFileError(
-            f"{info.filename} in the npz declares {declared} bytes of data (shape "
-            f"{spec.shape}, {spec.dtype}) but holds only {info.file_size - header_bytes}; the "
-            f"file is truncated or damaged: {_HOW_TO_SAVE}"
-        )
     if max_ratio is None or info.file_size <= _RATIO_FREE_BYTES:
         return
     ratio = info.file_size / max(info.compress_size, 1)
@@ -249,9 +272,9 @@ def _check_member_size(
         )
 
 
-def _read_npz(
-    path: Path, max_elements: int, max_ratio: float | None = None
-) -> dict[str, npt.NDArray[Any]]:
+def _locate_npz(
+    path: Path, max_elements: int | None, max_ratio: float | None = None
+) -> dict[str, ArrayLocation]:
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
@@ -264,25 +287,40 @@ def _read_npz(
             # still only ever parsed as .npy, so accepting it is harmless.
             keys = [name.removesuffix(".npy") for name in names]
             _check_names(keys)
-            arrays = dict(zip(keys, names, strict=True))
-            specs = {}
-            header_bytes = {}
-            for key, member in arrays.items():
-                with archive.open(member) as file:
-                    specs[key] = _npy_spec(file, member)
-                    header_bytes[key] = file.tell()
+            specs, headers = {}, {}
+            for key, info in zip(keys, archive.infolist(), strict=True):
+                if info.flag_bits & _ZIP_ENCRYPTED:
+                    raise NotImplementedError(f"{info.filename} is encrypted")
+                with archive.open(info) as file:
+                    specs[key], dtype, fortran = _npy_header(file, info.filename)
+                    header_bytes = file.tell()
+                headers[key] = (info, dtype, fortran, header_bytes)
+                _check_ratio(info, max_ratio)
             _check_specs(specs, max_elements)
-            for key, member in arrays.items():
-                _check_member_size(
-                    archive.getinfo(member), specs[key], max_ratio, header_bytes[key]
-                )
-            loaded = {}
-            for key, member in arrays.items():
-                with archive.open(member) as file:
-                    loaded[key] = np.lib.format.read_array(file, allow_pickle=False)
-            return loaded
+            size = path.stat().st_size
+            located = {}
+            for key, (info, dtype, fortran, header_bytes) in headers.items():
+                shape = specs[key].shape
+                if fortran and len(shape) > 1:
+                    raise ArrayFileError(
+                        f"{key} is stored in Fortran (column-major) order, so a batch of "
+                        f"samples is not one run of bytes; save numpy.ascontiguousarray({key})"
+                    )
+                data_bytes = math.prod(shape) * dtype.itemsize
+                if header_bytes + data_bytes > info.file_size:
+                    raise ArrayFileError(
+                        f"the npz could not be read: {info.filename} promises {data_bytes} bytes "
+                        f"of data but holds only {info.file_size - header_bytes}; the file is "
+                        f"truncated or damaged: {_HOW_TO_SAVE}"
+                    )
+                offset = None
+                if info.compress_type == zipfile.ZIP_STORED:
+                    offset = _member_data_offset(path, info) + header_bytes
+                    if offset + data_bytes > size:
+                        raise EOFError(f"{info.filename} ends past the end of the file")
+                located[key] = ArrayLocation(shape, dtype, offset, info.filename)
+            return located
     except ValueError as exc:
-        # np.lib.format refuses object arrays (allow_pickle=False) and short data with it.
         raise ArrayFileError(f"the npz could not be read: {exc}; {_HOW_TO_SAVE}") from exc
     except (zipfile.BadZipFile, EOFError, NotImplementedError, RuntimeError) as exc:
         # A corrupt or truncated zip (bad CRC), unsupported compression, encrypted members.
@@ -292,89 +330,160 @@ def _read_npz(
         ) from exc
 
 
-def _read_safetensors(path: Path, max_elements: int) -> dict[str, npt.NDArray[Any]]:
-    check_safetensors_header(path, _MAX_ARRAYS_HEADER_BYTES, ArrayFileError)
+def _member_data_offset(path: Path, info: zipfile.ZipInfo) -> int:
+    """Where a member's bytes start: after its local header, whose name and extra field may
+    differ in length from the central directory's copy."""
+    with path.open("rb") as file:
+        file.seek(info.header_offset)
+        local = file.read(_ZIP_LOCAL_HEADER)
+    if len(local) < _ZIP_LOCAL_HEADER or not local.startswith(b"PK\x03\x04"):
+        raise zipfile.BadZipFile(f"bad local header of {info.filename}")
+    name_bytes = int.from_bytes(local[26:28], "little")
+    extra_bytes = int.from_bytes(local[28:30], "little")
+    return info.header_offset + _ZIP_LOCAL_HEADER + name_bytes + extra_bytes
+
+
+def _locate_safetensors(path: Path, max_elements: int | None) -> dict[str, ArrayLocation]:
+    header_bytes = check_safetensors_header(path, _MAX_ARRAYS_HEADER_BYTES, ArrayFileError)
     try:
         with safe_open(str(path), framework="numpy") as opened:
             _check_names([str(key) for key in opened.keys()])  # noqa: SIM118  # no __iter__
             raw = safetensors_specs(opened)
-            specs = {
-                k: _Spec(shape, _SAFETENSORS_DTYPES.get(d, d)) for k, (shape, d) in raw.items()
-            }
-            _check_specs(specs, max_elements)
-            return {key: np.asarray(opened.get_tensor(key)) for key in specs}
     except SafetensorError as exc:
         raise ArrayFileError(
             f"not a valid safetensors file ({exc}); it may be truncated or corrupt: upload it again"
         ) from exc
-
-
-def _check_values(
-    x: npt.NDArray[Any], y: npt.NDArray[Any] | None, max_classes: int
-) -> LoadedArrays:
-    """Applies the dataset rules that need the data, and converts to the canonical dtypes."""
-    x = x.astype(x.dtype.newbyteorder("="), copy=False)
-    if x.dtype == np.float32:
-        _check_finite(x, "x")
-    if y is None:
-        return LoadedArrays(x, None)
-    if y.dtype.kind in "iu":
-        negative = int(np.count_nonzero(y < 0))
-        if negative:
-            raise ArrayFileError(
-                f"y contains {negative} negative class labels (smallest {int(y.min())}); class "
-                "labels must be 0..num_classes-1: remap them, e.g. with "
-                "numpy.unique(y, return_inverse=True)[1]"
-            )
-        largest = int(y.max())
-        if largest >= max_classes:
-            raise ArrayFileError(
-                f"y's largest class label is {largest}, so a model would need {largest + 1} "
-                f"outputs; at most {max_classes} classes are allowed: remap the labels with "
-                "numpy.unique(y, return_inverse=True)[1], or store regression targets as float32"
-            )
-        return LoadedArrays(x, y.astype(np.int64, copy=False))
-    _check_finite(y, "y")
-    return LoadedArrays(x, y.astype(np.float32, copy=False))
-
-
-def _check_finite(array: npt.NDArray[Any], name: str) -> None:
-    finite = np.isfinite(array)
-    bad = array.size - int(np.count_nonzero(finite))
-    if bad:
-        first = int(np.argmin(finite.reshape(len(array), -1).all(axis=1)))
-        raise ArrayFileError(
-            f"{name} contains {bad} non-finite values (NaN or Inf), the first in sample {first}; "
-            "replace them before uploading, e.g. with numpy.nan_to_num"
+    specs = {k: _Spec(shape, _SAFETENSORS_DTYPES.get(d, d)) for k, (shape, d) in raw.items()}
+    _check_specs(specs, max_elements)
+    # safe_open checked that the offsets lie in the file and that the tensors tile the data.
+    with path.open("rb") as file:
+        file.seek(8)
+        header = json.loads(file.read(header_bytes))
+    return {
+        key: ArrayLocation(
+            spec.shape,
+            np.dtype(spec.dtype).newbyteorder("<"),  # safetensors is little-endian
+            8 + header_bytes + int(header[key]["data_offsets"][0]),
         )
+        for key, spec in specs.items()
+    }
 
 
-def read_arrays(
+def locate_arrays(
     path: Path,
     format: ArrayFormat | None = None,
     *,
-    max_elements: int = DEFAULT_MAX_ELEMENTS,
-    max_classes: int = DEFAULT_MAX_CLASSES,
+    max_elements: int | None = DEFAULT_MAX_ELEMENTS,
     max_ratio: float | None = None,
-) -> LoadedArrays:
-    """Reads and validates a dataset file; raises ``ArrayFileError`` naming what to fix
-    (``ArrayLimitError`` for an npz member that inflates more than ``max_ratio`` times: see
-    NOTE [ Compressed npz members ]).
-
-    ``format`` is detected from the content when None; when given, the content must agree.
-    """
+) -> dict[str, ArrayLocation]:
+    """Where ``x`` (and ``y``) lie in a dataset file, with every rule the headers decide checked
+    (``max_elements`` None: no element limit; ``max_ratio``: NOTE [ Compressed npz members ],
+    ``ArrayLimitError`` past it); no data is read. ``format`` is detected from the
+    content when None; when given, the content must agree."""
     found = sniff_format(path)
     if format is not None and format != found:
         raise ArrayFileError(
             f"the file was declared {format} but its content is {found}; declare the format "
             "that matches the content, or none"
         )
-    arrays = (
-        _read_npz(path, max_elements, max_ratio)
-        if found == "npz"
-        else _read_safetensors(path, max_elements)
-    )
-    return _check_values(arrays["x"], arrays.get("y"), max_classes)
+    if found == "npz":
+        return _locate_npz(path, max_elements, max_ratio)
+    return _locate_safetensors(path, max_elements)
+
+
+def _blocks(path: Path, where: ArrayLocation, max_bytes: int) -> Iterator[npt.NDArray[Any]]:
+    """The array's rows, a block of at most ``max_bytes`` (at least one row) at a time, read
+    into one reused buffer: a block is valid until the next one is asked for. A compressed or
+    stored npz member is read through zipfile, which checks its CRC at the end."""
+    row_shape = where.shape[1:]
+    row_bytes = max(math.prod(row_shape) * where.dtype.itemsize, 1)
+    rows = max(max_bytes // row_bytes, 1)
+    buffer = bytearray(rows * row_bytes)
+    archive = None
+    try:
+        if where.member is not None:
+            archive = zipfile.ZipFile(path)
+            file: IO[bytes] = archive.open(where.member)
+            _npy_header(file, where.member)
+        else:
+            file = path.open("rb")
+            assert where.offset is not None
+            file.seek(where.offset)
+        with file:
+            left = where.shape[0]
+            while left:
+                count = min(rows, left)
+                view = memoryview(buffer)[: count * row_bytes]
+                got = 0
+                while got < len(view):
+                    n = file.readinto(view[got:])  # type: ignore[attr-defined]
+                    if not n:
+                        raise EOFError(f"the data of the array ends after {got} bytes")
+                    got += n
+                yield np.frombuffer(view, dtype=where.dtype).reshape(count, *row_shape)
+                left -= count
+            if where.member is not None:
+                file.read()  # to the member's end: zipfile checks the CRC there
+    finally:
+        if archive is not None:
+            archive.close()
+
+
+def _check_values(path: Path, located: dict[str, ArrayLocation], max_classes: int) -> int | None:
+    """Applies the dataset rules that need the data, a block at a time; returns the number of
+    classes (largest label + 1) for class labels, else None."""
+    try:
+        if located["x"].dtype.kind == "f":
+            _check_finite(path, located["x"], "x")
+        if "y" not in located:
+            return None
+        y = located["y"]
+        if y.dtype.kind == "f":
+            _check_finite(path, y, "y")
+            return None
+        return _check_class_labels(path, y, max_classes)
+    except (EOFError, zipfile.BadZipFile) as exc:
+        raise ArrayFileError(
+            f"the dataset file is damaged or truncated ({exc}); upload it again or {_HOW_TO_SAVE}"
+        ) from exc
+
+
+def _check_class_labels(path: Path, where: ArrayLocation, max_classes: int) -> int:
+    negative, smallest, largest = 0, 0, 0
+    for block in _blocks(path, where, _BLOCK_BYTES):
+        negative += int(np.count_nonzero(block < 0))
+        smallest = min(smallest, int(block.min()))
+        largest = max(largest, int(block.max()))
+    if negative:
+        raise ArrayFileError(
+            f"y contains {negative} negative class labels (smallest {smallest}); class "
+            "labels must be 0..num_classes-1: remap them, e.g. with "
+            "numpy.unique(y, return_inverse=True)[1]"
+        )
+    if largest >= max_classes:
+        raise ArrayFileError(
+            f"y's largest class label is {largest}, so a model would need {largest + 1} "
+            f"outputs; at most {max_classes} classes are allowed (BNADAPT_MAX_CLASSES): remap "
+            "the labels with numpy.unique(y, return_inverse=True)[1], or store regression "
+            "targets as float32"
+        )
+    return largest + 1
+
+
+def _check_finite(path: Path, where: ArrayLocation, name: str) -> None:
+    bad, first, seen = 0, -1, 0
+    for block in _blocks(path, where, _BLOCK_BYTES):
+        finite = np.isfinite(block)
+        found = block.size - int(np.count_nonzero(finite))
+        if found and first < 0:
+            first = seen + int(np.argmin(finite.reshape(len(block), -1).all(axis=1)))
+        bad += found
+        seen += len(block)
+    if bad:
+        raise ArrayFileError(
+            f"{name} contains {bad} non-finite values (NaN or Inf), the first in sample {first}; "
+            "replace them before uploading, e.g. with numpy.nan_to_num"
+        )
 
 
 def describe_arrays(
@@ -385,17 +494,76 @@ def describe_arrays(
     max_classes: int = DEFAULT_MAX_CLASSES,
     max_ratio: float | None = None,
 ) -> ArrayFacts:
-    """Reads and validates a dataset file (see :func:`read_arrays`) and returns its facts."""
+    """Checks a dataset file against every rule, in bounded memory (NOTE [ Reading datasets in
+    bounded memory ]), and returns its facts; raises ``ArrayFileError`` naming what to fix.
+    ``format`` is detected from the content when None; when given, the content must agree."""
     found = format or sniff_format(path)
-    arrays = read_arrays(
-        path, found, max_elements=max_elements, max_classes=max_classes, max_ratio=max_ratio
-    )
+    located = locate_arrays(path, found, max_elements=max_elements, max_ratio=max_ratio)
+    num_classes = _check_values(path, located, max_classes)
+    x = located["x"]
+    label_kind: LabelKind | None = None
+    if "y" in located:
+        label_kind = "target" if located["y"].dtype.kind == "f" else "class"
     return ArrayFacts(
         format=found,
-        num_samples=int(arrays.x.shape[0]),
-        sample_shape=tuple(int(d) for d in arrays.x.shape[1:]),
-        dtype="float32" if arrays.x.dtype == np.float32 else "uint8",
-        has_labels=arrays.y is not None,
-        label_kind=arrays.label_kind,
-        num_classes=arrays.num_classes,
+        num_samples=int(x.shape[0]),
+        sample_shape=tuple(int(d) for d in x.shape[1:]),
+        dtype="float32" if x.dtype.kind == "f" else "uint8",
+        has_labels="y" in located,
+        label_kind=label_kind,
+        num_classes=num_classes,
     )
+
+
+def _open_array(path: Path, where: ArrayLocation) -> npt.NDArray[Any]:
+    if where.offset is not None:
+        if math.prod(where.shape) == 0:
+            return np.empty(where.shape, where.dtype)
+        return np.memmap(path, where.dtype, "r", where.offset, where.shape)
+    assert where.member is not None
+    with zipfile.ZipFile(path) as archive, archive.open(where.member) as file:
+        _npy_header(file, where.member)
+        return _read_member(file, where)
+
+
+def _read_member(file: IO[bytes], where: ArrayLocation) -> npt.NDArray[Any]:
+    """A compressed npz member's data, read whole (a compressed stream cannot be mapped)."""
+    data = np.empty(where.shape, where.dtype)
+    view = data.reshape(-1).view(np.uint8).data  # a memoryview of the array's bytes
+    got = 0
+    while got < len(view):
+        n = file.readinto(view[got:])  # type: ignore[attr-defined]
+        if not n:
+            raise ArrayFileError(
+                f"{where.member} ends after {got} of {len(view)} data bytes; upload it again"
+            )
+        got += n
+    return data
+
+
+def open_arrays(path: Path, format: ArrayFormat | None = None) -> LoadedArrays:
+    """Opens a registered dataset for a worker: ``x`` memory-mapped where it can be (NOTE
+    [ Reading datasets in bounded memory ]), ``y`` read whole in its canonical dtype. The
+    values were checked at registration (:func:`describe_arrays`); the headers are checked
+    again, with no element limit: a worker's memory does not grow with the dataset."""
+    located = locate_arrays(path, format, max_elements=None)
+    x = _open_array(path, located["x"])
+    if "y" not in located:
+        return LoadedArrays(x, None)
+    y = _open_array(path, located["y"])
+    canonical = np.int64 if y.dtype.kind in "iu" else np.float32
+    return LoadedArrays(x, np.array(y, dtype=canonical))
+
+
+def read_arrays(
+    path: Path,
+    format: ArrayFormat | None = None,
+    *,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    max_classes: int = DEFAULT_MAX_CLASSES,
+) -> LoadedArrays:
+    """Checks a dataset file (:func:`describe_arrays`) and opens it (:func:`open_arrays`);
+    raises ``ArrayFileError`` naming what to fix."""
+    found = format or sniff_format(path)
+    describe_arrays(path, found, max_elements=max_elements, max_classes=max_classes)
+    return open_arrays(path, found)

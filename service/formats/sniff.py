@@ -43,7 +43,8 @@ def what_it_is(kind: FileKind, head: bytes) -> str:
     }[kind]
 
 
-def check_safetensors_header(path: Path, max_header_bytes: int, error: type[BnadaptError]) -> None:
+def check_safetensors_header(path: Path, max_header_bytes: int, error: type[BnadaptError]) -> int:
+    """Returns the length of the JSON header that follows the first 8 bytes."""
     size = path.stat().st_size
     with path.open("rb") as file:
         declared = int.from_bytes(file.read(8), "little")
@@ -57,6 +58,7 @@ def check_safetensors_header(path: Path, max_header_bytes: int, error: type[Bnad
             f"the safetensors header is {declared} bytes, more than the limit of "
             f"{max_header_bytes}; it lists too many tensors or too much metadata"
         )
+    return declared
 
 
 def safetensors_specs(opened: Any) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -229,6 +229,11 @@ def _parser() -> argparse.ArgumentParser:
     dadd = datasets.add_parser("add", help="upload an .npz or .safetensors file with x (and y)")
     dadd.add_argument("file")
     dadd.add_argument("--name")
+    dadd.add_argument(
+        "--resume",
+        metavar="UPLOAD_ID",
+        help="continue an interrupted upload (its id is printed when it starts)",
+    )
     dadd.set_defaults(func=cmd_datasets_add)
 
     jobs = sub.add_parser("jobs").add_subparsers(dest="jobs", required=True)

@@ -128,7 +128,35 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def cmd_datasets_add(args: argparse.Namespace) -> int:
-    print_value(api_client(args).add_dataset(Path(args.file), args.name))
+    """A resumable upload with a progress bar on stderr; the dataset as JSON on stdout."""
+    client = api_client(args)
+    path = Path(args.file)
+    interactive = sys.stderr.isatty()
+    announced = False
+
+    def show(done: int, total: int) -> None:
+        nonlocal announced
+        if not announced:
+            print(
+                f"upload {client.last_upload_id}: if it is interrupted, resume it with "
+                f"bnadapt datasets add {path} --resume {client.last_upload_id}",
+                file=sys.stderr,
+            )
+            announced = True
+        share = done / total if total else 1.0
+        bar = "#" * int(share * 30)
+        line = f"[{bar:30}] {share:6.1%} {done / 1e6:,.1f} of {total / 1e6:,.1f} MB"
+        print(
+            f"\r{line}" if interactive else line,
+            end="" if interactive else "\n",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    dataset = client.upload_dataset(path, args.name, upload_id=args.resume, on_progress=show)
+    if interactive:
+        print(file=sys.stderr)
+    print_value(dataset)
     return 0
 
 

@@ -34,6 +34,8 @@ __all__ = [
     "tenant",
     "tenant_by_name",
     "tenant_index",
+    "upload",
+    "upload_parts",
 ]
 
 PREFIX: Final = "bnadapt"
@@ -121,6 +123,16 @@ def job_child_result(job_id: str, child: str) -> str:
     """What child ``child`` of a sharded job hands on (JSON), e.g. the statistics a shard
     collected, for the merge; with a TTL."""
     return f"{PREFIX}:job:{job_id}:result:{child}"
+
+
+def upload(upload_id: str) -> str:
+    """Hash: a resumable upload's tenant, name, created_at, expires_at; with a TTL."""
+    return f"{PREFIX}:upload:{upload_id}"
+
+
+def upload_parts(upload_id: str) -> str:
+    """Hash: part number -> ``<sha256>:<size>`` of each part received; same TTL as the upload."""
+    return f"{PREFIX}:upload:{upload_id}:parts"
 
 
 def idempotency(tenant_id: str, key: str) -> str:

@@ -19,7 +19,7 @@ from torch import nn
 from api_schemas import AdaptParams
 from workers import import_path
 from workers.estimators.running import AdaptStats
-from workers.running.data import iter_batches, num_batches
+from workers.running.data import Batches, Data, iter_batches, num_batches
 from workers.running.hooks import JobHooks
 
 __all__ = ["Estimate", "EstimatorTask", "load_runner", "run_estimator"]
@@ -39,7 +39,7 @@ class EstimatorTask:
     params: AdaptParams
     layers: list[str]
     hooks: JobHooks
-    x: torch.Tensor  # (N, ...) on the CPU
+    x: Data  # (N, ...) read a batch at a time, on the CPU
     reset: bool
     device: torch.device
 
@@ -53,8 +53,13 @@ class EstimatorTask:
         return (b.to(self.device) for b in self.views())
 
     def views(self) -> Iterator[torch.Tensor]:
-        """The job's batches as views of the CPU tensor."""
+        """The job's batches on the CPU, each read as it comes."""
         return iter_batches(self.x, self.params.batch_size, self.params.max_batches)
+
+    def sequence(self) -> Batches:
+        """The job's batches on the CPU as a sequence that reads a batch when it is indexed
+        (an estimator that cycles over them holds none)."""
+        return Batches(self.x, self.params.batch_size, self.params.max_batches)
 
     def start(
         self, total: int | None = None, unit: Literal["batches", "steps"] = "batches"
@@ -80,7 +85,7 @@ def run_estimator(
     layers: list[str],
     hooks: JobHooks,
     *,
-    x: torch.Tensor,
+    x: Data,
     reset: bool,
     device: torch.device,
 ) -> AdaptStats:

@@ -135,10 +135,10 @@ def run(task: EstimatorTask) -> AdaptStats:
     params = task.params
     steps = params.steps or task.total
     task.start(steps, "steps")
-    # Views of the CPU tensor: each step moves its batch to the model's device.
+    # Read when a step needs it: each step moves its batch to the model's device.
     return entropy_adapt(
         task.model,
-        list(task.views()),
+        task.sequence(),
         layers=task.layers,
         lr=params.lr,
         steps=steps,

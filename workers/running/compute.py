@@ -33,7 +33,7 @@ from api_schemas.reports import (
     TensorChange,
     Timings,
 )
-from service.formats.arrays import read_arrays
+from service.formats.arrays import open_arrays
 from service.store.base import Store
 from workers.errors import AdaptError, ArchitectureError, DataError, WorkerError
 from workers.estimators.dispatch import Estimate, run_estimator
@@ -48,7 +48,7 @@ from workers.models.architectures import (
 )
 from workers.models.modules import named_modules
 from workers.models.policy import apply_checkpoint_policy
-from workers.running.data import num_batches, to_tensors
+from workers.running.data import Data, Samples, labels_tensor, num_batches
 from workers.running.evaluation import Metrics as EvalMetrics
 from workers.running.evaluation import evaluate_sums, loss_for
 from workers.running.hooks import JobHooks, NoHooks
@@ -115,10 +115,19 @@ class LoadedJob:
     """An adapt or train job's inputs, ready to run."""
 
     model: nn.Module  # on `device`, run through the job's checkpoint policy
-    x: torch.Tensor  # (N, ...) on the CPU; batches move to `device`
+    x: Data  # (N, ...) read a batch at a time on the CPU; batches move to `device`
     y: torch.Tensor | None  # (N,) labels or (N, ...) targets, on the CPU
     device: torch.device
     arch: Architecture
+
+
+def open_dataset(payload: JobPayload, store: Store) -> tuple[Samples, torch.Tensor | None]:
+    """The job's dataset: ``x`` as :class:`Samples` (memory-mapped where the file allows, read
+    and converted a batch at a time), ``y`` in memory. Opening reads only headers and labels, so
+    the first batch comes as soon for any size of dataset."""
+    arrays = open_arrays(store.local_path(payload.dataset.sha256), payload.dataset.format)
+    y = None if arrays.y is None else labels_tensor(arrays.y, len(arrays.x))
+    return Samples(arrays.x), y
 
 
 def load_job(payload: JobPayload, store: Store) -> LoadedJob:
@@ -129,8 +138,7 @@ def load_job(payload: JobPayload, store: Store) -> LoadedJob:
     torch.manual_seed(params.seed)
     device = resolve_device(params.device)
     model = load_model(payload, store).to(device)
-    arrays = read_arrays(store.local_path(payload.dataset.sha256), payload.dataset.format)
-    x, y = to_tensors(arrays.x, arrays.y)
+    x, y = open_dataset(payload, store)
     arch = registry()[payload.model.architecture]
     policy = params.checkpoint
     apply_checkpoint_policy(
@@ -166,17 +174,21 @@ def compute(
     model, x, y, device, arch = job.model, job.x, job.y, job.device, job.arch
     loss = None if y is None else (getattr(params, "loss", None) or loss_for(y))
 
+    # The first samples, bounded by an adapt job's measure_batches (a short adaptation of a
+    # large dataset is not dominated by measuring it); a train job measures all.
+    measured = params.measured_samples(len(x)) if isinstance(params, AdaptParams) else len(x)
+
     def measure_on_all(phase: str) -> EvalMetrics | None:
         if y is None or loss is None or not measure:
             return None
         # In the job's own batches: the size the user chose to fit the device's memory. Counted
         # batch by batch, and stopped at the next batch by a cancel, like every other phase.
         batch_size = params.batch_size
-        hooks.start_phase(phase, num_batches(len(x), batch_size), "batches", float(batch_size))
+        hooks.start_phase(phase, num_batches(measured, batch_size), "batches", float(batch_size))
         return evaluate_sums(
             model,
-            x,
-            y,
+            x[:measured],
+            y[:measured],
             batch_size=batch_size,
             loss=loss,
             device=device,
@@ -282,8 +294,7 @@ def compute_evaluation(payload: JobPayload, store: Store, hooks: JobHooks | None
     assert isinstance(params, EvaluateParams), f"{payload.kind} jobs run compute"
     device = resolve_device(params.device)
     model = load_model(payload, store).to(device)
-    arrays = read_arrays(store.local_path(payload.dataset.sha256), payload.dataset.format)
-    x, y = to_tensors(arrays.x, arrays.y)  # (N, ...) on the CPU; batches move to `device`
+    x, y = open_dataset(payload, store)  # (N, ...) on the CPU; batches move to `device`
     if y is None:
         raise DataError(
             f"dataset {payload.dataset.id} has no labels (y) to evaluate the model against; "

@@ -12,6 +12,7 @@ from torch.nn import functional as F  # noqa: N812 - torch's own convention
 
 from workers.errors import DataError, JobCanceled
 from workers.models.modules import model_device, training_flags
+from workers.running.data import Data, load_rows
 
 __all__ = [
     "Loss",
@@ -126,7 +127,7 @@ def compute_loss(
 
 def evaluate_sums(
     model: nn.Module,
-    x: torch.Tensor,
+    x: Data,
     y: torch.Tensor,
     *,
     batch_size: int,
@@ -155,7 +156,7 @@ def evaluate_sums(
         for done, start in enumerate(range(0, num_samples, batch_size)):
             if should_stop is not None and should_stop():
                 raise JobCanceled(f"evaluation canceled after {done} batches")
-            xb = x[start : start + batch_size].to(target)  # (B, ...)
+            xb = load_rows(x, slice(start, start + batch_size)).to(target)  # (B, ...)
             yb = y[start : start + batch_size].to(target)
             outputs = model(xb)  # (B, ...)
             if start == 0:

@@ -18,6 +18,7 @@ from torch import nn
 
 from workers.errors import DataError, JobCanceled, TrainError
 from workers.models.modules import training_flags
+from workers.running.data import Data, load_rows
 from workers.running.evaluation import (
     Loss,
     check_targets,
@@ -82,7 +83,7 @@ def _make_optimizer(
 
 def train_model(
     model: nn.Module,
-    x: torch.Tensor,
+    x: Data,
     y: torch.Tensor,
     *,
     epochs: int,
@@ -126,7 +127,7 @@ def train_model(
     target = torch.device(device)
     model.to(target)
     opt = _make_optimizer(model, optimizer, lr, momentum, weight_decay)
-    x_val, y_val = x[val_idx], y[val_idx]  # (V, ...), on the CPU until evaluated
+    x_val, y_val = x[val_idx], y[val_idx]  # (V, ...): a view of x, read as it is evaluated
 
     logs: list[EpochLog] = []
     steps = samples = 0
@@ -142,7 +143,7 @@ def train_model(
                 if should_stop is not None and should_stop():
                     raise JobCanceled(f"training canceled after {steps} of {total_steps} steps")
                 idx = order[start:stop]
-                xb, yb = x[idx].to(target), y[idx].to(target)  # (B, ...), (B, ...)
+                xb, yb = load_rows(x, idx).to(target), y[idx].to(target)  # (B, ...), (B, ...)
                 outputs = model(xb)  # (B, num_classes) or (B, ...)
                 if steps == 0:
                     check_targets(outputs, y, loss)

@@ -21,7 +21,7 @@ from rq import Queue
 from rq.job import Dependency, Job
 
 from api_schemas import AdaptParams, JobPayload, JobStatus, Progress, utc_now
-from service.formats.arrays import read_arrays
+from service.formats.arrays import locate_arrays
 from service.records.shards import (
     FINISH,
     MERGE,
@@ -92,8 +92,8 @@ def _dataset_facts(job: JobPayload, store: Store) -> tuple[int, bool]:
     dataset = job.dataset
     if dataset.num_samples is not None and dataset.has_labels is not None:
         return dataset.num_samples, dataset.has_labels
-    arrays = read_arrays(store.local_path(dataset.sha256), dataset.format)
-    return len(arrays.x), arrays.y is not None
+    located = locate_arrays(store.local_path(dataset.sha256), dataset.format, max_elements=None)
+    return located["x"].shape[0], "y" in located
 
 
 def start_shards(
@@ -107,7 +107,8 @@ def start_shards(
     num_samples, has_labels = _dataset_facts(job, store)
     total = num_batches(num_samples, params.batch_size, params.max_batches)
     plan = plan_shards(total, params.shards)
-    evaluation = plan_evaluation(num_samples, len(plan), params.batch_size) if has_labels else None
+    measured = params.measured_samples(num_samples)
+    evaluation = plan_evaluation(measured, len(plan), params.batch_size) if has_labels else None
     evaluations = [] if evaluation is None else [eval_name(i) for i in range(len(plan))]
     if runtime.check_cancel_now():
         raise JobCanceled(f"job {job.job_id} was canceled")

@@ -1,42 +1,69 @@
-"""/v1/datasets: upload (validated), list, show, delete."""
+"""/v1/datasets: upload (streamed, validated), list, show, delete. Resumable uploads of big
+files: service/api/routes/uploads.py, which registers through :func:`register_dataset`."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Final
 
-from fastapi import APIRouter, Form, Query, Response, UploadFile
+from fastapi import APIRouter, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from api_schemas import DatasetPublic, Page, new_id, utc_now
 from service.api.deps import DatasetDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError
-from service.api.transfers import store_upload
+from service.api.transfers import store_body, store_multipart
 from service.errors import ArrayFileError, ArrayLimitError
 from service.formats.arrays import describe_arrays
-from service.settings import DEFAULT_MAX_DATASET_BYTES
+from service.records.sync import Records
+from service.settings import Settings
+from service.store.base import Store
+
+__all__ = ["DATASET_BYTES_SETTING", "register_dataset", "router"]
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
-_MULTIPART_SLACK = 1024 * 1024
+DATASET_BYTES_SETTING: Final = "BNADAPT_MAX_DATASET_BYTES"
+_NAME_MAX: Final = 256
+
+# The body is read by the route itself (NOTE [ Streamed uploads ] in service/api/transfers.py),
+# so OpenAPI learns its two forms here.
+_UPLOAD_BODY: Final[dict[str, Any]] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "name": {"type": "string", "minLength": 1, "maxLength": _NAME_MAX},
+                    },
+                }
+            },
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
 
 
-@router.post("", status_code=201, max_body_size=DEFAULT_MAX_DATASET_BYTES + _MULTIPART_SLACK)
-def create_dataset(
-    tenant: TenantDep,
-    records: RecordsDep,
-    store: StoreDep,
-    settings: SettingsDep,
-    response: Response,
-    file: UploadFile,
-    name: Annotated[str | None, Form(min_length=1, max_length=256)] = None,
+def register_dataset(
+    tenant: str,
+    records: Records,
+    store: Store,
+    settings: Settings,
+    sha256: str,
+    size: int,
+    name: str,
 ) -> DatasetPublic:
-    """Upload an ``.npz`` (no pickles) or ``.safetensors`` file with ``x`` and optional ``y``.
-    It is checked before it is registered: finite values, consistent lengths, at least one
-    sample, valid labels."""
-    sha256, size = store_upload(store, file.file, settings.max_dataset_bytes, "dataset file")
+    """Checks a stored dataset file against every rule, in bounded memory, and registers it;
+    422 naming what to fix, and nothing registered, when it breaks one. Blocking: call it from
+    a worker thread."""
     try:
         facts = describe_arrays(
             store.local_path(sha256),
             max_elements=settings.max_dataset_elements,
+            max_classes=settings.max_classes,
             max_ratio=settings.max_npz_ratio,
         )
     except ArrayLimitError as exc:
@@ -45,7 +72,7 @@ def create_dataset(
         raise ApiError(422, str(exc)) from exc
     dataset = DatasetPublic(
         id=new_id("ds"),
-        name=name or file.filename or "dataset",
+        name=name,
         num_samples=facts.num_samples,
         sample_shape=list(facts.sample_shape),
         dtype=facts.dtype,
@@ -58,6 +85,48 @@ def create_dataset(
         created_at=utc_now(),
     )
     records.put_dataset(tenant, dataset)
+    return dataset
+
+
+def check_name(name: str | None) -> str | None:
+    if name is not None and not 1 <= len(name) <= _NAME_MAX:
+        raise ApiError(422, f"the dataset name must have 1 to {_NAME_MAX} characters")
+    return name
+
+
+@router.post("", status_code=201, openapi_extra=_UPLOAD_BODY)
+async def create_dataset(
+    request: Request,
+    tenant: TenantDep,
+    records: RecordsDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    response: Response,
+    name: Annotated[str | None, Query(min_length=1, max_length=_NAME_MAX)] = None,
+) -> DatasetPublic:
+    """Upload an ``.npz`` (no pickles) or ``.safetensors`` file with ``x`` and optional ``y``,
+    as the form field ``file`` (multipart, with an optional field ``name``) or as the raw body
+    (``application/octet-stream``, ``?name=``). It is stored as it arrives and checked before
+    it is registered: finite values, consistent lengths, at least one sample, valid labels.
+    For big files use the resumable ``/v1/uploads``."""
+    limit = settings.max_dataset_bytes
+    if request.headers.get("content-type", "").startswith("multipart/"):
+        upload = await store_multipart(
+            request, store, limit, "dataset file", DATASET_BYTES_SETTING, "file"
+        )
+        name = name or check_name(upload.fields.get("name")) or upload.filename
+    else:
+        upload = await store_body(request, store, limit, "dataset file", DATASET_BYTES_SETTING)
+    dataset = await run_in_threadpool(
+        register_dataset,
+        tenant,
+        records,
+        store,
+        settings,
+        upload.sha256,
+        upload.size,
+        (name or "dataset")[:_NAME_MAX],
+    )
     response.headers["Location"] = f"/v1/datasets/{dataset.id}"
     return dataset
 

@@ -1,0 +1,312 @@
+"""Datasets at real scale: memory of the API during uploads, and of a job reading a dataset
+far larger than its batches; throughput of a full pass on a memory-mapped dataset against a
+bare loop over the same data in memory.
+
+    python bench/data_bench.py                      # 2 GiB and 7.5 GB uint8 sets
+    python bench/data_bench.py --samples 2000       # one small set, for a quick look
+
+Each set is (N, 3, 224, 224) uint8 images with int64 labels, written as an uncompressed npz
+(what np.savez writes) without holding it in memory. The whole service runs as processes
+(tests/stack.py); the job measurements rerun the payload the API enqueued in a fresh process
+that samples its own anonymous memory (RssAnon: pages of a memory-mapped file do not count,
+FIELD_NOTES) every 5 ms. Files are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.stack import Stack, job_payload, running_stack  # noqa: E402
+
+SHAPE = (3, 224, 224)
+MIB = 1024 * 1024
+CHUNK = 8 * MIB
+
+
+def write_npz(path: Path, samples: int, seed: int = 0) -> None:
+    """x (samples, 3, 224, 224) uint8 and y (samples,) int64, stored, written in chunks."""
+    rng = np.random.default_rng(seed)
+    block = rng.integers(0, 256, size=64 * MIB, dtype=np.uint8).tobytes()
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        with archive.open("x.npy", "w", force_zip64=True) as member:
+            header = {"descr": "|u1", "fortran_order": False, "shape": (samples, *SHAPE)}
+            np.lib.format.write_array_header_2_0(member, header)
+            left = samples * int(np.prod(SHAPE))
+            offset = 0
+            while left:
+                n = min(left, len(block) - offset, CHUNK)
+                member.write(block[offset : offset + n])
+                offset = (offset + n) % (len(block) - CHUNK)
+                left -= n
+        labels = rng.integers(0, 10, size=samples).astype(np.int64)
+        with archive.open("y.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array(member, labels)
+
+
+class Sampler:
+    """Peak of VmRSS and RssAnon of one process, sampled in a thread."""
+
+    def __init__(self, pid: int, interval_s: float = 0.02) -> None:
+        self.pid, self.interval_s = pid, interval_s
+        self.peak = {"VmRSS": 0, "RssAnon": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def now(self) -> dict[str, int]:
+        found = {}
+        with open(f"/proc/{self.pid}/status") as file:
+            for line in file:
+                key, _, value = line.partition(":")
+                if key in self.peak:
+                    found[key] = int(value.split()[0]) * 1024
+        return found
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, value in self.now().items():
+                self.peak[key] = max(self.peak[key], value)
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def file_chunks(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as file:
+        while chunk := file.read(MIB):
+            yield chunk
+
+
+def upload(stack: Stack, key: str, path: Path, resumable: bool) -> tuple[dict[str, Any], dict]:
+    assert stack.api is not None
+    sampler = Sampler(stack.api.pid)
+    before = sampler.now()
+    started = time.perf_counter()
+    with sampler:
+        if resumable:
+            from service.client import Client
+
+            client = Client(stack.url, key, timeout_s=3600)
+            dataset = client.upload_dataset(path, path.name).model_dump(mode="json")
+        else:
+            response = httpx.post(
+                f"{stack.url}/v1/datasets?name={path.name}",
+                content=file_chunks(path),
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=3600,
+            )
+            assert response.status_code == 201, response.text
+            dataset = response.json()
+    seconds = time.perf_counter() - started
+    return dataset, {
+        "form": "resumable (64 MiB parts)" if resumable else "streamed body",
+        "bytes": path.stat().st_size,
+        "seconds": seconds,
+        "api_rss_before_mib": before["VmRSS"] / MIB,
+        "api_peak_rss_increase_mib": (sampler.peak["VmRSS"] - before["VmRSS"]) / MIB,
+        "api_peak_anon_increase_mib": (sampler.peak["RssAnon"] - before["RssAnon"]) / MIB,
+    }
+
+
+CHILD = r"""
+import json, sys, threading, time
+t0 = time.perf_counter()
+peak = [0]
+stop = threading.Event()
+def anon():
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('RssAnon:'):
+                return int(line.split()[1]) * 1024
+def sample():
+    while not stop.is_set():
+        peak[0] = max(peak[0], anon()); time.sleep(0.005)
+import torch
+torch.set_num_threads(int(sys.argv[3]))
+from api_schemas import JobPayload
+from service.store.local import LocalStore
+from workers.running.compute import compute
+payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
+store = LocalStore(sys.argv[2])
+base = anon()
+threading.Thread(target=sample, daemon=True).start()
+from workers.running.compute import open_dataset
+opened = time.perf_counter()
+x, y = open_dataset(payload, store)
+x[0:payload.params.batch_size].load()  # (B, 3, 224, 224) float32
+first_read = time.perf_counter() - opened
+del x, y
+first = []
+class Hooks:
+    def start_phase(self, phase, total, unit, per): self.phase = phase
+    def report(self, done):
+        if self.phase == 'adapt' and not first: first.append(time.perf_counter())
+    def should_stop(self): return False
+start = time.perf_counter()
+out = compute(payload, store, Hooks(), measure=sys.argv[4] == '1')
+end = time.perf_counter()
+stop.set()
+r = out.report
+print(json.dumps({'imports_s': start - t0, 'open_and_first_batch_s': first_read,
+  'load_s': r.timings.load_s, 'first_adapt_batch_s': first[0] - start,
+  'total_s': end - start, 'samples': r.samples, 'batches': r.batches,
+  'base_anon_mib': base / 2**20, 'peak_anon_mib': peak[0] / 2**20,
+  'compute_s': r.timings.compute_s}))
+"""
+
+BARE = r"""
+import json, sys, time
+import numpy as np, torch
+torch.set_num_threads(int(sys.argv[3]))
+from api_schemas import JobPayload
+from service.formats.arrays import open_arrays
+from service.store.local import LocalStore
+from workers.running.compute import load_model
+payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
+store = LocalStore(sys.argv[2])
+x = np.array(open_arrays(store.local_path(payload.dataset.sha256)).x)  # all in memory
+model = load_model(payload, store).train()
+b = payload.params.batch_size
+start = time.perf_counter()
+with torch.no_grad():
+    for i in range(0, len(x), b):
+        model(torch.from_numpy(x[i:i + b]).to(torch.float32).div_(255))
+print(json.dumps({'compute_s': time.perf_counter() - start, 'samples': len(x)}))
+"""
+
+
+def run_child(code: str, payload: Any, stack: Stack, threads: int, *extra: str) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        file.write(payload.model_dump_json())
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                code,
+                file.name,
+                str(stack.data_dir / "store"),
+                str(threads),
+                *extra,
+            ],
+            env=stack.env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=REPO,
+        )
+    finally:
+        os.unlink(file.name)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def submit(client: httpx.Client, model_id: str, dataset_id: str, params: dict) -> str:
+    body = {"kind": "adapt", "model_id": model_id, "dataset_id": dataset_id, "params": params}
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    job_id: str = response.json()["id"]
+    while True:
+        state = client.get(f"/v1/jobs/{job_id}").json()
+        if state["status"] in ("succeeded", "failed", "canceled"):
+            assert state["status"] == "succeeded", state
+            return job_id
+        time.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, nargs="*", default=[14266, 50000])
+    parser.add_argument("--full-pass-samples", type=int, default=2000)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = parser.parse_args()
+    results: dict[str, Any] = {"uploads": [], "jobs": [], "full_pass": None}
+    work = Path(tempfile.mkdtemp(prefix="data_bench_", dir=args.dir))
+    env = {
+        "BNADAPT_WORKER_THREADS": str(args.threads),
+        "BNADAPT_MAX_UPLOAD_PART_BYTES": str(256 * MIB),
+    }
+    try:
+        with running_stack(work / "stack", env) as stack:
+            key = stack.records().create_api_key("bench").key
+            client = httpx.Client(
+                base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=600
+            )
+            meta = {"architecture": "resnet", "kwargs": {"depth": 2, "width": 8}}
+            model = client.post("/v1/models", data={"meta": json.dumps(meta)}).json()
+            for samples in args.samples:
+                path = work / f"images_{samples}.npz"
+                write_npz(path, samples)
+                dataset, row = upload(stack, key, path, resumable=False)
+                results["uploads"].append(row)
+                print(json.dumps(row), flush=True)
+                if samples <= 20000:
+                    _, row = upload(stack, key, path, resumable=True)
+                    results["uploads"].append(row)
+                    print(json.dumps(row), flush=True)
+                path.unlink()
+                params = {"batch_size": 32, "max_batches": 2, "device": "cpu"}
+                job_id = submit(client, model["id"], dataset["id"], params)
+                payload = job_payload(stack, job_id)
+                row = run_child(CHILD, payload, stack, args.threads, "1")
+                batch_mib = 32 * int(np.prod(SHAPE)) * 4 / MIB
+                row |= {
+                    "samples_in_set": samples,
+                    "bytes": dataset["size_bytes"],
+                    "batch_float32_mib": batch_mib,
+                    "report_load_s": None,
+                }
+                results["jobs"].append(row)
+                print(json.dumps(row), flush=True)
+                client.delete(f"/v1/datasets/{dataset['id']}")
+            # Full pass, mmap'd uint8 through the job's code vs a bare loop in memory.
+            path = work / "full.npz"
+            write_npz(path, args.full_pass_samples, seed=1)
+            dataset, _ = upload(stack, key, path, resumable=False)
+            path.unlink()
+            params = {"batch_size": 32, "max_batches": 1, "device": "cpu"}
+            payload = job_payload(stack, submit(client, model["id"], dataset["id"], params))
+            full = payload.model_copy(
+                update={"params": payload.params.model_copy(update={"max_batches": None})}
+            )
+            job, bare = [], []
+            for _ in range(3):  # alternated, best of three each
+                job.append(run_child(CHILD, full, stack, args.threads, "0")["compute_s"])
+                bare.append(run_child(BARE, full, stack, args.threads)["compute_s"])
+            n = args.full_pass_samples
+            results["full_pass"] = {
+                "samples": n,
+                "job_mmap_samples_per_s": n / min(job),
+                "bare_in_memory_samples_per_s": n / min(bare),
+                "ratio": min(bare) / min(job),
+            }
+            print(json.dumps(results["full_pass"]), flush=True)
+    finally:
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

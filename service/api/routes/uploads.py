@@ -1,0 +1,224 @@
+"""/v1/uploads: resumable uploads of big dataset files, in numbered parts that can be sent
+again after a dropped connection, then joined into a dataset.
+
+    POST   /v1/uploads                       {name?}  -> 201 the upload (its id)
+    PUT    /v1/uploads/{id}/parts/{number}   raw body -> the part's digest and size
+    GET    /v1/uploads/{id}                           -> the parts received so far
+    POST   /v1/uploads/{id}:complete         {name?}  -> 201 the dataset
+    DELETE /v1/uploads/{id}                           -> 204
+
+Parts are store objects kept while the session lasts (NOTE [ Upload parts in the store ] in
+service/records/uploads.py); each is streamed like any upload (NOTE [ Streamed uploads ] in
+service/api/transfers.py). Completing joins parts 1..n in order into one store object, checks
+it like ``POST /v1/datasets`` and registers it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+from fastapi import APIRouter, Body, Path, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from api_schemas import DatasetPublic, new_id
+from api_schemas.common import ID_PATTERN
+from api_schemas.datasets import (
+    MAX_UPLOAD_PARTS,
+    UploadComplete,
+    UploadCreate,
+    UploadPart,
+    UploadPublic,
+)
+from service.api.deps import RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.api.problems import ApiError
+from service.api.routes.datasets import DATASET_BYTES_SETTING, register_dataset
+from service.api.transfers import CHUNK_BYTES, store_body, too_large
+from service.errors import ObjectNotFoundError, StoreTooLargeError
+from service.records.sync import Records
+from service.records.uploads import UploadRecords, UploadSession
+from service.settings import Settings
+from service.store.base import Store
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/uploads", tags=["uploads"])
+
+UploadId = Annotated[str, Path(pattern=ID_PATTERN)]
+PartNumber = Annotated[int, Path(ge=1, le=MAX_UPLOAD_PARTS)]
+_PART_SETTING: Final = "BNADAPT_MAX_UPLOAD_PART_BYTES"
+_PART_BODY: Final = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+def _uploads(records: Records, settings: Settings) -> UploadRecords:
+    return UploadRecords(records.client, settings.upload_ttl_s)
+
+
+def _session(uploads: UploadRecords, tenant: str, upload_id: str) -> UploadSession:
+    session = uploads.get(tenant, upload_id)
+    if session is None:
+        raise ApiError(
+            404,
+            f"upload {upload_id!r} not found: it was completed, deleted or expired, or belongs "
+            "to another key; start one with POST /v1/uploads",
+        )
+    return session
+
+
+def _public(session: UploadSession, settings: Settings) -> UploadPublic:
+    return UploadPublic(
+        id=session.id,
+        name=session.name,
+        expected_bytes=session.expected_bytes,
+        parts=[
+            UploadPart(number=n, sha256=sha256, size_bytes=size)
+            for n, (sha256, size) in session.parts.items()
+        ],
+        size_bytes=sum(size for _, size in session.parts.values()),
+        max_part_bytes=settings.max_upload_part_bytes,
+        created_at=session.created_at,
+        expires_at=session.expires_at,
+    )
+
+
+@router.post("", status_code=201)
+def create_upload(
+    tenant: TenantDep,
+    records: RecordsDep,
+    settings: SettingsDep,
+    response: Response,
+    request: Annotated[UploadCreate, Body()] = UploadCreate(),  # noqa: B008
+) -> UploadPublic:
+    """Starts a resumable upload; send its parts next."""
+    if request.size_bytes is not None and request.size_bytes > settings.max_dataset_bytes:
+        raise too_large("dataset file", settings.max_dataset_bytes, DATASET_BYTES_SETTING)
+    session = _uploads(records, settings).create(
+        new_id("up"), tenant, request.name, request.size_bytes
+    )
+    response.headers["Location"] = f"/v1/uploads/{session.id}"
+    return _public(session, settings)
+
+
+@router.get("/{upload_id}")
+def get_upload(
+    upload_id: UploadId, tenant: TenantDep, records: RecordsDep, settings: SettingsDep
+) -> UploadPublic:
+    """The parts received so far: send the missing ones, or those whose digest differs."""
+    return _public(_session(_uploads(records, settings), tenant, upload_id), settings)
+
+
+@router.put("/{upload_id}/parts/{number}", openapi_extra=_PART_BODY)
+async def put_part(
+    upload_id: UploadId,
+    number: PartNumber,
+    request: Request,
+    tenant: TenantDep,
+    records: RecordsDep,
+    store: StoreDep,
+    settings: SettingsDep,
+) -> UploadPart:
+    """Stores part ``number`` (the raw body), replacing a part of that number sent before."""
+    uploads = _uploads(records, settings)
+    session = await run_in_threadpool(_session, uploads, tenant, upload_id)
+    others = sum(size for n, (_, size) in session.parts.items() if n != number)
+    room = settings.max_dataset_bytes - others
+    if room <= 0:
+        raise too_large("dataset file", settings.max_dataset_bytes, DATASET_BYTES_SETTING)
+    if room < settings.max_upload_part_bytes:
+        limit, what, setting = room, "dataset file", DATASET_BYTES_SETTING
+    else:
+        limit, what, setting = settings.max_upload_part_bytes, "upload part", _PART_SETTING
+    try:
+        part = await store_body(request, store, limit, what, setting)
+    except ApiError as exc:
+        if exc.status == 413 and limit == room:
+            raise too_large("dataset file", settings.max_dataset_bytes, setting) from exc
+        raise
+    await run_in_threadpool(uploads.put_part, session, number, part.sha256, part.size)
+    return UploadPart(number=number, sha256=part.sha256, size_bytes=part.size)
+
+
+def _join(store: Store, session: UploadSession, max_bytes: int) -> tuple[str, int]:
+    """Parts 1..n joined, in order, into one store object."""
+    numbers = list(session.parts)
+    if not numbers:
+        raise ApiError(409, f"upload {session.id} has no parts; send them before completing it")
+    missing = sorted(set(range(1, max(numbers) + 1)) - set(numbers))
+    if missing:
+        raise ApiError(
+            409,
+            f"upload {session.id} lacks parts {missing[:20]} of 1..{max(numbers)}; send them "
+            "(GET the upload to see what arrived), then complete it",
+        )
+    received = sum(size for _, size in session.parts.values())
+    if session.expected_bytes is not None and received != session.expected_bytes:
+        raise ApiError(
+            409,
+            f"upload {session.id} has {received} of the {session.expected_bytes} bytes it "
+            "announced; send the missing parts (GET the upload to see what arrived), then "
+            "complete it",
+        )
+    try:
+        with store.writer(max_bytes=max_bytes) as writer:
+            for number in numbers:
+                with store.open(session.parts[number][0]) as part:
+                    while chunk := part.read(CHUNK_BYTES):
+                        writer.write(chunk)
+    except ObjectNotFoundError as exc:
+        raise ApiError(
+            409, f"a part of upload {session.id} is no longer in the store ({exc}); send it again"
+        ) from exc
+    except StoreTooLargeError as exc:
+        raise too_large("dataset file", max_bytes, DATASET_BYTES_SETTING) from exc
+    return writer.sha256, writer.size
+
+
+def _complete(
+    store: Store,
+    records: Records,
+    settings: Settings,
+    tenant: str,
+    upload_id: str,
+    name: str | None,
+) -> DatasetPublic:
+    uploads = _uploads(records, settings)
+    session = _session(uploads, tenant, upload_id)
+    sha256, size = _join(store, session, settings.max_dataset_bytes)
+    dataset = register_dataset(
+        tenant, records, store, settings, sha256, size, name or session.name or "dataset"
+    )
+    uploads.delete(session)
+    return dataset
+
+
+@router.post("/{upload_id}:complete", status_code=201)
+async def complete_upload(
+    upload_id: UploadId,
+    tenant: TenantDep,
+    records: RecordsDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    response: Response,
+    request: Annotated[UploadComplete, Body()] = UploadComplete(),  # noqa: B008
+) -> DatasetPublic:
+    """Joins parts 1..n into the dataset file, checks it like ``POST /v1/datasets`` and
+    registers it; the upload ends. Refused (422, 413): the upload stays, to be fixed."""
+    dataset = await run_in_threadpool(
+        _complete, store, records, settings, tenant, upload_id, request.name
+    )
+    response.headers["Location"] = f"/v1/datasets/{dataset.id}"
+    return dataset
+
+
+@router.delete("/{upload_id}", status_code=204)
+def delete_upload(
+    upload_id: UploadId, tenant: TenantDep, records: RecordsDep, settings: SettingsDep
+) -> Response:
+    """Abandons the upload; its parts are collected from the store after the grace period."""
+    uploads = _uploads(records, settings)
+    uploads.delete(_session(uploads, tenant, upload_id))
+    return Response(status_code=204)

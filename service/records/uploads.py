@@ -1,0 +1,108 @@
+"""Resumable uploads in Redis: a session per upload, the parts it received, and how long the
+store keeps those parts.
+
+# NOTE [ Upload parts in the store ]
+Each part is a store object of its own (content-addressed, so a part sent again lands on the
+same object). No record refers to a part, so the store's collector would delete it after the
+grace period; instead each part is noted in ``STORE_RELEASED`` with the session's expiry as its
+score (``ZADD GT``: never earlier than another holder's), which the collector reads as "in use
+until then" (NOTE [ Store garbage collection ] in service/store/gc.py). When the upload is
+completed or deleted its parts are released now; a session nobody finishes expires with its
+keys, and its parts are collected a grace period after. Nothing needs sweeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import redis
+
+from service.records import keys
+
+__all__ = ["UploadRecords", "UploadSession"]
+
+
+@dataclass(frozen=True)
+class UploadSession:
+    id: str
+    tenant: str
+    name: str | None
+    expected_bytes: int | None
+    created_at: datetime
+    expires_at: datetime
+    parts: dict[int, tuple[str, int]]  # number -> (sha256, size)
+
+
+class UploadRecords:
+    def __init__(self, client: redis.Redis, ttl_s: float) -> None:
+        self.client = client
+        self.ttl_s = ttl_s
+
+    def create(
+        self, upload_id: str, tenant: str, name: str | None, expected_bytes: int | None
+    ) -> UploadSession:
+        now = time.time()
+        fields: dict[str | bytes, str | bytes | int | float] = {
+            "tenant": tenant,
+            "name": name or "",
+            "expected_bytes": expected_bytes or 0,
+            "created_at": repr(now),
+            "expires_at": repr(now + self.ttl_s),
+        }
+        pipe = self.client.pipeline()
+        pipe.hset(keys.upload(upload_id), mapping=cast("Mapping[Any, Any]", fields))
+        pipe.expire(keys.upload(upload_id), int(self.ttl_s) + 1)
+        pipe.execute()
+        return UploadSession(
+            upload_id, tenant, name, expected_bytes, _utc(now), _utc(now + self.ttl_s), parts={}
+        )
+
+    def get(self, tenant: str, upload_id: str) -> UploadSession | None:
+        """The session, if it exists and belongs to ``tenant``."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(keys.upload(upload_id))
+        pipe.hgetall(keys.upload_parts(upload_id))
+        raw_fields, raw_parts = pipe.execute()
+        fields = {k.decode(): v.decode() for k, v in raw_fields.items()}
+        if not fields or fields.get("tenant") != tenant:
+            return None
+        found = {}
+        for number, value in raw_parts.items():
+            sha256, _, size = value.decode().partition(":")
+            found[int(number)] = (sha256, int(size))
+        return UploadSession(
+            upload_id,
+            tenant,
+            fields.get("name") or None,
+            int(fields.get("expected_bytes", 0)) or None,
+            _utc(float(fields["created_at"])),
+            _utc(float(fields["expires_at"])),
+            dict(sorted(found.items())),
+        )
+
+    def put_part(self, session: UploadSession, number: int, sha256: str, size: int) -> None:
+        """Records a part (replacing one of the same number) and keeps its object in the store
+        until the session expires (NOTE [ Upload parts in the store ])."""
+        pipe = self.client.pipeline()
+        pipe.hset(keys.upload_parts(session.id), str(number), f"{sha256}:{size}")
+        pipe.expireat(keys.upload_parts(session.id), int(session.expires_at.timestamp()) + 1)
+        pipe.zadd(keys.STORE_RELEASED, {sha256: session.expires_at.timestamp()}, gt=True)
+        pipe.execute()
+
+    def delete(self, session: UploadSession) -> None:
+        """Ends the session; its parts are released now (the collector deletes those nothing
+        else uses after the grace period)."""
+        now = time.time()
+        pipe = self.client.pipeline()
+        pipe.delete(keys.upload(session.id), keys.upload_parts(session.id))
+        for sha256, _ in session.parts.values():
+            pipe.zadd(keys.STORE_RELEASED, {sha256: now})
+        pipe.execute()
+
+
+def _utc(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
