@@ -17,6 +17,7 @@ __all__ = [
     "STORE_GC_LOCK",
     "STORE_GC_STARTED",
     "STORE_RELEASED",
+    "STORE_WRITTEN",
     "ResourceKind",
     "api_key",
     "idempotency",
@@ -29,6 +30,7 @@ __all__ = [
     "job_shards",
     "record",
     "sha_refs",
+    "store_deleting",
     "tenant",
     "tenant_by_name",
     "tenant_index",
@@ -48,6 +50,9 @@ RUNNING_JOBS: Final = f"{PREFIX}:jobs:running"
 # Sorted set: store objects whose reference was dropped, scored by when (seconds since the
 # epoch); see NOTE [ Store garbage collection ] in service/store/gc.py.
 STORE_RELEASED: Final = f"{PREFIX}:store:released"
+# Sorted set: S3 store objects scored by when a writer last wrote (or found) them; the S3
+# store's stand-in for a file's mtime (NOTE [ Collecting an S3 store ] in service/store/s3.py).
+STORE_WRITTEN: Final = f"{PREFIX}:store:written"
 # Held by the one store collection running (a redis-py lock).
 STORE_GC_LOCK: Final = f"{PREFIX}:store:gc-lock"
 # Present (with a TTL of the collection interval) once a collection started.
@@ -81,6 +86,11 @@ def tenant_index(tenant_id: str, kind: ResourceKind) -> str:
 def sha_refs(sha256: str) -> str:
     """Set of ids (models, datasets, jobs' reports) that use this store object."""
     return f"{PREFIX}:sha-refs:{sha256}"
+
+
+def store_deleting(sha256: str) -> str:
+    """Present (with a TTL) while a collection deletes this S3 object; writers wait for it."""
+    return f"{PREFIX}:store:deleting:{sha256}"
 
 
 def job_progress(job_id: str) -> str:

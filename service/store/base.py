@@ -108,3 +108,8 @@ class Store(Protocol):
     def cleanup_tmp(self, older_than_s: float = DEFAULT_TMP_MAX_AGE_S) -> int:
         """Removes temp files left by crashed writers; returns how many."""
         ...
+
+    def download_url(self, sha256: str, filename: str) -> str | None:
+        """A short-lived URL a client can GET the object from directly, as ``filename``;
+        None where the store has none (then the API streams the object)."""
+        ...
