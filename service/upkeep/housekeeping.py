@@ -63,7 +63,10 @@ class Housekeeping:
                 log.exception("%s failed", threading.current_thread().name)
 
     def _reap(self) -> None:
-        moved = enqueue_ready_children(self._records.client, self._settings.queue)
+        moved = sum(
+            enqueue_ready_children(self._records.client, queue)
+            for queue in self._settings.job_queues
+        )
         if moved:
             log.info("moved %d jobs RQ left ready to the queue", moved)
         reap_stale_jobs(self._records, self._settings.heartbeat_timeout_s)

@@ -23,6 +23,7 @@ from api_schemas import (
     JobStatus,
     ModelPublic,
     Page,
+    Progress,
     new_id,
     parse_job_create,
     utc_now,
@@ -31,7 +32,9 @@ from api_schemas.jobs import num_batches
 from service.api.deps import JobDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError, not_found
 from service.errors import ObjectNotFoundError
+from service.records import keys
 from service.records.sync import Records
+from service.settings import Settings
 
 __all__ = ["JOB_FUNCTION", "router"]
 
@@ -94,6 +97,32 @@ def _check_fit(request: JobCreate, model: ModelPublic, dataset: DatasetPublic) -
                 f"{params.batch_size}, max_batches {params.max_batches}) and each shard needs "
                 f"at least one whole batch; use shards <= {batches}, or a smaller batch_size",
             )
+
+
+def _job_queue(request: Request, settings: Settings, device: str) -> Queue:
+    """The queue of a job asking for ``device`` (NOTE [ Queues by device ] in
+    service/settings.py)."""
+    default: Queue = request.app.state.queue
+    name = settings.job_queue(device)
+    if name == default.name:
+        return default
+    return Queue(name, connection=default.connection, serializer="json")
+
+
+def _waiting(device: str) -> Progress | None:
+    """What a job shows until a worker takes it: for a job that asked for a device class,
+    that it waits for a worker of that class."""
+    device_class = device.partition(":")[0]
+    if device_class == "auto":
+        return None
+    return Progress(
+        done=0,
+        total=0,
+        unit="batches",
+        samples_per_second=0.0,
+        phase=f"waiting for a {device_class} worker",
+        updated_at=utc_now(),
+    )
 
 
 def _body_sha256(request: JobCreate) -> str:
@@ -193,23 +222,26 @@ def create_job(
         ),
         params=job_request.params,
     )
-    queue: Queue = request.app.state.queue
+    queue = _job_queue(request, settings, job_request.params.device)
+    waiting = _waiting(job_request.params.device)
+
+    def enqueue(pipe: redis.client.Pipeline) -> None:
+        if waiting is not None:
+            pipe.set(keys.job_progress(job_id), waiting.model_dump_json())
+        queue.enqueue_call(
+            JOB_FUNCTION,
+            args=(payload.model_dump(mode="json"),),
+            job_id=job_id,
+            timeout=settings.job_timeout_s,
+            result_ttl=RQ_RESULT_TTL_S,
+            failure_ttl=RQ_FAILURE_TTL_S,
+            description=f"{job.kind} {model.id} on {dataset.id}",
+            pipeline=pipe,
+        )
+
     try:
         records.create_job(
-            tenant,
-            job,
-            payload,
-            uses=(model.sha256, dataset.sha256),
-            enqueue=lambda pipe: queue.enqueue_call(
-                JOB_FUNCTION,
-                args=(payload.model_dump(mode="json"),),
-                job_id=job_id,
-                timeout=settings.job_timeout_s,
-                result_ttl=RQ_RESULT_TTL_S,
-                failure_ttl=RQ_FAILURE_TTL_S,
-                description=f"{job.kind} {model.id} on {dataset.id}",
-                pipeline=pipe,
-            ),
+            tenant, job, payload, uses=(model.sha256, dataset.sha256), enqueue=enqueue
         )
     except redis.RedisError:
         # The MULTI wrote all or nothing, but its answer may have been lost: undo it, so that
@@ -220,7 +252,8 @@ def create_job(
                 records.forget_idempotency(tenant, idempotency_key)
         raise
     response.headers["Location"] = f"/v1/jobs/{job_id}"
-    return job
+    # The progress lives in its own key (written above), not in the record.
+    return job if waiting is None else job.model_copy(update={"progress": waiting})
 
 
 @router.get("")
@@ -242,15 +275,17 @@ async def get_job(job: JobDep) -> JobPublic:
 
 
 @router.post("/{job_id}:cancel", status_code=202)
-def cancel_job(job: JobDep, tenant: TenantDep, records: RecordsDep, request: Request) -> JobPublic:
+def cancel_job(
+    job: JobDep, tenant: TenantDep, records: RecordsDep, settings: SettingsDep, request: Request
+) -> JobPublic:
     """A queued job is canceled at once; a running one is asked to stop and shows
     ``canceled`` once it has (nothing it was writing is kept)."""
     job_id = job.id
     if job.status is JobStatus.QUEUED and records.mark_finished(
         job_id, JobStatus.CANCELED, allowed=(JobStatus.QUEUED,)
     ):
-        queue: Queue = request.app.state.queue
-        queue.remove(job_id)  # the worker would skip it anyway: its status is canceled
+        # The worker would skip it anyway: its status is canceled.
+        _job_queue(request, settings, job.params.device).remove(job_id)
     else:
         job = records.get_job(tenant, job_id) or job
         if job.status.is_terminal:
