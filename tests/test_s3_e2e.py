@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from rq import Queue
 
@@ -157,3 +158,47 @@ def test_a_machine_lost_mid_job(s3_stack: S3Stack) -> None:
     # The other machine goes on serving.
     quick = {**body, "params": {"epochs": 1, "batch_size": 512}}
     succeeded(client, quick)
+
+
+def test_direct_upload_and_import_bypass_the_api(s3_stack: S3Stack) -> None:
+    stack = s3_stack.stack
+    client = stack.client("direct")
+    content = digits_npz(shifted=True)  # ~0.5 MiB: one part
+    sha256 = hashlib.sha256(content).hexdigest()
+    started = created(client.http.post("/v1/uploads", json={"direct": True, "size": len(content)}))
+    part = started["part_bytes"]
+    etags = []
+    for number, url in enumerate(started["part_urls"]):
+        put = httpx.put(url, content=content[number * part : (number + 1) * part])
+        assert put.status_code == 200, put.text
+        etags.append(put.headers["etag"])
+    dataset = created(client.http.post(started["complete_url"], json={"etags": etags}))
+    assert (dataset["sha256"], dataset["size_bytes"], dataset["num_samples"]) == (
+        sha256,
+        len(content),
+        1797,
+    )
+    again = client.http.post(started["complete_url"], json={"etags": etags})
+    assert again.status_code == 404
+
+    # A file already in a bucket: registered by reference, copied server-side.
+    s3_stack.server.client().put_object(Bucket=s3_stack.bucket, Key="incoming/d.npz", Body=content)
+    imported = created(
+        client.http.post(
+            "/v1/datasets:import", json={"source": f"s3://{s3_stack.bucket}/incoming/d.npz"}
+        )
+    )
+    assert (imported["sha256"], imported["name"]) == (sha256, "d.npz")
+    model = created(client.add_model("digits_cnn", {"width": 8}))
+    succeeded(client, job("adapt", model, imported, batch_size=200))
+    missing = client.http.post(
+        "/v1/datasets:import", json={"source": f"s3://{s3_stack.bucket}/incoming/none.npz"}
+    )
+    assert missing.status_code == 422
+    # Announced size and sent bytes differ: nothing registered.
+    announced = {"direct": True, "size": len(content) + 1}
+    short = created(client.http.post("/v1/uploads", json=announced))
+    put = httpx.put(short["part_urls"][0], content=content)
+    bad = client.http.post(short["complete_url"], json={"etags": [put.headers["etag"]]})
+    assert bad.status_code == 422
+    assert "announced" in bad.json()["detail"]

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from rq import Queue
 
 from service.api.problems import install_problem_handlers
-from service.api.routes import architectures, datasets, health, jobs, models
+from service.api.routes import architectures, datasets, health, jobs, models, uploads
 from service.records.aio import AsyncRecords, async_redis_client
 from service.records.connection import redis_client
 from service.records.sync import Records
@@ -62,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         models.router,
         datasets.router,
         jobs.router,
+        uploads.router,
     ):
         app.include_router(router)
     return app

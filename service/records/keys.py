@@ -34,6 +34,7 @@ __all__ = [
     "tenant",
     "tenant_by_name",
     "tenant_index",
+    "upload",
 ]
 
 PREFIX: Final = "bnadapt"
@@ -122,6 +123,12 @@ def job_child_result(job_id: str, child: str) -> str:
     """What child ``child`` of a sharded job hands on (JSON), e.g. the statistics a shard
     collected, for the merge; with a TTL."""
     return f"{PREFIX}:job:{job_id}:result:{child}"
+
+
+def upload(upload_id: str) -> str:
+    """Hash: a direct upload to the S3 store in progress (service/api/routes/uploads.py);
+    with a TTL."""
+    return f"{PREFIX}:upload:{upload_id}"
 
 
 def idempotency(tenant_id: str, key: str) -> str:

@@ -48,7 +48,6 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, Final
@@ -65,13 +64,14 @@ from service.records import keys
 from service.store.base import (
     DEFAULT_TMP_MAX_AGE_S,
     SHA256_RE,
+    DirectUpload,
     ObjectWriter,
     StoredObject,
     check_sha256,
 )
 from service.store.cache import ObjectCache
 
-__all__ = ["DELETE_MARKER_TTL_S", "DirectUpload", "S3Store", "parse_s3_url"]
+__all__ = ["DELETE_MARKER_TTL_S", "S3Store", "parse_s3_url"]
 
 # How long a collection's deletion marker lives if its collector dies before removing it.
 DELETE_MARKER_TTL_S: Final = 300.0
@@ -112,16 +112,6 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 def _not_found(exc: ClientError) -> bool:
     code = str(exc.response.get("Error", {}).get("Code", ""))
     return code in {"404", "NoSuchKey", "NotFound", "NoSuchUpload"}
-
-
-@dataclass(frozen=True)
-class DirectUpload:
-    """A multipart upload the client sends straight to the bucket (presigned part URLs)."""
-
-    upload_id: str
-    temp_key: str
-    part_bytes: int
-    part_urls: list[str]
 
 
 class _BodyReader(io.RawIOBase):
@@ -490,6 +480,103 @@ class S3Store:
         )
         return url
 
+    # -- objects that reach the bucket without passing through this process
+
+    def start_direct_upload(self, size: int) -> DirectUpload:
+        """A multipart upload of ``size`` bytes to a temp key, with a presigned URL per part
+        (each ``part_bytes`` long, the last one the rest)."""
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        count = -(-size // self.part_bytes)
+        if count > _MAX_PARTS:
+            raise StoreError(
+                f"{size} bytes need {count} parts of {self.part_bytes} bytes, over S3's "
+                f"{_MAX_PARTS}; raise BNADAPT_S3_PART_BYTES"
+            )
+        temp_key = self.new_temp_key()
+        upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=temp_key)[
+            "UploadId"
+        ]
+        presigner = self._client(self._public_endpoint_url)
+        urls = [
+            presigner.generate_presigned_url(
+                "upload_part",
+                Params={
+                    "Bucket": self.bucket,
+                    "Key": temp_key,
+                    "UploadId": upload_id,
+                    "PartNumber": number,
+                },
+                ExpiresIn=self.presign_ttl_s,
+            )
+            for number in range(1, count + 1)
+        ]
+        return DirectUpload(upload_id, temp_key, self.part_bytes, urls)
+
+    def finish_direct_upload(
+        self, upload: DirectUpload, etags: list[str], max_bytes: int | None
+    ) -> tuple[str, int]:
+        """Completes the upload with the parts' ETags (in order), then checks and installs it
+        like any write; returns (sha256, size)."""
+        parts = [{"PartNumber": i, "ETag": etag} for i, etag in enumerate(etags, start=1)]
+        try:
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=upload.temp_key,
+                UploadId=upload.upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except ClientError as exc:
+            raise StoreError(
+                f"the bucket refused to complete the upload ({exc}); send every part to its "
+                "URL and list the ETags the bucket answered, in part order"
+            ) from exc
+        return self._adopt_temp(upload.temp_key, max_bytes)
+
+    def import_object(self, url: str, max_bytes: int | None) -> tuple[str, int]:
+        """Copies ``s3://bucket/key`` (readable with this store's credentials) server-side to
+        a temp key, then checks and installs it like any write; returns (sha256, size)."""
+        bucket, key = parse_s3_url(url)
+        key = key.rstrip("/")
+        if not key:
+            raise ValueError(f"{url!r} names a bucket, not an object: write s3://BUCKET/KEY")
+        try:
+            head = self.client.head_object(Bucket=bucket, Key=key)
+        except ClientError as exc:
+            raise ObjectNotFoundError(f"cannot read {url}: {exc}") from exc
+        _check_size(head["ContentLength"], max_bytes)
+        temp_key = self.new_temp_key()
+        try:
+            self.client.copy(
+                {"Bucket": bucket, "Key": key}, self.bucket, temp_key, Config=self._transfer
+            )
+        except ClientError as exc:
+            raise StoreError(f"cannot copy {url} into the store: {exc}") from exc
+        return self._adopt_temp(temp_key, max_bytes)
+
+    def _adopt_temp(self, temp_key: str, max_bytes: int | None) -> tuple[str, int]:
+        """Hashes a complete temp object into this machine's cache, installs it under its
+        content key (NOTE [ Atomic commit on S3 ]) and deletes the temp key."""
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=temp_key)
+            _check_size(body["ContentLength"], max_bytes)
+            digest = hashlib.sha256()
+            size = 0
+            with self.cache.new_file() as (cache_tmp, file):
+                with contextlib.closing(body["Body"]) as stream:
+                    while chunk := stream.read(_READ_CHUNK):
+                        digest.update(chunk)
+                        file.write(chunk)
+                        size += len(chunk)
+                file.close()
+                sha256 = digest.hexdigest()
+                self._install_temp(temp_key, sha256)
+                self.cache.install(cache_tmp, sha256)
+            return sha256, size
+        finally:
+            with contextlib.suppress(ClientError):
+                self.client.delete_object(Bucket=self.bucket, Key=temp_key)
+
     # -- collection (NOTE [ Collecting an S3 store ])
 
     def objects(self) -> Iterator[StoredObject]:
@@ -564,6 +651,14 @@ class S3Store:
                         )
                         removed += 1
         return removed
+
+
+def _check_size(size: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise StoreTooLargeError(
+            f"object is larger than the limit of {max_bytes} bytes ({size} bytes); nothing was "
+            "stored: send a smaller file"
+        )
 
 
 def _file_sha256(path: Path) -> str:
