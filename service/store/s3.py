@@ -46,6 +46,7 @@ import hashlib
 import io
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -71,7 +72,7 @@ from service.store.base import (
 )
 from service.store.cache import ObjectCache
 
-__all__ = ["DELETE_MARKER_TTL_S", "S3Store", "parse_s3_url"]
+__all__ = ["DELETE_MARKER_TTL_S", "S3Store", "parse_s3_url", "warm_up"]
 
 # How long a collection's deletion marker lives if its collector dies before removing it.
 DELETE_MARKER_TTL_S: Final = 300.0
@@ -95,6 +96,29 @@ _UNMARK_LUA: Final = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+_session_lock = threading.Lock()
+_sessions: dict[int, Any] = {}
+
+
+def _session() -> Any:
+    """This process's boto3 session. Making a client loads botocore's service model (some
+    hundreds of milliseconds); a session keeps it, and holds no connection, so a session made
+    before a fork (see :func:`warm_up`) serves the forked job too."""
+    with _session_lock:
+        session = _sessions.get(0)
+        if session is None:
+            session = _sessions[0] = boto3.session.Session()
+        return session
+
+
+def warm_up() -> None:
+    """Loads the S3 service model into this process's session without a request: an RQ
+    worker calls it before forking jobs, so each job makes its client in milliseconds."""
+    session = _session()
+    with _session_lock:
+        session.client("s3", config=Config(signature_version="s3v4"))
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -325,8 +349,9 @@ class S3Store:
                 connect_timeout=10,
                 read_timeout=60,
             )
-            session = boto3.session.Session()
-            client = session.client("s3", endpoint_url=endpoint_url, config=config)
+            session = _session()
+            with _session_lock:  # a session is not thread-safe
+                client = session.client("s3", endpoint_url=endpoint_url, config=config)
             self._clients[name] = client
         return client
 

@@ -67,6 +67,10 @@ def main() -> None:
     # 9-36 ms of each job's load time (bench/RESULTS.md). Builds no model: no torch op runs.
     registry()
     load_runners()  # likewise the job kinds' modules, and torch with them
+    if settings.store_url is not None and settings.store_url.startswith("s3://"):
+        from service.store.s3 import warm_up
+
+        warm_up()  # likewise boto3's S3 model: no request, no connection to inherit
     # NOTE [ Queues by device ] in service/settings.py: first the jobs that need this class,
     # then those that run anywhere.
     device_class = args.device_class or args.device.partition(":")[0]
