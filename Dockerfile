@@ -33,7 +33,7 @@ RUN pip wheel --no-deps --wheel-dir /wheels /src
 
 FROM base AS api
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install /wheels/bnadapt-*.whl
+    pip install "$(ls /wheels/bnadapt-*.whl)[s3]"
 USER bnadapt
 VOLUME ["/data"]
 EXPOSE 8000
@@ -47,7 +47,7 @@ ARG TORCH_VERSION=2.13.0
 # pip does not replace it with the default (CUDA) build from PyPI.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install "$(ls /wheels/bnadapt-*.whl)[worker]"
+    pip install "$(ls /wheels/bnadapt-*.whl)[worker,s3]"
 USER bnadapt
 VOLUME ["/data"]
 ENTRYPOINT ["bnadapt"]

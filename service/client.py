@@ -234,7 +234,10 @@ class Client:
     def download_weights(self, model_id: str, path: Path) -> Path:
         """Streams the weights to ``path`` (written whole or not at all)."""
         partial = path.with_name(path.name + ".part")
-        with self.http.stream("GET", f"/v1/models/{model_id}/weights") as response:
+        # An S3 store answers 307 to a presigned URL: httpx drops our key on the way there.
+        with self.http.stream(
+            "GET", f"/v1/models/{model_id}/weights", follow_redirects=True
+        ) as response:
             self._check(response)
             with partial.open("wb") as file:
                 for chunk in response.iter_bytes():

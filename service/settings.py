@@ -15,6 +15,7 @@ __all__ = [
     "DEFAULT_MAX_DATASET_ELEMENTS",
     "DEFAULT_MAX_NPZ_RATIO",
     "DEFAULT_MAX_WEIGHTS_BYTES",
+    "DEVICE_CLASSES",
     "Settings",
     "get_settings",
 ]
@@ -32,6 +33,13 @@ DEFAULT_MAX_DATASET_ELEMENTS: Final = 64 * GIB  # x and y together; a uint8 x of
 DEFAULT_MAX_CLASSES: Final = 100_000
 # numpy.savez_compressed shrinks real image data 2-20 times; zeros shrink ~1000 times.
 DEFAULT_MAX_NPZ_RATIO: Final = 100.0
+# NOTE [ Queues by device ]
+# A job that asks for `auto` waits in the queue `<queue>`, which every worker serves; one that
+# asks for a device class waits in `<queue>-<class>` (`cuda:1` -> `<queue>-cuda`), served only
+# by workers of that class (`bnadapt worker --device cuda:0` serves `<queue>-cuda` and
+# `<queue>`). A CUDA job thus waits for a CUDA worker instead of failing on a CPU one, and its
+# progress says so until a worker takes it.
+DEVICE_CLASSES: Final = ("cpu", "cuda", "mps")
 
 
 class Settings(BaseSettings):
@@ -41,8 +49,22 @@ class Settings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     data_dir: Path = Path("data")
-    # The artifact store; <data_dir>/store when not set.
+    # The artifact store: a local directory, or s3://BUCKET/PREFIX (endpoint and credentials
+    # from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION).
+    # Not set: BNADAPT_STORE_DIR, else <data_dir>/store.
+    store_url: str | None = Field(default=None, min_length=1)
     store_dir: Path | None = None
+    # Where a machine keeps its copies of S3 objects (service/store/cache.py); <data_dir>/cache
+    # when not set. Least recently used objects go once the copies pass cache_max_bytes.
+    cache_dir: Path | None = None
+    cache_max_bytes: int = Field(default=20 * 1024 * MIB, ge=0)
+    # S3 multipart part size, and parts in flight at once per write (memory: their product).
+    s3_part_bytes: int = Field(default=16 * MIB, ge=5 * MIB, le=5 * 1024 * MIB)
+    s3_parts_in_flight: int = Field(default=4, ge=1, le=64)
+    # Lifetime of presigned URLs (weight downloads, direct uploads).
+    s3_presign_ttl_s: int = Field(default=900, ge=1, le=7 * 24 * 3600)
+    # The S3 endpoint as clients outside see it, for presigned URLs; AWS_ENDPOINT_URL if unset.
+    s3_public_endpoint_url: str | None = None
     # RQ queue the API enqueues jobs on and workers listen to.
     queue: str = Field(default="bnadapt", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     max_weights_bytes: int = Field(default=DEFAULT_MAX_WEIGHTS_BYTES, ge=1)
@@ -82,7 +104,26 @@ class Settings(BaseSettings):
 
     @property
     def store_path(self) -> Path:
+        """The local store's directory (when ``store_url`` is not an ``s3://`` URL)."""
+        if self.store_url is not None and not self.store_url.startswith("s3://"):
+            return Path(self.store_url)
         return self.store_dir if self.store_dir is not None else self.data_dir / "store"
+
+    @property
+    def cache_path(self) -> Path:
+        return self.cache_dir if self.cache_dir is not None else self.data_dir / "cache"
+
+    def job_queue(self, device: str) -> str:
+        """The RQ queue of a job asking for ``device``: NOTE [ Queues by device ]."""
+        device_class = device.partition(":")[0]
+        if device_class == "auto":
+            return self.queue
+        return f"{self.queue}-{device_class}"
+
+    @property
+    def job_queues(self) -> tuple[str, ...]:
+        """Every queue a job may wait in."""
+        return tuple(self.job_queue(device) for device in ("auto", *DEVICE_CLASSES))
 
 
 @lru_cache(maxsize=1)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from service.local.embedded import RedisServer
-from tests.servers import new_redis_server
+from tests.servers import S3Server, new_redis_server, new_s3_server
 
 
 @pytest.fixture
@@ -48,3 +48,21 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One S3-compatible server (SeaweedFS) for the session; tests take a fresh bucket each."""
+    server = new_s3_server(tmp_path_factory.mktemp("s3"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A new empty bucket, with this process's AWS_* variables pointing at its server."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return s3_server.new_bucket()

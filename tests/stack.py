@@ -50,6 +50,10 @@ class Stack:
     worker: subprocess.Popen[bytes] | None = None
     # Workers started by add_worker, beside `worker`: all take jobs from the same queue.
     more_workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    # Each worker's own data directory, as on machines of their own (the store must then be
+    # shared another way: an S3 bucket); None: all share data_dir.
+    worker_data_dirs: list[Path] | None = None
+    _workers_started: int = 0
 
     @property
     def env(self) -> dict[str, str]:
@@ -89,9 +93,14 @@ class Stack:
             self.api = None
 
     def _spawn_worker(self) -> subprocess.Popen[bytes]:
+        env = self.env
+        if self.worker_data_dirs is not None:
+            own = self.worker_data_dirs[self._workers_started % len(self.worker_data_dirs)]
+            env["BNADAPT_DATA_DIR"] = str(own)
+        self._workers_started += 1
         return subprocess.Popen(
             worker_command("cpu"),
-            env=self.env,
+            env=env,
             cwd=REPO,
             start_new_session=True,  # its own process group, for kill_worker_group
         )
@@ -143,12 +152,19 @@ class Stack:
 
 @contextmanager
 def running_stack(
-    data_dir: Path, env_overrides: Mapping[str, str] | None = None, workers: int = 1
+    data_dir: Path,
+    env_overrides: Mapping[str, str] | None = None,
+    workers: int = 1,
+    separate_machines: bool = False,
 ) -> Iterator[Stack]:
     """A Redis-compatible server, ``workers`` workers and the API with all state under
-    ``data_dir``; everything stopped on exit."""
+    ``data_dir``; everything stopped on exit. ``separate_machines``: the API keeps its data in
+    ``data_dir/api`` and each worker in ``data_dir/worker-<i>``, sharing only Redis and what
+    ``env_overrides`` name (an S3 store)."""
     redis = new_redis_server(data_dir / "redis")
-    stack = Stack(data_dir, redis, env_overrides or {})
+    stack = Stack(data_dir / "api" if separate_machines else data_dir, redis, env_overrides or {})
+    if separate_machines:
+        stack.worker_data_dirs = [data_dir / f"worker-{i}" for i in range(workers)]
     try:
         stack.start_worker()
         for _ in range(workers - 1):

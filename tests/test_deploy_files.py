@@ -21,6 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+S3_COMPOSE_FILE = ROOT / "docker-compose.s3.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 PASSWORD = "test-password-0123"
 COMPOSE_TIMEOUT_S = 60
@@ -61,7 +62,9 @@ def compose_cli() -> list[str]:
 needs_compose = pytest.mark.usefixtures("compose_cli")
 
 
-def _run_compose(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _run_compose(
+    *args: str, compose_file: Path = COMPOSE_FILE, **env: str
+) -> subprocess.CompletedProcess[str]:
     # Only what the test sets: no COMPOSE_PROFILES, COMPOSE_FILE, nor a password, from outside.
     clean_env = {
         key: value
@@ -71,7 +74,7 @@ def _run_compose(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     command = _compose_command()
     assert command is not None
     return subprocess.run(
-        [*command, "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), *args],
+        [*command, "--project-directory", str(ROOT), "-f", str(compose_file), *args],
         capture_output=True,
         text=True,
         env={**clean_env, **env},
@@ -280,7 +283,7 @@ def test_worker_image_installs_torch_first_then_the_worker_extra(
     runs = worker.args_of("RUN")
     torch_run = next(i for i, run in enumerate(runs) if "torch==${TORCH_VERSION}" in run)
     assert '--index-url "${TORCH_INDEX_URL}"' in runs[torch_run]
-    project_run = next(i for i, run in enumerate(runs) if "[worker]" in run)
+    project_run = next(i for i, run in enumerate(runs) if "[worker," in run or "[worker]" in run)
     assert torch_run < project_run
 
 
@@ -306,3 +309,33 @@ def test_dockerignore_is_an_allowlist() -> None:
     assert patterns[0] == "*"
     for secret_or_bulk in ("!.env", "!.git", "!.venv", "!data"):
         assert not any(pattern.startswith(secret_or_bulk) for pattern in patterns)
+
+
+@needs_compose
+def test_s3_compose_shares_no_volume_between_machines() -> None:
+    result = _run_compose(
+        "--profile",
+        "gpu",
+        "config",
+        "--format",
+        "json",
+        compose_file=S3_COMPOSE_FILE,
+        BNADAPT_REDIS_PASSWORD=PASSWORD,
+        BNADAPT_S3_ACCESS_KEY="access",
+        BNADAPT_S3_SECRET_KEY="secret",
+    )
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    assert set(services) == {"redis", "s3", "bucket", "api", "worker", "worker-gpu"}
+    assert "ports" not in services["redis"]
+    for name in ("api", "worker", "worker-gpu"):
+        service = services[name]
+        assert "volumes" not in service, f"{name} mounts {service['volumes']}"
+        assert service["environment"]["BNADAPT_STORE_URL"] == "s3://bnadapt/store"
+        assert service["environment"]["AWS_ENDPOINT_URL"] == "http://s3:8333"
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert service["depends_on"]["bucket"]["condition"] == "service_completed_successfully"
+    assert _option(services["worker"]["command"], "--device") == "cpu"
+    assert _option(services["worker-gpu"]["command"], "--device") == "cuda:0"
+    missing = _run_compose("config", compose_file=S3_COMPOSE_FILE, BNADAPT_REDIS_PASSWORD="x")
+    assert missing.returncode != 0 or not missing.stdout.strip()

@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         datasets.router,
         uploads.router,
         jobs.router,
+        uploads.router,
     ):
         app.include_router(router, responses=problem_responses(400, 401, 404, 409, 413, 422, 503))
     _add_problem_schema(app)

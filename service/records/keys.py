@@ -18,8 +18,10 @@ __all__ = [
     "STORE_GC_LOCK",
     "STORE_GC_STARTED",
     "STORE_RELEASED",
+    "STORE_WRITTEN",
     "ResourceKind",
     "api_key",
+    "direct_upload",
     "idempotency",
     "inspect_reply",
     "job_cancel",
@@ -31,6 +33,7 @@ __all__ = [
     "job_shards",
     "record",
     "sha_refs",
+    "store_deleting",
     "tenant",
     "tenant_by_name",
     "tenant_index",
@@ -54,6 +57,9 @@ QUEUED_JOBS: Final = f"{PREFIX}:jobs:queued"
 # Sorted set: store objects whose reference was dropped, scored by when (seconds since the
 # epoch); see NOTE [ Store garbage collection ] in service/store/gc.py.
 STORE_RELEASED: Final = f"{PREFIX}:store:released"
+# Sorted set: S3 store objects scored by when a writer last wrote (or found) them; the S3
+# store's stand-in for a file's mtime (NOTE [ Collecting an S3 store ] in service/store/s3.py).
+STORE_WRITTEN: Final = f"{PREFIX}:store:written"
 # Held by the one store collection running (a redis-py lock).
 STORE_GC_LOCK: Final = f"{PREFIX}:store:gc-lock"
 # Present (with a TTL of the collection interval) once a collection started.
@@ -92,6 +98,11 @@ def sha_refs(sha256: str) -> str:
 def job_output(job_id: str) -> str:
     """The id of the model a job registered: at most one per job, whatever its attempts."""
     return f"{PREFIX}:job:{job_id}:output"
+
+
+def store_deleting(sha256: str) -> str:
+    """Present (with a TTL) while a collection deletes this S3 object; writers wait for it."""
+    return f"{PREFIX}:store:deleting:{sha256}"
 
 
 def job_progress(job_id: str) -> str:
@@ -133,6 +144,12 @@ def upload(upload_id: str) -> str:
 def upload_parts(upload_id: str) -> str:
     """Hash: part number -> ``<sha256>:<size>`` of each part received; same TTL as the upload."""
     return f"{PREFIX}:upload:{upload_id}:parts"
+
+
+def direct_upload(upload_id: str) -> str:
+    """Hash: a direct upload to the S3 store in progress (service/api/routes/direct_uploads.py);
+    with a TTL."""
+    return f"{PREFIX}:direct-upload:{upload_id}"
 
 
 def idempotency(tenant_id: str, key: str) -> str:

@@ -396,6 +396,9 @@ class Records:
             JobStatus.RUNNING,
             {"started_at": utc_now().isoformat(), "worker": worker},
         )
+        if new is JobStatus.RUNNING:
+            # What it showed while queued ("waiting for a cuda worker") no longer holds.
+            self.client.delete(keys.job_progress(job_id))
         return new is JobStatus.RUNNING
 
     def mark_finished(

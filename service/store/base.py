@@ -8,13 +8,15 @@ import contextlib
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Final, NamedTuple, Protocol
+from typing import BinaryIO, Final, NamedTuple, Protocol, runtime_checkable
 
 from api_schemas.common import SHA256_PATTERN
 
 __all__ = [
     "DEFAULT_TMP_MAX_AGE_S",
     "SHA256_RE",
+    "DirectTransfers",
+    "DirectUpload",
     "ObjectWriter",
     "Store",
     "StoredObject",
@@ -107,4 +109,36 @@ class Store(Protocol):
 
     def cleanup_tmp(self, older_than_s: float = DEFAULT_TMP_MAX_AGE_S) -> int:
         """Removes temp files left by crashed writers; returns how many."""
+        ...
+
+    def download_url(self, sha256: str, filename: str) -> str | None:
+        """A short-lived URL a client can GET the object from directly, as ``filename``;
+        None where the store has none (then the API streams the object)."""
+        ...
+
+
+class DirectUpload(NamedTuple):
+    """A multipart upload a client sends straight to the bucket, one presigned URL a part."""
+
+    upload_id: str
+    temp_key: str
+    part_bytes: int  # every part but the last is this long
+    part_urls: list[str]
+
+
+@runtime_checkable
+class DirectTransfers(Protocol):
+    """What a store whose objects can reach it without passing through the API offers (the
+    S3 store); checked with ``isinstance`` by the routes that need it."""
+
+    def start_direct_upload(self, size: int) -> DirectUpload: ...
+
+    def finish_direct_upload(
+        self, upload: DirectUpload, etags: list[str], max_bytes: int | None
+    ) -> tuple[str, int]:
+        """Completes the upload, hashes it and installs it; (sha256, size)."""
+        ...
+
+    def import_object(self, url: str, max_bytes: int | None) -> tuple[str, int]:
+        """Copies an ``s3://`` object into the store; (sha256, size)."""
         ...

@@ -86,7 +86,10 @@ class Housekeeping:
         ):
             self._records.client.ping()
             return
-        moved = enqueue_ready_children(self._records.client, self._settings.queue)
+        moved = sum(
+            enqueue_ready_children(self._records.client, queue)
+            for queue in self._settings.job_queues
+        )
         if moved:
             log.info("moved %d jobs RQ left ready to the queue", moved)
         reap_stale_jobs(self._records, self._settings.heartbeat_timeout_s)

@@ -151,7 +151,6 @@ def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
     milliseconds of RQ starting it."""
     changed = []
     ttl = timedelta(seconds=heartbeat_key_ttl_s(settings.heartbeat_timeout_s))
-    queue = Queue(settings.queue, connection=records.client, serializer="json")
     for job_id in records.queued_jobs():
         rq_id, retry_at, payload = records.queue_entry(job_id)
         try:
@@ -160,7 +159,7 @@ def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
             rq_job = None
         if rq_job is None and retry_at is not None and payload is not None:
             if time.time() >= retry_at:
-                _enqueue_retry(records, queue, settings, job_id, rq_id, payload)
+                _enqueue_retry(records, settings, job_id, rq_id, payload)
                 changed.append(job_id)
             continue
         if rq_job is not None and retry_at is not None:
@@ -188,10 +187,15 @@ def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
 
 
 def _enqueue_retry(
-    records: Records, queue: Queue, settings: Settings, job_id: str, rq_id: str, payload: str
+    records: Records, settings: Settings, job_id: str, rq_id: str, payload: str
 ) -> None:
+    """Queues the next attempt where the first one waited: the queue of the job's device
+    (NOTE [ Queues by device ] in service/settings.py)."""
+    fields = json.loads(payload)
+    device = str(fields.get("params", {}).get("device", "auto"))
+    queue = Queue(settings.job_queue(device), connection=records.client, serializer="json")
     with contextlib.suppress(DuplicateJobError):  # another sweep enqueued it a moment ago
-        enqueue_run(queue, json.loads(payload), rq_id, settings.job_timeout_s, f"{job_id} (retry)")
+        enqueue_run(queue, fields, rq_id, settings.job_timeout_s, f"{job_id} (retry)")
     records.mark_enqueued(job_id, rq_id)
     log.info("job %s: attempt %s queued", job_id, rq_id)
 

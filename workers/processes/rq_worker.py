@@ -21,7 +21,7 @@ from rq.job import Job
 from api_schemas import JobStatus
 from service.records.connection import redis_client
 from service.records.sync import Records
-from service.settings import get_settings
+from service.settings import DEVICE_CLASSES, get_settings
 from service.upkeep.parent_death import die_with_supervisor
 from workers.models.architectures import registry
 from workers.running.compute import WORKER_DEVICE_ENV
@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run one bnadapt RQ worker.")
     parser.add_argument("--device", default=os.environ.get(WORKER_DEVICE_ENV, "auto"))
+    parser.add_argument(
+        "--device-class",
+        choices=DEVICE_CLASSES,
+        default=None,
+        help="serve the jobs that ask for this device class besides `auto` ones (default: "
+        "from --device; `auto` there serves only `auto` jobs)",
+    )
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     args = parser.parse_args()
     die_with_supervisor()  # `bnadapt worker` killed: finish the job at hand, then exit
@@ -65,8 +72,18 @@ def main() -> None:
     # 9-36 ms of each job's load time (bench/RESULTS.md). Builds no model: no torch op runs.
     registry()
     load_runners()  # likewise the job kinds' modules, and torch with them
+    if settings.store_url is not None and settings.store_url.startswith("s3://"):
+        from service.store.s3 import warm_up
+
+        warm_up()  # likewise boto3's S3 model: no request, no connection to inherit
+    # NOTE [ Queues by device ] in service/settings.py: first the jobs that need this class,
+    # then those that run anywhere.
+    device_class = args.device_class or args.device.partition(":")[0]
+    names = [settings.queue]
+    if device_class in DEVICE_CLASSES:
+        names.insert(0, settings.job_queue(device_class))
     worker = Worker(
-        [Queue(settings.queue, connection=client, serializer="json")],
+        [Queue(name, connection=client, serializer="json") for name in names],
         name=f"bnadapt-{socket.gethostname()}-{os.getpid()}",
         connection=client,
         serializer="json",

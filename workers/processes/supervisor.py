@@ -51,6 +51,18 @@ class _Child:
     next_start: float = field(default=0.0)
 
 
+def device_class(device: str) -> str:
+    """``cpu``, ``cuda`` or ``mps``: which jobs' queue the worker serves (NOTE [ Queues by
+    device ] in service/settings.py). ``auto`` is ``cuda`` where torch sees a GPU. This runs in
+    the supervisor, never in the RQ worker's parent, whose forked jobs could not use a CUDA
+    state made before the fork."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device.partition(":")[0]
+
+
 def worker_commands(device: str) -> list[tuple[str, list[str], dict[str, str]]]:
     """(name, argv, extra environment) of each child. ``cuda:N`` pins the RQ worker to GPU N
     through CUDA_VISIBLE_DEVICES (one worker per GPU); the inspector never uses a GPU."""
@@ -64,7 +76,15 @@ def worker_commands(device: str) -> list[tuple[str, list[str], dict[str, str]]]:
     return [
         (
             "rq-worker",
-            [python, "-m", "workers.processes.rq_worker", "--device", worker_device],
+            [
+                python,
+                "-m",
+                "workers.processes.rq_worker",
+                "--device",
+                worker_device,
+                "--device-class",
+                device_class(device),
+            ],
             worker_env,
         ),
         ("inspector", [python, "-m", "workers.processes.inspector"], {"CUDA_VISIBLE_DEVICES": ""}),

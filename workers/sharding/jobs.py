@@ -124,7 +124,10 @@ def start_shards(
     after_merge = [*evaluations, FINISH] if evaluations else []
     shard_records.plan(job.job_id, [shard.batches for shard in plan], progress, after_merge)
     spec = ShardedJob(payload=job, plan=plan, evaluation=evaluation).model_dump(mode="json")
-    queue = Queue(settings.queue, connection=records.client, serializer="json")
+    # The children wait for workers of the class the job asked for (NOTE [ Queues by device ]).
+    queue = Queue(
+        settings.job_queue(job.params.device), connection=records.client, serializer="json"
+    )
     options: dict[str, Any] = {
         "timeout": settings.job_timeout_s,
         "result_ttl": RQ_RESULT_TTL_S,

@@ -23,6 +23,7 @@ from api_schemas import (
     JobStatus,
     ModelPublic,
     Page,
+    Progress,
     new_id,
     parse_job_create,
     utc_now,
@@ -31,8 +32,10 @@ from api_schemas.jobs import num_batches
 from service.api.deps import JobDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError, not_found
 from service.errors import ObjectNotFoundError
+from service.records import keys
 from service.records.queue import JOB_FUNCTION, enqueue_run
 from service.records.sync import Records
+from service.settings import Settings
 
 __all__ = ["JOB_FUNCTION", "router"]
 
@@ -90,6 +93,32 @@ def _check_fit(request: JobCreate, model: ModelPublic, dataset: DatasetPublic) -
                 f"{params.batch_size}, max_batches {params.max_batches}) and each shard needs "
                 f"at least one whole batch; use shards <= {batches}, or a smaller batch_size",
             )
+
+
+def _job_queue(request: Request, settings: Settings, device: str) -> Queue:
+    """The queue of a job asking for ``device`` (NOTE [ Queues by device ] in
+    service/settings.py)."""
+    default: Queue = request.app.state.queue
+    name = settings.job_queue(device)
+    if name == default.name:
+        return default
+    return Queue(name, connection=default.connection, serializer="json")
+
+
+def _waiting(device: str) -> Progress | None:
+    """What a job shows until a worker takes it: for a job that asked for a device class,
+    that it waits for a worker of that class."""
+    device_class = device.partition(":")[0]
+    if device_class == "auto":
+        return None
+    return Progress(
+        done=0,
+        total=0,
+        unit="batches",
+        samples_per_second=0.0,
+        phase=f"waiting for a {device_class} worker",
+        updated_at=utc_now(),
+    )
 
 
 def _body_sha256(request: JobCreate) -> str:
@@ -200,9 +229,12 @@ def create_job(
         ),
         params=job_request.params,
     )
-    queue: Queue = request.app.state.queue
+    queue = _job_queue(request, settings, job_request.params.device)
+    waiting = _waiting(job_request.params.device)
 
     def enqueue(pipe: redis.client.Pipeline) -> None:
+        if waiting is not None:
+            pipe.set(keys.job_progress(job_id), waiting.model_dump_json())
         enqueue_run(
             queue,
             payload.model_dump(mode="json"),
@@ -229,7 +261,8 @@ def create_job(
                 records.forget_idempotency(tenant, idempotency_key)
         raise
     response.headers["Location"] = f"/v1/jobs/{job_id}"
-    return job
+    # The progress lives in its own key (written above), not in the record.
+    return job if waiting is None else job.model_copy(update={"progress": waiting})
 
 
 @router.get("")
@@ -266,15 +299,17 @@ async def get_job(job: JobDep) -> JobPublic:
 
 
 @router.post("/{job_id}:cancel", status_code=202)
-def cancel_job(job: JobDep, tenant: TenantDep, records: RecordsDep, request: Request) -> JobPublic:
+def cancel_job(
+    job: JobDep, tenant: TenantDep, records: RecordsDep, settings: SettingsDep, request: Request
+) -> JobPublic:
     """A queued job is canceled at once; a running one is asked to stop and shows
     ``canceled`` once it has (nothing it was writing is kept)."""
     job_id = job.id
     if job.status is JobStatus.QUEUED and records.mark_finished(
         job_id, JobStatus.CANCELED, allowed=(JobStatus.QUEUED,)
     ):
-        queue: Queue = request.app.state.queue
-        queue.remove(job_id)  # the worker would skip it anyway: its status is canceled
+        # The worker would skip it anyway: its status is canceled.
+        _job_queue(request, settings, job.params.device).remove(job_id)
     else:
         job = records.get_job(tenant, job_id) or job
         if job.status.is_terminal:

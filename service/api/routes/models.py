@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Form, Header, Query, Response, UploadFile
-from fastapi.responses import StreamingResponse
+from fastapi.responses import RedirectResponse, StreamingResponse
 from pydantic import ValidationError
 
 from api_schemas import ModelCreate, ModelPublic, Page, new_id, utc_now
@@ -106,17 +106,25 @@ def get_model(model: ModelDep) -> ModelPublic:
 @router.get(
     "/{model_id}/weights",
     response_class=StreamingResponse,
-    responses={200: {"content": {"application/octet-stream": {}}}},
+    responses={
+        200: {"content": {"application/octet-stream": {}}},
+        307: {"description": "the weights at a short-lived URL of the store (S3)"},
+    },
 )
 def download_weights(
     model: ModelDep,
     store: StoreDep,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
-    """The weights as a safetensors file; the ETag is their sha256."""
+    """The weights as a safetensors file; the ETag is their sha256. With an S3 store the
+    answer is a 307 to a presigned URL valid for ``BNADAPT_S3_PRESIGN_TTL_S``: the bytes go
+    from the bucket to the client, not through the API."""
     etag = f'"{model.sha256}"'
     if if_none_match is not None and etag in {t.strip() for t in if_none_match.split(",")}:
         return Response(status_code=304, headers={"ETag": etag})
+    direct = store.download_url(model.sha256, f"{model.id}.safetensors")
+    if direct is not None:
+        return RedirectResponse(direct, status_code=307, headers={"ETag": etag})
     return StreamingResponse(
         stream_object(store, model.sha256),
         media_type="application/octet-stream",

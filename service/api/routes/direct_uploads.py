@@ -1,0 +1,191 @@
+"""Dataset files that go straight to an S3 store (NOTE [ Direct transfers ]): /v1/direct-uploads
+for presigned multipart uploads, /v1/datasets:import for objects already in a bucket. With a local
+store both answer 409: upload through POST /v1/datasets."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import timedelta
+from typing import Final
+
+from fastapi import APIRouter, Response
+
+from api_schemas import DatasetPublic, new_id, utc_now
+from api_schemas.uploads import (
+    DatasetImport,
+    DirectUploadComplete,
+    DirectUploadCreate,
+    DirectUploadPublic,
+)
+from service.api.deps import IdPath, RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.api.problems import ApiError
+from service.errors import ArrayFileError, StoreError, StoreTooLargeError
+from service.formats.arrays import describe_arrays
+from service.records import keys
+from service.records.format import text
+from service.records.sync import Records
+from service.settings import Settings
+from service.store.base import DirectTransfers, DirectUpload, Store
+
+__all__ = ["router"]
+
+# NOTE [ Direct transfers ]
+# The API hands out presigned URLs and never sees the bytes: the client PUTs each part to the
+# bucket, then asks the API to complete. Completing reads the object once (sha256, size, the
+# dataset checks of an upload), installs it under its content key like any write (NOTE
+# [ Atomic commit on S3 ] in service/store/s3.py) and registers it. An import copies an
+# existing object server-side into a temp key and goes on the same way. What the API keeps
+# of an upload in progress lives in Redis for the URLs' lifetime.
+
+router = APIRouter(tags=["direct uploads"])
+
+_UPLOAD_FIELDS: Final = ("tenant_id", "upload_id", "temp_key", "part_bytes", "size", "name")
+
+
+def _direct(store: Store) -> DirectTransfers:
+    if not isinstance(store, DirectTransfers):
+        raise ApiError(
+            409,
+            "direct uploads and imports need an S3 store (BNADAPT_STORE_URL=s3://...); upload "
+            "the file through POST /v1/datasets",
+        )
+    return store
+
+
+def _register(
+    records: Records,
+    tenant: str,
+    settings: Settings,
+    store: Store,
+    sha256: str,
+    size: int,
+    name: str,
+    response: Response,
+) -> DatasetPublic:
+    try:
+        facts = describe_arrays(
+            store.local_path(sha256), max_elements=settings.max_dataset_elements
+        )
+    except ArrayFileError as exc:
+        raise ApiError(422, str(exc)) from exc
+    dataset = DatasetPublic(
+        id=new_id("ds"),
+        name=name,
+        num_samples=facts.num_samples,
+        sample_shape=list(facts.sample_shape),
+        dtype=facts.dtype,
+        has_labels=facts.has_labels,
+        label_kind=facts.label_kind,
+        num_classes=facts.num_classes,
+        sha256=sha256,
+        size_bytes=size,
+        format=facts.format,
+        created_at=utc_now(),
+    )
+    records.put_dataset(tenant, dataset)
+    response.headers["Location"] = f"/v1/datasets/{dataset.id}"
+    return dataset
+
+
+@router.post("/v1/direct-uploads", status_code=201)
+def create_upload(
+    body: DirectUploadCreate,
+    tenant: TenantDep,
+    records: RecordsDep,
+    store: StoreDep,
+    settings: SettingsDep,
+) -> DirectUploadPublic:
+    """Start a direct upload of a dataset file: PUT each part to its URL, then POST the ETags
+    to ``complete_url``."""
+    direct = _direct(store)
+    if body.size > settings.max_dataset_bytes:
+        raise ApiError(
+            413,
+            f"the dataset file is larger than the limit of {settings.max_dataset_bytes} bytes "
+            f"({body.size}); upload a smaller file or raise the limit in the settings",
+        )
+    try:
+        upload = direct.start_direct_upload(body.size)
+    except StoreError as exc:
+        raise ApiError(422, str(exc)) from exc
+    upload_id = f"up_{secrets.token_urlsafe(16)}"
+    ttl_s = settings.s3_presign_ttl_s
+    key = keys.direct_upload(upload_id)
+    values = (tenant, upload.upload_id, upload.temp_key, upload.part_bytes, body.size, body.name)
+    pipe = records.client.pipeline()
+    for field, value in zip(_UPLOAD_FIELDS, values, strict=True):
+        if value is not None:
+            pipe.hset(key, field, str(value))
+    pipe.expire(key, ttl_s)
+    pipe.execute()
+    return DirectUploadPublic(
+        id=upload_id,
+        part_bytes=upload.part_bytes,
+        part_urls=upload.part_urls,
+        complete_url=f"/v1/direct-uploads/{upload_id}:complete",
+        expires_at=utc_now() + timedelta(seconds=ttl_s),
+    )
+
+
+@router.post("/v1/direct-uploads/{upload_id}:complete", status_code=201)
+def complete_upload(
+    upload_id: IdPath,
+    body: DirectUploadComplete,
+    tenant: TenantDep,
+    records: RecordsDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    response: Response,
+) -> DatasetPublic:
+    """Check the uploaded file (size, sha256, the dataset rules) and register it."""
+    direct = _direct(store)
+    fields = {
+        text(k): text(v) for k, v in records.client.hgetall(keys.direct_upload(upload_id)).items()
+    }
+    # Deleted first: of two completions of one upload, one goes on.
+    if fields.get("tenant_id") != tenant or not records.client.delete(
+        keys.direct_upload(upload_id)
+    ):
+        raise ApiError(
+            404,
+            f"upload {upload_id!r} not found: it was completed, it expired, or it is not "
+            "yours; start a new one with POST /v1/direct-uploads",
+        )
+    upload = DirectUpload(fields["upload_id"], fields["temp_key"], int(fields["part_bytes"]), [])
+    try:
+        sha256, size = direct.finish_direct_upload(upload, body.etags, settings.max_dataset_bytes)
+    except StoreTooLargeError as exc:
+        raise ApiError(413, str(exc)) from exc
+    except StoreError as exc:
+        raise ApiError(422, str(exc)) from exc
+    if size != int(fields["size"]):
+        raise ApiError(
+            422,
+            f"the upload holds {size} bytes but {fields['size']} were announced; nothing was "
+            "registered: start a new upload",
+        )
+    return _register(
+        records, tenant, settings, store, sha256, size, fields.get("name", "dataset"), response
+    )
+
+
+@router.post("/v1/datasets:import", status_code=201, tags=["datasets"])
+def import_dataset(
+    body: DatasetImport,
+    tenant: TenantDep,
+    records: RecordsDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    response: Response,
+) -> DatasetPublic:
+    """Register a dataset from an object already in a bucket (``s3://BUCKET/KEY``, readable
+    with the service's credentials): copied server-side, then checked like an upload."""
+    direct = _direct(store)
+    try:
+        sha256, size = direct.import_object(body.source, settings.max_dataset_bytes)
+    except StoreTooLargeError as exc:
+        raise ApiError(413, str(exc)) from exc
+    except (StoreError, ValueError) as exc:  # ObjectNotFoundError too: the source is missing
+        raise ApiError(422, str(exc)) from exc
+    name = body.name or body.source.rpartition("/")[2]
+    return _register(records, tenant, settings, store, sha256, size, name, response)

@@ -1,0 +1,134 @@
+"""A machine's bounded copies of remote store objects, least recently used out first.
+
+Layout under the root::
+
+    objects/<sha256>     complete copies, each checked against its name when it was made
+    tmp/<random>.part    copies being made
+
+# NOTE [ Object cache ]
+A copy is installed under its name only after its bytes hashed to that name (a download) or
+were hashed on their way to the store (a write): a file under ``objects/`` is always the
+object, so a hit is used without hashing it again. Using a copy sets its mtime, the LRU order
+(atime is unreliable under ``noatime``). When the copies pass ``max_bytes`` the oldest go, but
+never one used within ``IN_USE_S``: a job opens the path it was given right away, and an open
+file stays readable after it is unlinked. An object larger than the limit is still kept
+while it is in use, so a job never fails for want of cache. Several processes of one machine
+share the cache: two downloads of the same object both install identical bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO, Final
+
+from service.store.base import SHA256_RE, check_sha256
+
+__all__ = ["IN_USE_S", "ObjectCache"]
+
+# A copy used this recently is not evicted.
+IN_USE_S: Final = 600.0
+_TMP_SUFFIX: Final = ".part"
+# A temp file untouched this long belongs to a process that died.
+_TMP_MAX_AGE_S: Final = 3600.0
+
+
+class ObjectCache:
+    """Copies of objects in a local directory, at most ``max_bytes`` of them beyond those in
+    use. Directories are made on the first write."""
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self._objects = self.root / "objects"
+        self._tmp = self.root / "tmp"
+
+    def __repr__(self) -> str:
+        return f"ObjectCache({str(self.root)!r}, max_bytes={self.max_bytes})"
+
+    def _path(self, sha256: str) -> Path:
+        return self._objects / check_sha256(sha256)
+
+    def get(self, sha256: str) -> Path | None:
+        """The copy of the object, marked as just used; None if there is none."""
+        path = self._path(sha256)
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            return None
+        return path
+
+    @contextlib.contextmanager
+    def new_file(self) -> Iterator[tuple[Path, BinaryIO]]:
+        """A temp file to fill; the caller :meth:`install`s it, else it is removed on exit."""
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        path = self._tmp / f"{secrets.token_hex(16)}{_TMP_SUFFIX}"
+        try:
+            with path.open("xb") as file:
+                yield path, file
+        finally:
+            path.unlink(missing_ok=True)  # gone already once installed
+
+    def install(self, tmp: Path, sha256: str) -> Path:
+        """Moves a complete temp file whose bytes hash to ``sha256`` under its name, then
+        evicts what is over the limit; returns the copy's path."""
+        final = self._path(sha256)
+        self._objects.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, final)
+        self.evict()
+        return final
+
+    def discard(self, sha256: str) -> None:
+        self._path(sha256).unlink(missing_ok=True)
+
+    def evict(self) -> int:
+        """Removes the least recently used copies until the rest fit in ``max_bytes`` (copies
+        used within ``IN_USE_S`` stay); also temp files of dead processes. Returns how many
+        copies went."""
+        now = time.time()
+        self._remove_stale_tmp(now)
+        entries: list[tuple[float, int, Path]] = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in self._objects.iterdir():
+                if SHA256_RE.fullmatch(entry.name) is None:
+                    continue
+                try:
+                    info = entry.stat()
+                except FileNotFoundError:
+                    continue
+                entries.append((info.st_mtime, info.st_size, entry))
+        total = sum(size for _, size, _ in entries)
+        removed = 0
+        for mtime, size, entry in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if now - mtime < IN_USE_S:
+                continue
+            entry.unlink(missing_ok=True)
+            total -= size
+            removed += 1
+        return removed
+
+    def _remove_stale_tmp(self, now: float) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            for entry in self._tmp.iterdir():
+                try:
+                    if now - entry.stat().st_mtime > _TMP_MAX_AGE_S:
+                        entry.unlink()
+                except FileNotFoundError:
+                    continue
+
+    def size_bytes(self) -> int:
+        """Bytes the copies take now."""
+        total = 0
+        with contextlib.suppress(FileNotFoundError):
+            for entry in self._objects.iterdir():
+                with contextlib.suppress(FileNotFoundError):
+                    total += entry.stat().st_size
+        return total

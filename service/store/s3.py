@@ -1,0 +1,694 @@
+"""The content-addressed store in an S3-compatible bucket (AWS S3, MinIO, SeaweedFS, Ceph, R2).
+
+Keys under the prefix (``s3://BUCKET/PREFIX``)::
+
+    objects/<sha256>   committed objects, never modified
+    tmp/<random>       objects being written (multipart uploads, copies being checked)
+
+Bookkeeping (references, release and write times, deletion markers, the collector's lock)
+lives in Redis, never in the bucket. boto3 is imported only when this module is, and
+:func:`service.store.open_store` imports it only for an ``s3://`` store: an API on a local
+store starts without it.
+
+# NOTE [ Atomic commit on S3 ]
+A content key is only ever written whole: an object that fits in one part is PUT under its
+key once its sha256 is known (the part is in memory anyway); a larger one is uploaded in
+parts to a temp key while it is hashed, completed there, and copied server-side to its
+content key, then the temp key is deleted. A reader never sees a partial object under a
+content key, and a writer that dies leaves only a temp key or an unfinished multipart upload,
+which :meth:`S3Store.cleanup_tmp` removes. Each write is also kept in this machine's cache
+(NOTE [ Object cache ] in service/store/cache.py), so whoever wrote an object reads it back
+without downloading it.
+
+# NOTE [ Collecting an S3 store ]
+The local store protects a write racing a collection with mtimes and a rename out of reach
+(NOTE [ Store garbage collection ] in service/store/gc.py). S3 has no rename, so the same two
+facts live in Redis:
+- every writer, before it writes (or finds) the object under its content key, records the
+  time in the sorted set ``keys.STORE_WRITTEN`` and checks, in the same MULTI, that no
+  collection is deleting the object (``keys.store_deleting``); if one is, it waits until the
+  marker is gone and then writes the object anew;
+- the collector, after the rules of gc.py found the object unused, sets that marker only if
+  the recorded write is older than the grace period (one Lua script: check and set are one
+  step), checks the references again, deletes the object and removes the marker.
+A write recorded before the marker keeps the object for the grace period; a write recorded
+after it waits until the delete is done and installs the object again. The marker expires
+after ``DELETE_MARKER_TTL_S`` should its collector die; a collection whose delete could take
+that long does not exist (one DELETE request, bounded by the client's timeouts and retries).
+An object without a recorded write is as old as its ``LastModified``, also checked.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import io
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, BinaryIO, Final
+from urllib.parse import urlsplit
+
+import boto3
+import redis
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from service.errors import ObjectNotFoundError, StoreError, StoreTooLargeError
+from service.records import keys
+from service.store.base import (
+    DEFAULT_TMP_MAX_AGE_S,
+    SHA256_RE,
+    DirectUpload,
+    ObjectWriter,
+    StoredObject,
+    check_sha256,
+)
+from service.store.cache import ObjectCache
+
+__all__ = ["DELETE_MARKER_TTL_S", "S3Store", "parse_s3_url", "warm_up"]
+
+# How long a collection's deletion marker lives if its collector dies before removing it.
+DELETE_MARKER_TTL_S: Final = 300.0
+_MARKER_POLL_S: Final = 0.1
+_READ_CHUNK: Final = 8 * 1024 * 1024
+# Copies up to this size are one CopyObject request (S3's limit is 5 GiB); larger ones are
+# multipart copies.
+_COPY_SINGLE_MAX: Final = 4 * 1024**3
+_COPY_PART: Final = 512 * 1024**2
+_MAX_PARTS: Final = 10_000
+
+# The marker is set only if no write was recorded at or after the cutoff (NOTE [ Collecting an
+# S3 store ]). KEYS: written zset, marker; ARGV: sha256, cutoff, token, ttl ms.
+_MARK_LUA: Final = """
+local written = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if written and tonumber(written) >= tonumber(ARGV[2]) then return 0 end
+if redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then return 1 end
+return 0
+"""
+_UNMARK_LUA: Final = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+_session_lock = threading.Lock()
+_sessions: dict[int, Any] = {}
+
+
+def _session() -> Any:
+    """This process's boto3 session. Making a client loads botocore's service model (some
+    hundreds of milliseconds); a session keeps it, and holds no connection, so a session made
+    before a fork (see :func:`warm_up`) serves the forked job too."""
+    with _session_lock:
+        session = _sessions.get(0)
+        if session is None:
+            session = _sessions[0] = boto3.session.Session()
+        return session
+
+
+def warm_up() -> None:
+    """Loads the S3 service model into this process's session without a request: an RQ
+    worker calls it before forking jobs, so each job makes its client in milliseconds."""
+    session = _session()
+    with _session_lock:
+        session.client("s3", config=Config(signature_version="s3v4"))
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://BUCKET/PREFIX`` -> (bucket, prefix ending in ``/``, or empty)."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+        raise ValueError(
+            f"not an S3 URL: {url!r}; write s3://BUCKET or s3://BUCKET/PREFIX (endpoint and "
+            "credentials come from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)"
+        )
+    prefix = parts.path.strip("/")
+    return parts.netloc, f"{prefix}/" if prefix else ""
+
+
+def _not_found(exc: ClientError) -> bool:
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    return code in {"404", "NoSuchKey", "NotFound", "NoSuchUpload"}
+
+
+class _BodyReader(io.RawIOBase):
+    """A botocore streaming body as a raw binary file, for ``io.BufferedReader``."""
+
+    def __init__(self, body: Any) -> None:
+        self._body = body
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._body.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._body.close()
+        super().close()
+
+
+class _S3Writer:
+    """Hashes, counts and copies chunks to the cache while it uploads them in parts."""
+
+    def __init__(self, store: S3Store, max_bytes: int | None, cache_file: BinaryIO) -> None:
+        self._store = store
+        self._max_bytes = max_bytes
+        self._cache_file = cache_file
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self._digest: str | None = None
+        self._open = True
+        self._too_large: StoreTooLargeError | None = None
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self.temp_key = ""
+        self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def write(self, chunk: bytes) -> None:
+        if not self._open:
+            raise ValueError("write to a store writer after its `with` block ended")
+        if self._too_large is not None:
+            raise self._too_large
+        new_size = self._size + len(chunk)
+        if self._max_bytes is not None and new_size > self._max_bytes:
+            self._too_large = StoreTooLargeError(
+                f"object is larger than the limit of {self._max_bytes} bytes (reached at least "
+                f"{new_size} bytes); nothing was stored: send a smaller file"
+            )
+            raise self._too_large
+        self._hash.update(chunk)
+        self._cache_file.write(chunk)
+        self._size = new_size
+        self._buffer += chunk
+        part_bytes = self._store.part_bytes
+        while len(self._buffer) >= part_bytes:
+            part = bytes(self._buffer[:part_bytes])
+            del self._buffer[:part_bytes]
+            self._send(part)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def sha256(self) -> str:
+        if self._digest is None:
+            raise RuntimeError("the sha256 is known only after the `with` block ends cleanly")
+        return self._digest
+
+    def _send(self, part: bytes) -> None:
+        store = self._store
+        if self._pool is None:
+            self.temp_key = store.new_temp_key()
+            self._upload_id = store.client.create_multipart_upload(
+                Bucket=store.bucket, Key=self.temp_key
+            )["UploadId"]
+            self._pool = concurrent.futures.ThreadPoolExecutor(store.parts_in_flight)
+        if len(self._parts) >= _MAX_PARTS:
+            raise StoreError(
+                f"object needs more than {_MAX_PARTS} parts of {store.part_bytes} bytes; raise "
+                "BNADAPT_S3_PART_BYTES"
+            )
+        # At most `parts_in_flight` parts in memory: wait for one to finish before the next.
+        pending = [f for f in self._parts if not f.done()]
+        if len(pending) >= store.parts_in_flight:
+            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in self._parts:
+            if future.done():
+                future.result()  # an upload that failed fails the write now
+        number = len(self._parts) + 1
+        self._parts.append(self._pool.submit(self._upload_part, number, part))
+
+    def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
+        store = self._store
+        reply = store.client.upload_part(
+            Bucket=store.bucket,
+            Key=self.temp_key,
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=part,
+        )
+        return {"PartNumber": number, "ETag": reply["ETag"]}
+
+    def finish(self) -> None:
+        """Ends the write: the sha256 is known and, past one part, the temp key complete."""
+        self._open = False
+        if self._too_large is not None:
+            raise self._too_large
+        self._digest = self._hash.hexdigest()
+        if self._pool is None:
+            return  # one part: still in self._buffer
+        if self._buffer:
+            self._send(bytes(self._buffer))
+            self._buffer.clear()
+        parts = [future.result() for future in self._parts]
+        store = self._store
+        store.client.complete_multipart_upload(
+            Bucket=store.bucket,
+            Key=self.temp_key,
+            UploadId=self._upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+        self._upload_id = None
+
+    @property
+    def single_part(self) -> bytes | None:
+        """The whole object, if it fits in one part."""
+        return bytes(self._buffer) if self._pool is None else None
+
+    def abort(self) -> None:
+        store = self._store
+        if self._pool is not None:
+            for future in self._parts:
+                future.cancel()
+            self._pool.shutdown(wait=True)
+        if self._upload_id is not None:
+            with contextlib.suppress(ClientError):
+                store.client.abort_multipart_upload(
+                    Bucket=store.bucket, Key=self.temp_key, UploadId=self._upload_id
+                )
+
+    def close_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+class S3Store:
+    """A :class:`~service.store.base.Store` in ``s3://bucket/prefix``, with this machine's
+    copies in ``cache`` and its write times in Redis (NOTE [ Collecting an S3 store ]).
+
+    The boto3 clients are made on first use, and again in a forked child."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        cache: ObjectCache,
+        redis_client: redis.Redis,
+        part_bytes: int = 16 * 1024 * 1024,
+        parts_in_flight: int = 4,
+        presign_ttl_s: int = 900,
+        public_endpoint_url: str | None = None,
+    ) -> None:
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(f"prefix must be empty or end with '/', got {prefix!r}")
+        self.bucket = bucket
+        self.prefix = prefix
+        self.cache = cache
+        self.part_bytes = part_bytes
+        self.parts_in_flight = parts_in_flight
+        self.presign_ttl_s = presign_ttl_s
+        self._redis = redis_client
+        self._public_endpoint_url = public_endpoint_url
+        self._clients: dict[str, Any] = {}
+        self._pid = os.getpid()
+        self._mark = redis_client.register_script(_MARK_LUA)
+        self._unmark = redis_client.register_script(_UNMARK_LUA)
+        self._transfer = TransferConfig(
+            multipart_threshold=_COPY_SINGLE_MAX,
+            multipart_chunksize=_COPY_PART,
+            max_concurrency=max(parts_in_flight, 4),
+        )
+        self._download = TransferConfig(
+            multipart_threshold=part_bytes,
+            multipart_chunksize=part_bytes,
+            max_concurrency=max(parts_in_flight, 4),
+        )
+
+    def __repr__(self) -> str:
+        return f"S3Store('s3://{self.bucket}/{self.prefix}', {self.cache!r})"
+
+    # -- clients and keys
+
+    def _client(self, endpoint_url: str | None = None) -> Any:
+        if os.getpid() != self._pid:  # forked: boto3 clients do not survive a fork
+            self._clients.clear()
+            self._pid = os.getpid()
+        name = endpoint_url or ""
+        client = self._clients.get(name)
+        if client is None:
+            config = Config(
+                # SigV4 everywhere: botocore would presign with the legacy SigV2, which AWS
+                # regions opened since 2014 refuse and SeaweedFS refuses with response
+                # parameters.
+                signature_version="s3v4",
+                retries={"max_attempts": 5, "mode": "standard"},
+                max_pool_connections=max(10, 2 * self.parts_in_flight),
+                connect_timeout=10,
+                read_timeout=60,
+            )
+            session = _session()
+            with _session_lock:  # a session is not thread-safe
+                client = session.client("s3", endpoint_url=endpoint_url, config=config)
+            self._clients[name] = client
+        return client
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client of this process."""
+        return self._client()
+
+    def key(self, sha256: str) -> str:
+        return f"{self.prefix}objects/{check_sha256(sha256)}"
+
+    def new_temp_key(self) -> str:
+        return f"{self.prefix}tmp/{secrets.token_hex(16)}"
+
+    # -- writing
+
+    @contextlib.contextmanager
+    def writer(self, max_bytes: int | None = None) -> Iterator[ObjectWriter]:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
+        with self.cache.new_file() as (cache_tmp, cache_file):
+            writer = _S3Writer(self, max_bytes, cache_file)
+            try:
+                yield writer
+                writer.finish()
+            except BaseException:
+                writer.abort()
+                with contextlib.suppress(ClientError):
+                    if writer.temp_key:
+                        self.client.delete_object(Bucket=self.bucket, Key=writer.temp_key)
+                raise
+            writer.close_pool()
+            cache_file.close()
+            data = writer.single_part
+            if data is not None:
+                self._install_bytes(data, writer.sha256)
+            else:
+                self._install_temp(writer.temp_key, writer.sha256)
+            self.cache.install(cache_tmp, writer.sha256)
+
+    def _record_write(self, sha256: str) -> None:
+        """Records that ``sha256`` is being written, once no collection is deleting it
+        (NOTE [ Collecting an S3 store ])."""
+        deadline = time.monotonic() + DELETE_MARKER_TTL_S + 10.0
+        while True:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.zadd(keys.STORE_WRITTEN, {sha256: time.time()})
+            pipe.exists(keys.store_deleting(sha256))
+            _, deleting = pipe.execute()
+            if not deleting:
+                return
+            if time.monotonic() > deadline:
+                raise StoreError(
+                    f"object {sha256} has been marked for deletion by a store collection for "
+                    f"over {DELETE_MARKER_TTL_S:g} s; check Redis key "
+                    f"{keys.store_deleting(sha256)} and retry"
+                )
+            time.sleep(_MARKER_POLL_S)
+
+    def _install_bytes(self, data: bytes, sha256: str) -> None:
+        self._record_write(sha256)
+        self.client.put_object(Bucket=self.bucket, Key=self.key(sha256), Body=data)
+
+    def _install_temp(self, temp_key: str, sha256: str) -> None:
+        """Copies a complete temp object to its content key (unless it is there) and deletes
+        the temp key."""
+        try:
+            self._record_write(sha256)
+            if not self._exists_remote(sha256):
+                self.client.copy(
+                    {"Bucket": self.bucket, "Key": temp_key},
+                    self.bucket,
+                    self.key(sha256),
+                    Config=self._transfer,
+                )
+        finally:
+            with contextlib.suppress(ClientError):
+                self.client.delete_object(Bucket=self.bucket, Key=temp_key)
+
+    def put_bytes(self, data: bytes) -> str:
+        with self.writer() as writer:
+            writer.write(data)
+        return writer.sha256
+
+    # -- reading
+
+    def open(self, sha256: str) -> BinaryIO:
+        cached = self.cache.get(sha256)
+        if cached is not None:
+            return cached.open("rb")
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self.key(sha256))
+        except ClientError as exc:
+            if _not_found(exc):
+                raise ObjectNotFoundError(self._missing(sha256)) from None
+            raise
+        return io.BufferedReader(_BodyReader(reply["Body"]), _READ_CHUNK)
+
+    def local_path(self, sha256: str) -> Path:
+        """The cached copy, downloaded first if this machine has none (checked against its
+        sha256 before it is used)."""
+        cached = self.cache.get(sha256)
+        if cached is not None:
+            return cached
+        with self.cache.new_file() as (tmp, file):
+            try:
+                self.client.download_fileobj(
+                    self.bucket, self.key(sha256), file, Config=self._download
+                )
+            except ClientError as exc:
+                if _not_found(exc):
+                    raise ObjectNotFoundError(self._missing(sha256)) from None
+                raise
+            file.close()
+            got = _file_sha256(tmp)
+            if got != sha256:
+                raise StoreError(
+                    f"the object s3://{self.bucket}/{self.key(sha256)} holds bytes whose sha256 "
+                    f"is {got}: it was changed outside bnadapt; delete it and upload the file "
+                    "again"
+                )
+            return self.cache.install(tmp, sha256)
+
+    def _exists_remote(self, sha256: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self.key(sha256))
+        except ClientError as exc:
+            if _not_found(exc):
+                return False
+            raise
+        return True
+
+    def exists(self, sha256: str) -> bool:
+        return self._exists_remote(sha256)
+
+    def _missing(self, sha256: str) -> str:
+        return f"no object {sha256} in s3://{self.bucket}/{self.prefix}"
+
+    def download_url(self, sha256: str, filename: str) -> str | None:
+        """A presigned GET of the object, valid ``presign_ttl_s``."""
+        client = self._client(self._public_endpoint_url)
+        url: str = client.generate_presigned_url(
+            "get_object",
+            Params={
+                "Bucket": self.bucket,
+                "Key": self.key(sha256),
+                "ResponseContentDisposition": f'attachment; filename="{filename}"',
+                "ResponseContentType": "application/octet-stream",
+            },
+            ExpiresIn=self.presign_ttl_s,
+        )
+        return url
+
+    # -- objects that reach the bucket without passing through this process
+
+    def start_direct_upload(self, size: int) -> DirectUpload:
+        """A multipart upload of ``size`` bytes to a temp key, with a presigned URL per part
+        (each ``part_bytes`` long, the last one the rest)."""
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        count = -(-size // self.part_bytes)
+        if count > _MAX_PARTS:
+            raise StoreError(
+                f"{size} bytes need {count} parts of {self.part_bytes} bytes, over S3's "
+                f"{_MAX_PARTS}; raise BNADAPT_S3_PART_BYTES"
+            )
+        temp_key = self.new_temp_key()
+        upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=temp_key)[
+            "UploadId"
+        ]
+        presigner = self._client(self._public_endpoint_url)
+        urls = [
+            presigner.generate_presigned_url(
+                "upload_part",
+                Params={
+                    "Bucket": self.bucket,
+                    "Key": temp_key,
+                    "UploadId": upload_id,
+                    "PartNumber": number,
+                },
+                ExpiresIn=self.presign_ttl_s,
+            )
+            for number in range(1, count + 1)
+        ]
+        return DirectUpload(upload_id, temp_key, self.part_bytes, urls)
+
+    def finish_direct_upload(
+        self, upload: DirectUpload, etags: list[str], max_bytes: int | None
+    ) -> tuple[str, int]:
+        """Completes the upload with the parts' ETags (in order), then checks and installs it
+        like any write; returns (sha256, size)."""
+        parts = [{"PartNumber": i, "ETag": etag} for i, etag in enumerate(etags, start=1)]
+        try:
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=upload.temp_key,
+                UploadId=upload.upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except ClientError as exc:
+            raise StoreError(
+                f"the bucket refused to complete the upload ({exc}); send every part to its "
+                "URL and list the ETags the bucket answered, in part order"
+            ) from exc
+        return self._adopt_temp(upload.temp_key, max_bytes)
+
+    def import_object(self, url: str, max_bytes: int | None) -> tuple[str, int]:
+        """Copies ``s3://bucket/key`` (readable with this store's credentials) server-side to
+        a temp key, then checks and installs it like any write; returns (sha256, size)."""
+        bucket, key = parse_s3_url(url)
+        key = key.rstrip("/")
+        if not key:
+            raise ValueError(f"{url!r} names a bucket, not an object: write s3://BUCKET/KEY")
+        try:
+            head = self.client.head_object(Bucket=bucket, Key=key)
+        except ClientError as exc:
+            raise ObjectNotFoundError(f"cannot read {url}: {exc}") from exc
+        _check_size(head["ContentLength"], max_bytes)
+        temp_key = self.new_temp_key()
+        try:
+            self.client.copy(
+                {"Bucket": bucket, "Key": key}, self.bucket, temp_key, Config=self._transfer
+            )
+        except ClientError as exc:
+            raise StoreError(f"cannot copy {url} into the store: {exc}") from exc
+        return self._adopt_temp(temp_key, max_bytes)
+
+    def _adopt_temp(self, temp_key: str, max_bytes: int | None) -> tuple[str, int]:
+        """Hashes a complete temp object into this machine's cache, installs it under its
+        content key (NOTE [ Atomic commit on S3 ]) and deletes the temp key."""
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=temp_key)
+            _check_size(body["ContentLength"], max_bytes)
+            digest = hashlib.sha256()
+            size = 0
+            with self.cache.new_file() as (cache_tmp, file):
+                with contextlib.closing(body["Body"]) as stream:
+                    while chunk := stream.read(_READ_CHUNK):
+                        digest.update(chunk)
+                        file.write(chunk)
+                        size += len(chunk)
+                file.close()
+                sha256 = digest.hexdigest()
+                self._install_temp(temp_key, sha256)
+                self.cache.install(cache_tmp, sha256)
+            return sha256, size
+        finally:
+            with contextlib.suppress(ClientError):
+                self.client.delete_object(Bucket=self.bucket, Key=temp_key)
+
+    # -- collection (NOTE [ Collecting an S3 store ])
+
+    def objects(self) -> Iterator[StoredObject]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=f"{self.prefix}objects/"
+        )
+        for page in pages:
+            for entry in page.get("Contents", ()):
+                name = entry["Key"].rpartition("/")[2]
+                if SHA256_RE.fullmatch(name) is None:
+                    continue
+                yield StoredObject(name, entry["LastModified"].timestamp(), entry["Size"])
+
+    def remove_unused(self, sha256: str, cutoff: float, in_use: Callable[[str], bool]) -> bool:
+        if in_use(sha256):
+            return False
+        marker = keys.store_deleting(sha256)
+        token = secrets.token_hex(8)
+        marked = self._mark(
+            keys=[keys.STORE_WRITTEN, marker],
+            args=[sha256, repr(cutoff), token, int(DELETE_MARKER_TTL_S * 1000)],
+        )
+        if not marked:
+            return False  # written within the grace period, or another collector is on it
+        try:
+            if in_use(sha256):
+                return False
+            try:
+                head = self.client.head_object(Bucket=self.bucket, Key=self.key(sha256))
+            except ClientError as exc:
+                if _not_found(exc):
+                    return False
+                raise
+            if head["LastModified"].timestamp() >= cutoff:
+                return False
+            self.client.delete_object(Bucket=self.bucket, Key=self.key(sha256))
+            self.cache.discard(sha256)
+            return True
+        finally:
+            self._unmark(keys=[marker], args=[token])
+
+    def settle_trash(self, cutoff: float, in_use: Callable[[str], bool]) -> int:
+        """Nothing is moved aside on S3 (a dead collector's marker expires); drops the
+        recorded writes older than ``cutoff``, which no longer protect anything."""
+        self._redis.zremrangebyscore(keys.STORE_WRITTEN, "-inf", f"({cutoff}")
+        return 0
+
+    def cleanup_tmp(self, older_than_s: float = DEFAULT_TMP_MAX_AGE_S) -> int:
+        """Deletes temp keys and aborts multipart uploads older than ``older_than_s``."""
+        if older_than_s < 0:
+            raise ValueError(f"older_than_s must be >= 0, got {older_than_s}")
+        cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
+        tmp_prefix = f"{self.prefix}tmp/"
+        removed = 0
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=tmp_prefix
+        )
+        for page in pages:
+            for entry in page.get("Contents", ()):
+                if entry["LastModified"] < cutoff:
+                    self.client.delete_object(Bucket=self.bucket, Key=entry["Key"])
+                    removed += 1
+        uploads = self.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=tmp_prefix
+        )
+        for page in uploads:
+            for upload in page.get("Uploads", ()):
+                if upload["Initiated"] < cutoff:
+                    with contextlib.suppress(ClientError):
+                        self.client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+                        removed += 1
+        return removed
+
+
+def _check_size(size: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise StoreTooLargeError(
+            f"object is larger than the limit of {max_bytes} bytes ({size} bytes); nothing was "
+            "stored: send a smaller file"
+        )
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
