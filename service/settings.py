@@ -64,6 +64,12 @@ class Settings(BaseSettings):
     # to the API and Redis where they share a small machine.
     worker_threads: int | None = Field(default=None, ge=1)
 
+    # Ended jobs (their records, logs and reports) are deleted this long after they ended, by
+    # housekeeping (service/upkeep/retention.py); None keeps them until deleted by hand.
+    job_retention_s: float | None = Field(default=None, gt=0)
+    # Logs as one JSON object a line (for a log collector) instead of plain text.
+    log_json: bool = False
+
     @property
     def store_path(self) -> Path:
         return self.store_dir if self.store_dir is not None else self.data_dir / "store"
