@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from service.client import Client as ApiClient
@@ -23,7 +24,7 @@ from service.local.cli import _parser
 from service.records import keys
 from service.upkeep.retention import delete_expired_jobs
 from tests.servers import wait_for
-from tests.stack import REPO, Client, Stack, running_stack
+from tests.stack import REPO, Client, Stack, npz_bytes, running_stack
 from tests.test_e2e import created, digits_npz, long_train, problem
 
 pytestmark = pytest.mark.slow
@@ -190,13 +191,15 @@ def test_logs_are_kept_and_tenant_scoped(stack: Stack) -> None:
 def test_failed_job_logs_its_traceback(stack: Stack) -> None:
     client = stack.client("failing")
     model = created(client.add_model("digits_cnn", {"width": 4}, seed=1))
-    # One sample: a train-mode batch of one fails in the worker with an explained error.
-    dataset = created(client.add_dataset(digits_npz(n=1)))
+    # Finite inputs whose convolutions overflow: the worker fails the job (non-finite
+    # statistics). Its traceback once went only to the worker's stderr.
+    huge = np.full((16, 1, 8, 8), 3e38, np.float32)
+    dataset = created(client.add_dataset(npz_bytes(x=huge)))
     body = {
         "kind": "adapt",
         "model_id": model["id"],
         "dataset_id": dataset["id"],
-        "params": {"batch_size": 1, "estimator": "ema"},
+        "params": {"batch_size": 8, "estimator": "cumulative"},
     }
     job = created(client.submit(body), 202)
     done = client.wait(job["id"])
@@ -205,6 +208,30 @@ def test_failed_job_logs_its_traceback(stack: Stack) -> None:
         e["message"] for e in client.http.get(f"/v1/jobs/{job['id']}/logs").json()["items"]
     )
     assert "Traceback (most recent call last)" in messages, messages
+    assert "non-finite" in messages
+
+
+def test_metrics_name_the_series_an_operator_watches(stack: Stack) -> None:
+    client = stack.client("metrics")
+    job = created(client.submit(_small_adapt(client)), 202)
+    client.wait(job["id"])
+    client.http.get("/v1/jobs")
+    text = httpx.get(f"{stack.url}/metrics", timeout=30).text
+    for series in (
+        'bnadapt_http_request_duration_seconds_bucket{le="0.005",method="GET",'
+        'route="/v1/jobs",status="200"}',
+        'bnadapt_jobs{kind="adapt",status="succeeded"}',
+        'bnadapt_job_duration_seconds_count{kind="adapt",status="succeeded"}',
+        'bnadapt_job_queue_wait_seconds_sum{kind="adapt"}',
+        "bnadapt_queue_depth ",
+        "bnadapt_queue_oldest_wait_seconds ",
+        "bnadapt_workers 1.0",
+        "bnadapt_workers_busy ",
+        "bnadapt_worker_busy_seconds ",
+        "bnadapt_store_bytes ",
+        "bnadapt_store_objects ",
+    ):
+        assert series in text, f"{series} not in /metrics:\n{text[:3000]}"
 
 
 def test_canceled_job_is_never_reported_ok(stack: Stack) -> None:
@@ -330,7 +357,10 @@ def test_submit_wait_follows_the_event_stream(stack: Stack) -> None:
     )
     assert submitted.returncode == 0, submitted.stderr
     lines = submitted.stdout.splitlines()
-    # Not a terminal: a line per phase, from the events.
-    assert any(" adapt " in line for line in lines), lines
+    # Not a terminal: a line per status or phase, from the events; the last one keeps the
+    # work's figures (once "saving 1/1 batches" at 0 samples/s).
+    assert lines[0].endswith(" queued"), lines
+    final = next(line for line in lines if " succeeded " in line)
+    assert "samples/s" in final and "1/1 batches" not in final, final
     job = json.loads(submitted.stdout[submitted.stdout.index("{") :])
     assert job["status"] == "succeeded" and job["tags"] == {"run": "cli"}

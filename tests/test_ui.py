@@ -132,10 +132,12 @@ def test_ui_sign_in_watch_a_cli_job_live_and_read_its_report(
     seen = set()
 
     def progressed() -> bool:
-        text = driver.find_element(By.CSS_SELECTOR, "#progress").text
-        seen.add(text)
-        status = driver.find_element(By.CSS_SELECTOR, "#job-status").text
-        return status == "succeeded"
+        progress = driver.find_elements(By.CSS_SELECTOR, "#progress")
+        status = driver.find_elements(By.CSS_SELECTOR, "#job-status")
+        if not (progress and status):
+            return False  # the page is still loading
+        seen.add(progress[0].text)
+        return bool(status[0].text == "succeeded")
 
     wait_for(progressed, timeout_s=240, interval_s=0.3, what="the job to succeed on its page")
     live = [t for t in seen if t.startswith("train:")]
@@ -144,7 +146,9 @@ def test_ui_sign_in_watch_a_cli_job_live_and_read_its_report(
         wait_css(driver, plot, timeout_s=30)
     assert driver.find_elements(By.CSS_SELECTOR, "#plot-epochs polyline")
     assert "started" in driver.find_element(By.CSS_SELECTOR, "#logs").text
+    driver.set_window_size(1280, 1900)  # the whole page, report included
     wide = shot(driver, tmp_path, "job-1280")
+    driver.set_window_size(1280, 900)
     if os.environ.get("BNADAPT_UPDATE_UI_SCREENSHOT") == "1":
         shutil.copy(wide, REPO / "docs" / "ui.png")
 

@@ -20,6 +20,7 @@ from pydantic import TypeAdapter
 from rq import Queue
 
 from api_schemas import JobCreate, Problem, ProblemItem
+from service.api.metrics import install_metrics
 from service.api.problems import install_problem_handlers, problem_responses
 from service.api.routes import architectures, datasets, health, jobs, models
 from service.records.aio import AsyncRecords, async_redis_client
@@ -102,6 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router, responses=problem_responses(503))
     for router in (architectures.router, models.router, datasets.router, jobs.router):
         app.include_router(router, responses=problem_responses(400, 401, 404, 409, 413, 422, 503))
+    install_metrics(app)
     _add_problem_schema(app)
     return app
 

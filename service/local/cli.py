@@ -45,6 +45,7 @@ from service.local.up import (
     DEFAULT_API_PROCESSES,
     WORKER_THREADS_ENV,
     LocalStack,
+    fresh_metrics_dir,
     worker_command,
 )
 from service.settings import get_settings
@@ -90,6 +91,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    if args.workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        # The processes' request metrics, summed at a scrape (service/api/metrics.py).
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(
+            fresh_metrics_dir(get_settings().data_dir.resolve())
+        )
     uvicorn.run(
         "service.api.app:create_app",
         factory=True,

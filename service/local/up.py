@@ -104,6 +104,17 @@ def api_command(host: str, port: int, processes: int = 1) -> list[str]:
     ]
 
 
+def fresh_metrics_dir(data_dir: Path) -> Path:
+    """An empty directory for the API processes' shared metrics (NOTE [ Metrics across API
+    processes ] in service/api/metrics.py): values of processes gone must not add up."""
+    path = data_dir / "metrics"
+    if path.exists():
+        for stale in path.glob("*.db"):
+            stale.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def worker_command(device: str) -> list[str]:
     """``bnadapt worker`` in a new interpreter (the service never imports workers itself)."""
     return [sys.executable, "-m", "workers.processes.supervisor", "--device", device]
@@ -167,6 +178,7 @@ class LocalStack:
             **os.environ,
             "BNADAPT_REDIS_URL": self.redis.url,
             "BNADAPT_DATA_DIR": str(self.data_dir),
+            "PROMETHEUS_MULTIPROC_DIR": str(fresh_metrics_dir(self.data_dir)),
         }
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log_path.open("ab")

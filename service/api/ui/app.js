@@ -193,7 +193,7 @@ async function jobPage(jobId) {
       el("dt", {}, "started"), el("dd", {}, when(job.started_at)),
       el("dt", {}, "finished"), el("dd", {}, when(job.finished_at)),
       el("dt", {}, "tags"), el("dd", {}, Object.entries(job.tags || {}).map(([k, v]) => `${k}=${v}`).join(" ") || "–"),
-      job.error ? [el("dt", {}, "error"), el("dd", { class: "error" }, job.error)] : null);
+      ...(job.error ? [el("dt", {}, "error"), el("dd", { class: "error" }, job.error)] : []));
     const buttons = [];
     if (!["succeeded", "failed", "canceled"].includes(job.status)) {
       buttons.push(el("button", { type: "button", id: "cancel", onclick: async () => {
