@@ -67,8 +67,6 @@ class Settings(BaseSettings):
     # Ended jobs (their records, logs and reports) are deleted this long after they ended, by
     # housekeeping (service/upkeep/retention.py); None keeps them until deleted by hand.
     job_retention_s: float | None = Field(default=None, gt=0)
-    # Logs as one JSON object a line (for a log collector) instead of plain text.
-    log_json: bool = False
 
     @property
     def store_path(self) -> Path:
