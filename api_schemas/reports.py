@@ -55,12 +55,21 @@ class BatchNormChange(_ReportModel):
 
 
 class TensorChange(_ReportModel):
-    """One state-dict tensor before and after the job."""
+    """One state-dict tensor before and after the job. ``relative_l2`` is
+    ``||after - before|| / ||before||``, null where it means nothing: an integer tensor (a
+    counter like ``num_batches_tracked``) or a zero baseline (``||before||`` < 1e-12, such as
+    a fresh model's ``running_mean``); ``l2`` is the absolute change ``||after - before||``,
+    and a one-element integer tensor shows its plain ``before`` and ``after`` values. (Reports
+    of earlier versions divided by a floor instead: 1e37 and more from a zero baseline, and
+    have no ``l2``.)"""
 
     name: str
     changed: bool
     max_abs: float  # largest absolute elementwise difference
-    relative_l2: float  # ||after - before|| / ||before||
+    relative_l2: float | None
+    l2: float | None = None
+    before: float | None = None
+    after: float | None = None
 
 
 class Metrics(_ReportModel):

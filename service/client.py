@@ -15,18 +15,19 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
 
-from api_schemas import ArchitecturePublic, DatasetPublic, JobPublic, ModelPublic, Page
+from api_schemas import ArchitecturePublic, DatasetPublic, JobPublic, ModelPublic, Page, Progress
 from api_schemas.datasets import UploadPublic
+from api_schemas.jobs.public import JobLogEntry, JobLogPage
 from api_schemas.reports import Report
 from service.errors import BnadaptError
 
-__all__ = ["ApiClientError", "Client", "new_model_id"]
+__all__ = ["ApiClientError", "Client", "JobEvent", "new_model_id"]
 
 DEFAULT_TIMEOUT_S: Final = 120.0
 DEFAULT_PART_BYTES: Final = 64 * 1024 * 1024  # a resumable upload's part
@@ -40,6 +41,30 @@ class ApiClientError(BnadaptError):
         super().__init__(f"HTTP {status}: {detail}")
         self.status = status
         self.detail = detail
+
+
+JobEvent = tuple[str, dict[str, Any]]
+# How often wait() reconnects to a job's event stream that broke (a restarted API).
+RECONNECT_DELAY_S: Final = 1.0
+
+
+def _sse_events(lines: Iterator[str]) -> Iterator[JobEvent]:
+    """(event, decoded data) of a text/event-stream; comments (keep-alives) skipped."""
+    event, data = "message", list[str]()
+    for line in lines:
+        if not line:
+            if data:
+                yield event, json.loads("\n".join(data))
+            event, data = "message", []
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if name == "event":
+                event = value
+            elif name == "data":
+                data.append(value)
 
 
 def new_model_id(job: JobPublic) -> str:
@@ -184,9 +209,12 @@ class Client:
         dataset_id: str,
         params: dict[str, Any] | None = None,
         idempotency_key: str | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> JobPublic:
-        body = {"kind": kind, "model_id": model_id, "dataset_id": dataset_id}
-        body["params"] = params or {}  # type: ignore[assignment]
+        body: dict[str, Any] = {"kind": kind, "model_id": model_id, "dataset_id": dataset_id}
+        body["params"] = params or {}
+        if tags:
+            body["tags"] = dict(tags)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         response = self.http.post("/v1/jobs", json=body, headers=headers)
         return JobPublic.model_validate(self._check(response).json())
@@ -195,15 +223,66 @@ class Client:
         return JobPublic.model_validate(self._check(self.http.get(f"/v1/jobs/{job_id}")).json())
 
     def jobs(
-        self, page_size: int = 50, page_token: str | None = None, status: str | None = None
+        self,
+        page_size: int = 50,
+        page_token: str | None = None,
+        status: str | None = None,
+        *,
+        kind: str | None = None,
+        model_id: str | None = None,
+        dataset_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> Page[JobPublic]:
+        """Newest first; every filter given must match (``tags``: each pair)."""
+        params: dict[str, Any] = {"page_size": page_size}
+        given = {
+            "page_token": page_token,
+            "status": status,
+            "kind": kind,
+            "model_id": model_id,
+            "dataset_id": dataset_id,
+        }
+        params |= {name: value for name, value in given.items() if value}
+        if tags:
+            params["tag"] = [f"{k}:{v}" for k, v in tags.items()]
+        response = self._check(self.http.get("/v1/jobs", params=params))
+        return Page[JobPublic].model_validate(response.json())
+
+    def datasets(self, page_size: int = 50, page_token: str | None = None) -> Page[DatasetPublic]:
         params: dict[str, Any] = {"page_size": page_size}
         if page_token:
             params["page_token"] = page_token
-        if status:
-            params["status"] = status
-        response = self._check(self.http.get("/v1/jobs", params=params))
-        return Page[JobPublic].model_validate(response.json())
+        response = self._check(self.http.get("/v1/datasets", params=params))
+        return Page[DatasetPublic].model_validate(response.json())
+
+    def delete_dataset(self, dataset_id: str) -> None:
+        self._check(self.http.delete(f"/v1/datasets/{dataset_id}"))
+
+    def delete_model(self, model_id: str) -> None:
+        self._check(self.http.delete(f"/v1/models/{model_id}"))
+
+    def delete_job(self, job_id: str) -> None:
+        self._check(self.http.delete(f"/v1/jobs/{job_id}"))
+
+    def logs(self, job_id: str, after: int = 0) -> JobLogPage:
+        response = self._check(self.http.get(f"/v1/jobs/{job_id}/logs", params={"after": after}))
+        return JobLogPage.model_validate(response.json())
+
+    def events(self, job_id: str, logs: bool = False, after: int = 0) -> Iterator[JobEvent]:
+        """The job's server-sent events (``status``, ``progress``, ``log``, ``end``) until it
+        ends: NOTE [ Job events ] in service/api/routes/jobs.py."""
+        params = {"logs": "true" if logs else "false", "after": after}
+        with self.http.stream(
+            "GET", f"/v1/jobs/{job_id}/events", params=params, timeout=httpx.Timeout(None)
+        ) as response:
+            self._check(response)
+            yield from _sse_events(response.iter_lines())
+
+    def follow_logs(self, job_id: str, after: int = 0) -> Iterator[JobLogEntry]:
+        """The job's log entries as they come, until it ends."""
+        for event, data in self.events(job_id, logs=True, after=after):
+            if event == "log":
+                yield JobLogEntry.model_validate(data)
 
     def cancel(self, job_id: str) -> JobPublic:
         response = self._check(self.http.post(f"/v1/jobs/{job_id}:cancel"))
@@ -215,15 +294,44 @@ class Client:
         on_progress: Callable[[JobPublic], None] | None = None,
         timeout_s: float | None = None,
     ) -> JobPublic:
-        """Polls until the job ends; ``on_progress`` sees every poll."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        """Follows the job's events until it ends; ``on_progress`` sees the job at every
+        change of status or progress. Reconnects when the stream breaks; with ``timeout_s``,
+        polls instead (a stream cannot be given a deadline)."""
+        if timeout_s is not None:
+            return self._poll(job_id, on_progress, timeout_s)
+        while True:
+            try:
+                job: JobPublic | None = None
+                for event, data in self.events(job_id):
+                    if event in ("status", "end"):
+                        job = JobPublic.model_validate(data)
+                    elif event == "progress" and job is not None:
+                        job = job.model_copy(update={"progress": Progress.model_validate(data)})
+                    if job is not None and on_progress is not None:
+                        on_progress(job)
+                    if event == "end" and job is not None:
+                        return job
+            except (httpx.TransportError, httpx.RemoteProtocolError):
+                time.sleep(RECONNECT_DELAY_S)
+            # The stream ended without an end event (the API restarted): read on.
+            current = self.job(job_id)
+            if current.status.is_terminal:
+                return current
+
+    def _poll(
+        self,
+        job_id: str,
+        on_progress: Callable[[JobPublic], None] | None,
+        timeout_s: float,
+    ) -> JobPublic:
+        deadline = time.monotonic() + timeout_s
         while True:
             job = self.job(job_id)
             if on_progress is not None:
                 on_progress(job)
             if job.status.is_terminal:
                 return job
-            if deadline is not None and time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} is still {job.status.value} after {timeout_s} s")
             time.sleep(POLL_INTERVAL_S)
 

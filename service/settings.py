@@ -102,6 +102,10 @@ class Settings(BaseSettings):
     # to the API and Redis where they share a small machine.
     worker_threads: int | None = Field(default=None, ge=1)
 
+    # Ended jobs (their records, logs and reports) are deleted this long after they ended, by
+    # housekeeping (service/upkeep/retention.py); None keeps them until deleted by hand.
+    job_retention_s: float | None = Field(default=None, gt=0)
+
     @property
     def store_path(self) -> Path:
         """The local store's directory (when ``store_url`` is not an ``s3://`` URL)."""

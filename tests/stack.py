@@ -92,18 +92,26 @@ class Stack:
             stop_process(self.api)
             self.api = None
 
+    @property
+    def worker_log(self) -> Path:
+        """What the workers printed (RQ's lines included), for tests that read it."""
+        return self.data_dir / "worker.log"
+
     def _spawn_worker(self) -> subprocess.Popen[bytes]:
         env = self.env
         if self.worker_data_dirs is not None:
             own = self.worker_data_dirs[self._workers_started % len(self.worker_data_dirs)]
             env["BNADAPT_DATA_DIR"] = str(own)
         self._workers_started += 1
-        return subprocess.Popen(
-            worker_command("cpu"),
-            env=env,
-            cwd=REPO,
-            start_new_session=True,  # its own process group, for kill_worker_group
-        )
+        with self.worker_log.open("ab") as log:  # the child keeps its own descriptor
+            return subprocess.Popen(
+                worker_command("cpu"),
+                env=env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, for kill_worker_group
+            )
 
     def add_worker(self) -> None:
         """One more worker (RQ worker + inspector) on the same Redis and store; returns once

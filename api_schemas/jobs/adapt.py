@@ -20,6 +20,7 @@ from api_schemas.jobs.params import (
     BatchSize,
     CheckpointPolicy,
     Device,
+    JobTags,
     MaxAttempts,
     ModulePattern,
     PatternList,
@@ -226,3 +227,4 @@ class AdaptJobCreate(RequestModel):
     dataset_id: ResourceId
     params: AdaptParams = Field(default_factory=AdaptParams)
     max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
+    tags: JobTags = Field(default_factory=dict)

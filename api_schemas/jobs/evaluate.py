@@ -5,7 +5,7 @@ from typing import Literal
 from pydantic import Field
 
 from api_schemas.common import RequestModel, ResourceId
-from api_schemas.jobs.params import DEFAULT_MAX_ATTEMPTS, BatchSize, Device, MaxAttempts
+from api_schemas.jobs.params import DEFAULT_MAX_ATTEMPTS, BatchSize, Device, JobTags, MaxAttempts
 
 __all__ = ["EvaluateJobCreate", "EvaluateParams"]
 
@@ -29,3 +29,4 @@ class EvaluateJobCreate(RequestModel):
     dataset_id: ResourceId
     params: EvaluateParams = Field(default_factory=EvaluateParams)
     max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
+    tags: JobTags = Field(default_factory=dict)

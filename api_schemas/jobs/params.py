@@ -12,9 +12,11 @@ __all__ = [
     "MAX_ATTEMPTS",
     "MAX_BATCH_SIZE",
     "MAX_SHARDS",
+    "TAG_KEY_PATTERN",
     "BatchSize",
     "CheckpointPolicy",
     "Device",
+    "JobTags",
     "MaxAttempts",
     "ModulePattern",
     "PatternList",
@@ -30,6 +32,20 @@ MAX_SHARDS: Final = 256
 DEFAULT_MAX_ATTEMPTS: Final = 3
 MAX_ATTEMPTS: Final = 10
 MaxAttempts = Annotated[int, Field(ge=1, le=MAX_ATTEMPTS)]
+
+
+# A job's tags: a string map the client chooses (`{"experiment": "shift-3"}`), shown on the job
+# and filtered on by GET /v1/jobs?tag=experiment:shift-3. Keys are short names, values short
+# strings, so that a `key:value` filter is unambiguous (the key has no colon).
+TAG_KEY_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,64}$"
+MAX_TAGS: Final = 32
+JobTags = Annotated[
+    dict[
+        Annotated[str, StringConstraints(pattern=TAG_KEY_PATTERN)],
+        Annotated[str, StringConstraints(max_length=256)],
+    ],
+    Field(max_length=MAX_TAGS),
+]
 
 
 def num_batches(num_samples: int, batch_size: int, max_batches: int | None = None) -> int:

@@ -9,10 +9,12 @@ from api_schemas.architectures import ArchitectureKwargs, ArchitectureName
 from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
 from api_schemas.datasets import ArrayFormat, LabelKind, SampleDtype
 from api_schemas.jobs.kinds import JobKind, JobParams, params_for_kind
-from api_schemas.jobs.params import MaxAttempts
+from api_schemas.jobs.params import JobTags, MaxAttempts
 
 __all__ = [
     "JobAttempt",
+    "JobLogEntry",
+    "JobLogPage",
     "JobPayload",
     "JobPayloadDataset",
     "JobPayloadModel",
@@ -96,6 +98,7 @@ class JobPublic(BaseModel):
     result: JobResultLinks | None = None
     max_attempts: MaxAttempts = 1
     attempts: list[JobAttempt] = Field(default_factory=list)
+    tags: JobTags = Field(default_factory=dict)
 
     @field_validator("params", mode="before")
     @classmethod
@@ -142,3 +145,22 @@ class JobPayload(RequestModel):
     @classmethod
     def _params_match_kind(cls, value: Any, info: ValidationInfo) -> Any:
         return params_for_kind(value, info)
+
+
+class JobLogEntry(BaseModel):
+    """One line a job's process logged (a warning, the traceback of a failure, a phase).
+    ``seq`` counts the job's entries from 1 over its whole life; only the latest few hundred
+    are kept."""
+
+    seq: int = Field(ge=1)
+    at: UtcDatetime
+    level: str
+    logger: str
+    message: str
+
+
+class JobLogPage(BaseModel):
+    """The kept log entries after ``after``; pass ``last_seq`` as ``after`` to read on."""
+
+    items: list[JobLogEntry]
+    last_seq: int = Field(ge=0)

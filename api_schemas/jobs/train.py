@@ -10,6 +10,7 @@ from api_schemas.jobs.params import (
     BatchSize,
     CheckpointPolicy,
     Device,
+    JobTags,
     MaxAttempts,
 )
 from api_schemas.models import Seed
@@ -42,3 +43,4 @@ class TrainJobCreate(RequestModel):
     dataset_id: ResourceId
     params: TrainParams = Field(default_factory=TrainParams)
     max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
+    tags: JobTags = Field(default_factory=dict)

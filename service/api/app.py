@@ -9,12 +9,18 @@ import multiprocessing
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Final
 
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import TypeAdapter
 from rq import Queue
 
-from api_schemas import Problem, ProblemItem
+from api_schemas import JobCreate, Problem, ProblemItem
+from service.api.metrics import install_metrics
 from service.api.problems import install_problem_handlers, problem_responses
 from service.api.routes import architectures, datasets, health, jobs, models, uploads
 from service.records.aio import AsyncRecords, async_redis_client
@@ -30,6 +36,11 @@ __all__ = ["create_app"]
 VERSION: Final = "0.1.0"
 HOUSEKEEPING_INTERVAL_S: Final = 5.0
 _REF: Final = "#/components/schemas/{model}"
+# Swagger UI's files (swagger-ui-dist, Apache-2.0: LICENSE and NOTICE beside them), served by
+# the API itself: /docs works without the internet.
+STATIC_DIR: Final = Path(__file__).resolve().parent / "static"
+# The web UI: plain HTML, CSS and JavaScript, no build step (service/api/ui/).
+UI_DIR: Final = Path(__file__).resolve().parent / "ui"
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -64,7 +75,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=VERSION,
         summary="Train and BatchNorm-adapt PyTorch models with exact running statistics.",
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
     )
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui")
+
+    @app.get("/", include_in_schema=False)
+    @app.get("/dashboard", include_in_schema=False)
+    async def to_ui() -> RedirectResponse:
+        return RedirectResponse("/ui/")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="bnadapt API",
+            swagger_js_url="/static/swagger-ui/swagger-ui-bundle.js",
+            swagger_css_url="/static/swagger-ui/swagger-ui.css",
+            swagger_favicon_url="/static/swagger-ui/favicon-32x32.png",
+            swagger_ui_parameters={"persistAuthorization": False},
+        )
+
     install_problem_handlers(app)
     # Every error a route can answer is in the OpenAPI document, as application/problem+json
     # (422 replaces FastAPI's own, whose body is not the one the API sends).
@@ -78,6 +110,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         uploads.router,
     ):
         app.include_router(router, responses=problem_responses(400, 401, 404, 409, 413, 422, 503))
+    install_metrics(app)
     _add_problem_schema(app)
     return app
 
@@ -95,6 +128,12 @@ def _add_problem_schema(app: FastAPI) -> None:
             problem.pop("$defs", None)  # ProblemItem: its own entry, next
             schemas.setdefault("Problem", problem)
             schemas.setdefault("ProblemItem", ProblemItem.model_json_schema(ref_template=_REF))
+            # POST /v1/jobs reads its body itself (strict parsing); its schema is the kinds'
+            # union, with the discriminator, for clients and generators.
+            job_create = TypeAdapter(JobCreate).json_schema(ref_template=_REF)
+            for name, schema in job_create.pop("$defs", {}).items():
+                schemas.setdefault(name, schema)
+            schemas.setdefault("JobCreate", job_create)
             app.openapi_schema = document
         return app.openapi_schema
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Final
 
-from fastapi import Depends, Header, Path, Request
+from fastapi import Depends, Path, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api_schemas import ID_PATTERN, DatasetPublic, JobPublic, ModelPublic
 from service.api.problems import ApiError, not_found
@@ -27,6 +28,13 @@ __all__ = [
 ]
 
 _BEARER: Final = re.compile(r"^Bearer\s+(\S+)$", re.IGNORECASE)
+# The OpenAPI document's security scheme (Swagger UI's Authorize button); the header itself is
+# read below, so that a missing key and a wrong one get their own messages.
+_BEARER_SCHEME: Final = HTTPBearer(
+    auto_error=False,
+    scheme_name="ApiKey",
+    description="an API key (`bnadapt keys create`), sent as `Authorization: Bearer <key>`",
+)
 
 
 async def get_settings(request: Request) -> Settings:
@@ -56,8 +64,11 @@ AsyncRecordsDep = Annotated[AsyncRecords, Depends(get_async_records)]
 
 
 async def get_tenant(
-    records: AsyncRecordsDep, authorization: Annotated[str | None, Header()] = None
+    request: Request,
+    records: AsyncRecordsDep,
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER_SCHEME)],
 ) -> str:
+    authorization = request.headers.get("authorization")
     unauthorized = {"WWW-Authenticate": "Bearer"}
     if authorization is None:
         raise ApiError(

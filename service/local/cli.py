@@ -1,8 +1,9 @@
 """The ``bnadapt`` command.
 
-Servers: ``up`` (everything on one machine), ``api``, ``worker``, ``keys create``, ``store gc``.
-Client: ``architectures``, ``models add|list``, ``datasets add``, ``jobs
-submit|show|list|cancel|download`` (service/local/cli_client.py). ``demo`` runs the README's main
+Servers: ``up`` (everything on one machine), ``api``, ``worker``, ``keys create|list|revoke``,
+``store gc``. Client: ``architectures``, ``models add|list|download|delete``, ``datasets
+add|list|delete``, ``jobs submit|show|list|cancel|download|report|logs|delete``
+(service/local/cli_client.py). ``demo`` runs the README's main
 job.
 """
 
@@ -16,26 +17,35 @@ import sys
 import time
 from pathlib import Path
 
-from api_schemas import ESTIMATORS, JOB_KINDS
+from api_schemas import ESTIMATORS, JOB_KINDS, JobStatus
 from service.client import ApiClientError
 from service.errors import BnadaptError
 from service.local.cli_client import (
     cmd_architectures,
     cmd_datasets_add,
+    cmd_datasets_delete,
+    cmd_datasets_list,
     cmd_jobs_cancel,
+    cmd_jobs_delete,
     cmd_jobs_download,
     cmd_jobs_list,
+    cmd_jobs_logs,
+    cmd_jobs_report,
     cmd_jobs_show,
     cmd_jobs_submit,
     cmd_models_add,
+    cmd_models_delete,
+    cmd_models_download,
     cmd_models_list,
     json_arg,
     print_value,
+    tag_arg,
 )
 from service.local.up import (
     DEFAULT_API_PROCESSES,
     WORKER_THREADS_ENV,
     LocalStack,
+    fresh_metrics_dir,
     worker_command,
 )
 from service.settings import get_settings
@@ -81,6 +91,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    if args.workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        # The processes' request metrics, summed at a scrape (service/api/metrics.py).
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(
+            fresh_metrics_dir(get_settings().data_dir.resolve())
+        )
     uvicorn.run(
         "service.api.app:create_app",
         factory=True,
@@ -106,6 +121,27 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     key = Records(redis_client(url)).create_api_key(args.tenant)
     print(key.key)
     print(f"(tenant {key.tenant_id}; shown once, only its hash is stored)", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from service.records.connection import redis_client
+    from service.records.sync import Records
+
+    url = args.redis_url or get_settings().redis_url
+    for key in Records(redis_client(url)).list_api_keys():
+        print(f"{key['key_id']}  {key['tenant_id']}  {key['tenant']:16} {key['created_at']}")
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from service.records.connection import redis_client
+    from service.records.sync import Records
+
+    url = args.redis_url or get_settings().redis_url
+    if not Records(redis_client(url)).revoke_api_key(args.key):
+        raise BnadaptError(f"no API key {args.key!r}; list them with `bnadapt keys list`")
+    print(f"revoked {args.key}", file=sys.stderr)
     return 0
 
 
@@ -150,6 +186,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.data_dir), args.port)
 
 
+def _id(parser: argparse.ArgumentParser, name: str, what: str) -> None:
+    parser.add_argument(name, help=f"the {what}'s id (as listed by `bnadapt {what}s list`)")
+
+
+def _page_size(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--page-size", type=_positive_int, default=50, help="how many to list (default: 50)"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bnadapt", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -157,22 +203,29 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("BNADAPT_DATA_DIR", "data"),
         help="where `up` keeps its state (default: ./data)",
     )
-    parser.add_argument("--url", help="API URL (default: from the data directory's client.json)")
-    parser.add_argument("--key", help="API key")
+    parser.add_argument(
+        "--url", help="API URL (default: BNADAPT_URL, or the data directory's client.json)"
+    )
+    parser.add_argument(
+        "--key", help="API key (default: BNADAPT_API_KEY, or the data directory's client.json)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start Redis, the API and a worker on this machine")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    up.add_argument("--host", default="127.0.0.1", help="address the API listens on")
+    up.add_argument("--port", type=int, default=8000, help="port the API listens on")
+    up.add_argument("--device", default="auto", help="the worker's device: auto, cpu or cuda:N")
     up.add_argument(
-        "--api-processes", type=_positive_int, default=DEFAULT_API_PROCESSES, help="uvicorn workers"
+        "--api-processes",
+        type=_positive_int,
+        default=DEFAULT_API_PROCESSES,
+        help="uvicorn worker processes of the API",
     )
     up.set_defaults(func=cmd_up)
 
     api = sub.add_parser("api", help="run the API (settings from BNADAPT_* variables)")
-    api.add_argument("--host", default="127.0.0.1")
-    api.add_argument("--port", type=int, default=8000)
+    api.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    api.add_argument("--port", type=int, default=8000, help="port to listen on")
     api.add_argument(
         "--workers",
         type=_positive_int,
@@ -188,11 +241,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     worker.set_defaults(func=cmd_worker)
 
-    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys", required=True)
+    keys = sub.add_parser("keys", help="API keys (talks to Redis directly)").add_subparsers(
+        dest="keys", required=True
+    )
     create = keys.add_parser("create", help="create an API key for a tenant")
-    create.add_argument("--tenant", required=True)
+    create.add_argument("--tenant", required=True, help="the tenant's name (made on first use)")
     create.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
     create.set_defaults(func=cmd_keys_create)
+    klist = keys.add_parser("list", help="list the keys: id, tenant, creation (never secrets)")
+    klist.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
+    klist.set_defaults(func=cmd_keys_list)
+    revoke = keys.add_parser("revoke", help="delete a key: requests with it get 401")
+    revoke.add_argument("key", help="the key's id (from `keys list`) or the whole key")
+    revoke.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
+    revoke.set_defaults(func=cmd_keys_revoke)
 
     store = sub.add_parser("store", help="the artifact store").add_subparsers(
         dest="store", required=True
@@ -214,34 +276,52 @@ def _parser() -> argparse.ArgumentParser:
         func=cmd_architectures
     )
 
-    models = sub.add_parser("models").add_subparsers(dest="models", required=True)
-    add = models.add_parser("add", help="register a model")
-    add.add_argument("architecture")
-    add.add_argument("--kwargs", type=json_arg, default={}, help="JSON object")
+    models = sub.add_parser("models", help="models: register, list, download, delete")
+    mcmds = models.add_subparsers(dest="models", required=True)
+    add = mcmds.add_parser("add", help="register a model")
+    add.add_argument("architecture", help="a name from `bnadapt architectures`")
+    add.add_argument(
+        "--kwargs", type=json_arg, default={}, help="the architecture's kwargs, a JSON object"
+    )
     add.add_argument("--weights", help="a .safetensors file (else: initialised with --seed)")
-    add.add_argument("--seed", type=int, default=0)
+    add.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     add.set_defaults(func=cmd_models_add)
-    listing = models.add_parser("list")
-    listing.add_argument("--page-size", type=int, default=50)
+    listing = mcmds.add_parser("list", help="your models, newest first")
+    _page_size(listing)
     listing.set_defaults(func=cmd_models_list)
+    mdown = mcmds.add_parser("download", help="a model's weights as .safetensors")
+    _id(mdown, "model_id", "model")
+    mdown.add_argument("--out", help="file to write (default: <model id>.safetensors)")
+    mdown.set_defaults(func=cmd_models_download)
+    mdel = mcmds.add_parser("delete", help="delete a model (jobs that used it keep working)")
+    _id(mdel, "model_id", "model")
+    mdel.set_defaults(func=cmd_models_delete)
 
-    datasets = sub.add_parser("datasets").add_subparsers(dest="datasets", required=True)
-    dadd = datasets.add_parser("add", help="upload an .npz or .safetensors file with x (and y)")
-    dadd.add_argument("file")
-    dadd.add_argument("--name")
+    datasets = sub.add_parser("datasets", help="datasets: upload, list, delete")
+    dcmds = datasets.add_subparsers(dest="datasets", required=True)
+    dadd = dcmds.add_parser("add", help="upload an .npz or .safetensors file with x (and y)")
+    dadd.add_argument("file", help="the file to upload")
+    dadd.add_argument("--name", help="a name to show (default: the file's)")
     dadd.add_argument(
         "--resume",
         metavar="UPLOAD_ID",
         help="continue an interrupted upload (its id is printed when it starts)",
     )
     dadd.set_defaults(func=cmd_datasets_add)
+    dlist = dcmds.add_parser("list", help="your datasets, newest first")
+    _page_size(dlist)
+    dlist.set_defaults(func=cmd_datasets_list)
+    ddel = dcmds.add_parser("delete", help="delete a dataset")
+    _id(ddel, "dataset_id", "dataset")
+    ddel.set_defaults(func=cmd_datasets_delete)
 
-    jobs = sub.add_parser("jobs").add_subparsers(dest="jobs", required=True)
+    jobs = sub.add_parser("jobs", help="jobs: submit, watch, list, report, logs, delete")
+    jcmds = jobs.add_subparsers(dest="jobs", required=True)
     kinds = "; ".join(f"{kind}: {spec.summary}" for kind, spec in JOB_KINDS.items())
-    submit = jobs.add_parser("submit", help=f"submit a job ({', '.join(JOB_KINDS)})")
+    submit = jcmds.add_parser("submit", help=f"submit a job ({', '.join(JOB_KINDS)})")
     submit.add_argument("kind", choices=list(JOB_KINDS), help=kinds)
-    submit.add_argument("--model", required=True)
-    submit.add_argument("--dataset", required=True)
+    submit.add_argument("--model", required=True, help="the input model's id")
+    submit.add_argument("--dataset", required=True, help="the dataset's id")
     estimators = ", ".join(ESTIMATORS)
     submit.add_argument(
         "--params",
@@ -249,28 +329,68 @@ def _parser() -> argparse.ArgumentParser:
         default={},
         help=f"the kind's params as a JSON object (adapt estimators: {estimators})",
     )
-    submit.add_argument("--idempotency-key")
-    submit.add_argument("--wait", action="store_true", help="show progress until it ends")
+    submit.add_argument(
+        "--tag",
+        type=tag_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a tag on the job; repeat for several",
+    )
+    submit.add_argument(
+        "--idempotency-key", help="repeating a submit with the same key returns the same job"
+    )
+    submit.add_argument(
+        "--wait",
+        action="store_true",
+        help="show live progress until it ends (exit 1 unless it succeeded)",
+    )
     submit.set_defaults(func=cmd_jobs_submit)
-    show = jobs.add_parser("show")
-    show.add_argument("job_id")
+    show = jcmds.add_parser("show", help="a job as JSON")
+    _id(show, "job_id", "job")
     show.set_defaults(func=cmd_jobs_show)
-    jlist = jobs.add_parser("list")
-    jlist.add_argument("--status")
-    jlist.add_argument("--page-size", type=int, default=50)
+    jlist = jcmds.add_parser("list", help="your jobs, newest first; filters combine")
+    jlist.add_argument(
+        "--status", choices=[s.value for s in JobStatus], help="only jobs with this status"
+    )
+    jlist.add_argument("--kind", choices=list(JOB_KINDS), help="only jobs of this kind")
+    jlist.add_argument("--model", help="only jobs on this model id")
+    jlist.add_argument("--dataset", help="only jobs on this dataset id")
+    jlist.add_argument(
+        "--tag",
+        type=tag_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="only jobs with this tag; repeat for several",
+    )
+    _page_size(jlist)
     jlist.set_defaults(func=cmd_jobs_list)
-    cancel = jobs.add_parser("cancel")
-    cancel.add_argument("job_id")
+    cancel = jcmds.add_parser("cancel", help="cancel a queued or running job")
+    _id(cancel, "job_id", "job")
     cancel.set_defaults(func=cmd_jobs_cancel)
-    download = jobs.add_parser(
+    download = jcmds.add_parser(
         "download", help="the new weights and the report (evaluate jobs: the report)"
     )
-    download.add_argument("job_id")
-    download.add_argument("--out", default=".")
+    _id(download, "job_id", "job")
+    download.add_argument("--out", default=".", help="directory to write into (default: .)")
     download.set_defaults(func=cmd_jobs_download)
+    report = jcmds.add_parser("report", help="a succeeded job's report as a summary table")
+    _id(report, "job_id", "job")
+    report.add_argument("--json", action="store_true", help="the whole report as JSON instead")
+    report.set_defaults(func=cmd_jobs_report)
+    logs = jcmds.add_parser("logs", help="what the job's process logged (warnings, tracebacks)")
+    _id(logs, "job_id", "job")
+    logs.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing new lines until the job ends"
+    )
+    logs.set_defaults(func=cmd_jobs_logs)
+    jdel = jcmds.add_parser("delete", help="delete an ended job, its logs and report")
+    _id(jdel, "job_id", "job")
+    jdel.set_defaults(func=cmd_jobs_delete)
 
     demo = sub.add_parser("demo", help="the README's main job, end to end")
-    demo.add_argument("--port", type=int, default=8000)
+    demo.add_argument("--port", type=int, default=8000, help="port the demo's API listens on")
     demo.set_defaults(func=cmd_demo)
     return parser
 
@@ -279,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         code: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `bnadapt jobs show ID | head`: the reader left. Python would print a traceback at
+        # exit while flushing stdout; point stdout at /dev/null so that it does not.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # what a shell reports for SIGPIPE
     except ApiClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,5 +1,6 @@
-"""The ``bnadapt`` commands that talk to a running API: ``architectures``, ``models add|list``,
-``datasets add``, ``jobs submit|show|list|cancel|download``. They find the API through
+"""The ``bnadapt`` commands that talk to a running API: ``architectures``, ``models
+add|list|download|delete``, ``datasets add|list|delete``, ``jobs
+submit|show|list|cancel|download|report|logs|delete``. They find the API through
 ``--url``/``--key``, the ``BNADAPT_URL``/``BNADAPT_API_KEY`` variables, or the ``client.json``
 that ``bnadapt up`` writes in its data directory. The parser is in service/local/cli.py.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from api_schemas import JobPublic, JobStatus
+from api_schemas.jobs.public import JobLogEntry
 from service.client import Client
 from service.errors import BnadaptError
 from service.local.up import read_client_config
@@ -23,16 +25,24 @@ __all__ = [
     "api_client",
     "cmd_architectures",
     "cmd_datasets_add",
+    "cmd_datasets_delete",
+    "cmd_datasets_list",
     "cmd_jobs_cancel",
+    "cmd_jobs_delete",
     "cmd_jobs_download",
     "cmd_jobs_list",
+    "cmd_jobs_logs",
+    "cmd_jobs_report",
     "cmd_jobs_show",
     "cmd_jobs_submit",
     "cmd_models_add",
+    "cmd_models_delete",
+    "cmd_models_download",
     "cmd_models_list",
     "json_arg",
     "print_value",
     "progress_line",
+    "tag_arg",
     "wait_with_bar",
 ]
 
@@ -45,6 +55,13 @@ def json_arg(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
+
+
+def tag_arg(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
 
 
 def api_client(args: argparse.Namespace) -> Client:
@@ -127,6 +144,18 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_download(args: argparse.Namespace) -> int:
+    out = Path(args.out) if args.out else Path(f"{args.model_id}.safetensors")
+    print(api_client(args).download_weights(args.model_id, out))
+    return 0
+
+
+def cmd_models_delete(args: argparse.Namespace) -> int:
+    api_client(args).delete_model(args.model_id)
+    print(f"deleted model {args.model_id}", file=sys.stderr)
+    return 0
+
+
 def cmd_datasets_add(args: argparse.Namespace) -> int:
     """A resumable upload with a progress bar on stderr; the dataset as JSON on stdout."""
     client = api_client(args)
@@ -160,6 +189,20 @@ def cmd_datasets_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_datasets_list(args: argparse.Namespace) -> int:
+    for dataset in api_client(args).datasets(page_size=args.page_size).items:
+        shape = "x".join(str(d) for d in dataset.sample_shape)
+        labels = dataset.label_kind or "no labels"
+        print(f"{dataset.id}  {dataset.num_samples:8} x {shape:12} {labels:9} {dataset.name or ''}")
+    return 0
+
+
+def cmd_datasets_delete(args: argparse.Namespace) -> int:
+    api_client(args).delete_dataset(args.dataset_id)
+    print(f"deleted dataset {args.dataset_id}", file=sys.stderr)
+    return 0
+
+
 def _print_evaluation(client: Client, job: JobPublic) -> None:
     """For a succeeded evaluate job, its metrics in one line on stderr (stdout stays JSON)."""
     if job.kind != "evaluate" or job.status is not JobStatus.SUCCEEDED:
@@ -179,7 +222,9 @@ def _print_evaluation(client: Client, job: JobPublic) -> None:
 
 def cmd_jobs_submit(args: argparse.Namespace) -> int:
     client = api_client(args)
-    job = client.submit(args.kind, args.model, args.dataset, args.params, args.idempotency_key)
+    job = client.submit(
+        args.kind, args.model, args.dataset, args.params, args.idempotency_key, dict(args.tag)
+    )
     if not args.wait:
         print_value(job)
         return 0
@@ -198,8 +243,49 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs_list(args: argparse.Namespace) -> int:
-    for job in api_client(args).jobs(page_size=args.page_size, status=args.status).items:
-        print(f"{job.id}  {job.kind:8} {job.status.value:9} model={job.model_id}")
+    page = api_client(args).jobs(
+        page_size=args.page_size,
+        status=args.status,
+        kind=args.kind,
+        model_id=args.model,
+        dataset_id=args.dataset,
+        tags=dict(args.tag),
+    )
+    for job in page.items:
+        tags = " ".join(f"{k}={v}" for k, v in job.tags.items())
+        print(f"{job.id}  {job.kind:8} {job.status.value:9} model={job.model_id} {tags}".rstrip())
+    return 0
+
+
+def cmd_jobs_report(args: argparse.Namespace) -> int:
+    from service.local.summary import report_summary
+
+    report = api_client(args).report(args.job_id)
+    if args.json:
+        print_value(report)
+    else:
+        print("\n".join(report_summary(report)))
+    return 0
+
+
+def _log_line(entry: JobLogEntry) -> str:
+    return f"{entry.at:%H:%M:%S} {entry.level:7} {entry.message}"
+
+
+def cmd_jobs_logs(args: argparse.Namespace) -> int:
+    client = api_client(args)
+    page = client.logs(args.job_id)
+    for entry in page.items:
+        print(_log_line(entry), flush=True)
+    if args.follow:
+        for entry in client.follow_logs(args.job_id, after=page.last_seq):
+            print(_log_line(entry), flush=True)
+    return 0
+
+
+def cmd_jobs_delete(args: argparse.Namespace) -> int:
+    api_client(args).delete_job(args.job_id)
+    print(f"deleted job {args.job_id}", file=sys.stderr)
     return 0
 
 

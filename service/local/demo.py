@@ -18,6 +18,7 @@ import numpy as np
 from api_schemas import JobPublic
 from api_schemas.reports import Report
 from service.client import Client, new_model_id
+from service.local.summary import report_summary
 from service.local.up import LocalStack
 
 __all__ = [
@@ -145,19 +146,6 @@ def run_demo(data_dir: Path, port: int) -> int:
         print(f"   adapted model, shifted test digits:  {_accuracy(report, 'after'):.3f}")
         print(f"   adapted weights: {weights}")
         print(f"   report:          {work / 'adapt-report.json'}\n")
-        print(f"   report summary ({report.batches} batches, {report.samples} samples):")
-        print("   layer               mean |shift| of mean   var ratio   batches tracked")
-        consistent = all(layer.consistent for layer in report.batchnorm)
-        for layer in report.batchnorm:
-            how = "reset, then" if layer.reset else "then"
-            print(
-                f"   {layer.name:20} {layer.running_mean_mean_abs_shift:20.4f} "
-                f"{layer.running_var_mean_ratio:11.3f}   "
-                f"{layer.num_batches_tracked_before} -> {layer.num_batches_tracked_after} "
-                f"({how} {layer.batches_run} batches run)"
-            )
-        changed = sum(t.changed for t in report.tensors)
-        print(f"   tensors changed: {changed} of {len(report.tensors)} (statistics only)")
-        print(f"   statistics consistent with the batches run: {'yes' if consistent else 'NO'}")
-        print(f"   compute {report.timings.compute_s:.2f} s on {report.device}")
-    return 0 if consistent else 1
+        for line in report_summary(report):
+            print(f"   {line}")
+    return 0 if all(layer.consistent for layer in report.batchnorm) else 1

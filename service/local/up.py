@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Final
+from typing import IO, Final
 
 import httpx
 
@@ -104,6 +104,17 @@ def api_command(host: str, port: int, processes: int = 1) -> list[str]:
     ]
 
 
+def fresh_metrics_dir(data_dir: Path) -> Path:
+    """An empty directory for the API processes' shared metrics (NOTE [ Metrics across API
+    processes ] in service/api/metrics.py): values of processes gone must not add up."""
+    path = data_dir / "metrics"
+    if path.exists():
+        for stale in path.glob("*.db"):
+            stale.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def worker_command(device: str) -> list[str]:
     """``bnadapt worker`` in a new interpreter (the service never imports workers itself)."""
     return [sys.executable, "-m", "workers.processes.supervisor", "--device", device]
@@ -129,6 +140,12 @@ class LocalStack:
         self.api: subprocess.Popen[bytes] | None = None
         self.worker: subprocess.Popen[bytes] | None = None
         self.client_config: ClientConfig | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        """Where the API and the worker write their logs: the terminal stays the user's."""
+        return self.data_dir / "logs" / "service.log"
 
     @property
     def url(self) -> str:
@@ -161,9 +178,17 @@ class LocalStack:
             **os.environ,
             "BNADAPT_REDIS_URL": self.redis.url,
             "BNADAPT_DATA_DIR": str(self.data_dir),
+            "PROMETHEUS_MULTIPROC_DIR": str(fresh_metrics_dir(self.data_dir)),
         }
-        self.worker = subprocess.Popen(worker_command(self.device), env=env)  # noqa: S603
-        self.api = subprocess.Popen(api_command(self.host, self.port, self.api_processes), env=env)  # noqa: S603
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = self.log_path.open("ab")
+        log, both = self._log_file, subprocess.STDOUT
+        self.worker = subprocess.Popen(  # noqa: S603
+            worker_command(self.device), env=env, stdout=log, stderr=both
+        )
+        self.api = subprocess.Popen(  # noqa: S603
+            api_command(self.host, self.port, self.api_processes), env=env, stdout=log, stderr=both
+        )
         self._wait_ready()
         self.client_config = self._client_config()
 
@@ -202,7 +227,10 @@ class LocalStack:
         for name, process in (("API", self.api), ("worker", self.worker)):
             if process is not None and process.poll() is not None:
                 hint = f"; is port {self.port} already in use? pass --port" if name == "API" else ""
-                raise StackError(f"the {name} exited with code {process.returncode}{hint}")
+                raise StackError(
+                    f"the {name} exited with code {process.returncode}{hint} (its log: "
+                    f"{self.log_path})"
+                )
 
     def stop(self) -> None:
         for process in (self.api, self.worker):
@@ -216,6 +244,9 @@ class LocalStack:
                     process.kill()
                     process.wait()
         self.api = self.worker = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

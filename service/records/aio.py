@@ -40,6 +40,11 @@ class AsyncRecords:
         stored = await self.client.hmget(keys.api_key(parts[0]), API_KEY_FIELDS)
         return verify_api_key(parts[1], cast("list[bytes | None]", stored))
 
+    async def job_log_lines(self, job_id: str) -> list[bytes]:
+        """The job's kept log entries as stored (JSON), oldest first."""
+        lines = await self.client.lrange(keys.job_logs(job_id), 0, -1)
+        return [line.encode() if isinstance(line, str) else line for line in lines]
+
     async def get_job(self, tenant_id: str, job_id: str) -> JobPublic | None:
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hgetall(keys.record("job", job_id))

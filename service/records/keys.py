@@ -11,6 +11,7 @@ from typing import Final, Literal
 
 __all__ = [
     "ARCHITECTURES",
+    "FINISHED_JOBS",
     "INSPECTORS_ALIVE",
     "INSPECT_REQUESTS",
     "QUEUED_JOBS",
@@ -27,6 +28,8 @@ __all__ = [
     "job_cancel",
     "job_child_result",
     "job_heartbeat",
+    "job_log_seq",
+    "job_logs",
     "job_output",
     "job_progress",
     "job_shard_progress",
@@ -54,6 +57,9 @@ INSPECT_REQUESTS: Final = f"{PREFIX}:inspect:requests"
 RUNNING_JOBS: Final = f"{PREFIX}:jobs:running"
 # Set of job ids whose status is `queued`, for the reaper to compare with RQ's view.
 QUEUED_JOBS: Final = f"{PREFIX}:jobs:queued"
+# Sorted set: ids of ended jobs (succeeded, failed, canceled), scored by when they ended
+# (seconds since the epoch), for the retention sweep (BNADAPT_JOB_RETENTION_S).
+FINISHED_JOBS: Final = f"{PREFIX}:jobs:finished"
 # Sorted set: store objects whose reference was dropped, scored by when (seconds since the
 # epoch); see NOTE [ Store garbage collection ] in service/store/gc.py.
 STORE_RELEASED: Final = f"{PREFIX}:store:released"
@@ -107,6 +113,17 @@ def store_deleting(sha256: str) -> str:
 
 def job_progress(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:progress"
+
+
+def job_logs(job_id: str) -> str:
+    """List: what the job's processes logged (JSON entries, the latest few hundred kept)."""
+    return f"{PREFIX}:job:{job_id}:logs"
+
+
+def job_log_seq(job_id: str) -> str:
+    """Counter: the sequence number of the job's last log entry (entries trimmed from the
+    list keep theirs, so a follower's position survives the trim)."""
+    return f"{PREFIX}:job:{job_id}:log-seq"
 
 
 def job_cancel(job_id: str) -> str:

@@ -9,9 +9,11 @@ missing one, so the API can only ever say 404.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, TypeVar, cast
 
@@ -30,6 +32,7 @@ from api_schemas import (
     new_id,
     utc_now,
 )
+from api_schemas.jobs.public import JobLogEntry
 from service.records import keys
 from service.records.format import (
     API_KEY_FIELDS,
@@ -45,14 +48,25 @@ from service.records.format import (
 )
 from service.records.paging import newest_first
 
-__all__ = ["ApiKey", "Records", "release_sha_ref"]
+__all__ = [
+    "JOB_LOG_MAX_ENTRIES",
+    "ApiKey",
+    "JobFilter",
+    "JobLogEntry",
+    "Records",
+    "release_sha_ref",
+]
+
+# A job keeps its latest this many log entries (NOTE [ Job logs ] in workers/running/logs.py).
+JOB_LOG_MAX_ENTRIES: Final = 500
 
 R = TypeVar("R", bound=BaseModel)
 
-# KEYS[1]: the job hash, KEYS[2]: the running-jobs set, KEYS[3]: the queued-jobs set.
-# ARGV[1]: allowed current statuses, comma-separated; ARGV[2]: the new status; ARGV[3..]:
-# field, value pairs to set with it. Returns the status after the call: ARGV[2] if applied,
-# else the unchanged current one. Keeps each job id in the set of its status (if any).
+# KEYS[1]: the job hash, KEYS[2]: the running-jobs set, KEYS[3]: the queued-jobs set, KEYS[4]:
+# the finished-jobs sorted set. ARGV[1]: allowed current statuses, comma-separated; ARGV[2]:
+# the new status; ARGV[3..]: field, value pairs to set with it. Returns the status after the
+# call: ARGV[2] if applied, else the unchanged current one. Keeps each job id in the set of its
+# status (if any), and an ended job in the finished set, scored by the server's clock.
 _TRANSITION_LUA: Final = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return false end
@@ -64,6 +78,9 @@ for allowed in string.gmatch(ARGV[1], '[^,]+') do
     redis.call('SREM', KEYS[3], id)
     if ARGV[2] == 'running' then redis.call('SADD', KEYS[2], id) end
     if ARGV[2] == 'queued' then redis.call('SADD', KEYS[3], id) end
+    if ARGV[2] == 'succeeded' or ARGV[2] == 'failed' or ARGV[2] == 'canceled' then
+      redis.call('ZADD', KEYS[4], redis.call('TIME')[1], id)
+    end
     return ARGV[2]
   end
 end
@@ -86,12 +103,12 @@ return current
 RETRY_BACKOFF_BASE_S: Final = 1.0
 RETRY_BACKOFF_MAX_S: Final = 30.0
 
-# KEYS[1]: the job hash, KEYS[2]: the running-jobs set, KEYS[3]: the queued-jobs set.
-# ARGV[1]: allowed current statuses, comma-separated; ARGV[2]: why the attempt ended; ARGV[3]:
-# now (ISO 8601); ARGV[4]: now (seconds since the epoch); ARGV[5], ARGV[6]: backoff base and
-# cap (s); ARGV[7]: the RQ id of the attempt that ended, or '' for the current one (an old
-# attempt's process must not end a newer attempt). Returns the status after the call (see
-# NOTE [ Job attempts ]).
+# KEYS[1]: the job hash, KEYS[2]: the running-jobs set, KEYS[3]: the queued-jobs set, KEYS[4]:
+# the finished-jobs sorted set. ARGV[1]: allowed current statuses, comma-separated; ARGV[2]:
+# why the attempt ended; ARGV[3]: now (ISO 8601); ARGV[4]: now (seconds since the epoch);
+# ARGV[5], ARGV[6]: backoff base and cap (s); ARGV[7]: the RQ id of the attempt that ended,
+# or '' for the current one (an old attempt's process must not end a newer attempt). Returns
+# the status after the call (see NOTE [ Job attempts ]).
 _INTERRUPT_LUA: Final = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return false end
@@ -124,6 +141,7 @@ if max > 1 then error = error .. ' (attempt ' .. attempt .. ' of ' .. max .. ')'
 redis.call('HSET', KEYS[1], 'status', 'failed', 'attempts', cjson.encode(history),
            'error', error, 'finished_at', ARGV[3])
 redis.call('SREM', KEYS[3], id)
+redis.call('ZADD', KEYS[4], redis.call('TIME')[1], id)
 return 'failed'
 """
 
@@ -131,6 +149,26 @@ return 'failed'
 class ApiKey(BaseModel):
     tenant_id: str
     key: str
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    """What GET /v1/jobs filters on; every field given must match (tags: each pair)."""
+
+    kind: str | None = None
+    status: JobStatus | None = None
+    model_id: str | None = None
+    dataset_id: str | None = None
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+    def matches(self, job: JobPublic) -> bool:
+        return (
+            (self.kind is None or job.kind == self.kind)
+            and (self.status is None or job.status is self.status)
+            and (self.model_id is None or job.model_id == self.model_id)
+            and (self.dataset_id is None or job.dataset_id == self.dataset_id)
+            and all(job.tags.get(k) == v for k, v in self.tags.items())
+        )
 
 
 def release_sha_ref(pipe: redis.client.Pipeline, sha256: str, owner_id: str) -> None:
@@ -180,6 +218,31 @@ class Records:
                 keys.tenant(tenant_id), mapping={"name": name, "created_at": utc_now().isoformat()}
             )
         return tenant_id
+
+    def list_api_keys(self) -> list[dict[str, str]]:
+        """Every key's id, tenant (id and name) and creation time; never its secret (only
+        its hash is stored). For operators: a scan of all keys."""
+        found = []
+        for name in self.client.scan_iter(match=keys.api_key("*"), count=500):
+            fields = self._fields(text(name))
+            if fields is None:
+                continue
+            tenant_name = self.client.hget(keys.tenant(fields["tenant_id"]), "name")
+            found.append(
+                {
+                    "key_id": text(name).rsplit(":", 1)[1],
+                    "tenant_id": fields["tenant_id"],
+                    "tenant": "" if tenant_name is None else text(tenant_name),
+                    "created_at": fields.get("created_at", ""),
+                }
+            )
+        return sorted(found, key=lambda k: k["created_at"])
+
+    def revoke_api_key(self, key_or_id: str) -> bool:
+        """Deletes a key, named by its id or given whole; False if there is no such key."""
+        parts = split_api_key(key_or_id)
+        key_id = parts[0] if parts is not None else key_or_id
+        return bool(self.client.delete(keys.api_key(key_id)))
 
     def tenant_for_key(self, presented: str) -> str | None:
         """The tenant a presented key belongs to, or None (see :func:`verify_api_key`)."""
@@ -298,6 +361,81 @@ class Records:
         fields, progress = pipe.execute()
         return job_from_fields(tenant_id, fields, progress)
 
+    def delete_finished_job(self, tenant_id: str, job: JobPublic) -> None:
+        """Deletes an ended job's record, progress and logs, and drops its uses of the store
+        objects: its inputs' and its report's (the collector deletes those nothing else uses).
+        A model the job registered is a resource of its own and stays."""
+        if not job.status.is_terminal:
+            raise ValueError(f"job {job.id} is {job.status.value}; only an ended job is deleted")
+        job_key = keys.record("job", job.id)
+        payload, report = cast(
+            "list[bytes | None]", self.client.hmget(job_key, ["payload", "report_sha256"])
+        )
+        used: list[str] = []
+        if payload is not None:
+            data = json.loads(payload)
+            used += [data["model"]["weights_sha256"], data["dataset"]["sha256"]]
+        if report is not None:
+            used.append(text(report))
+        pipe = self.client.pipeline()
+        self._delete(pipe, tenant_id, "job", job.id, job.created_at)
+        pipe.delete(
+            keys.job_progress(job.id),
+            keys.job_logs(job.id),
+            keys.job_log_seq(job.id),
+            keys.job_cancel(job.id),
+            keys.job_output(job.id),
+            keys.job_shards(job.id),
+            keys.job_shard_progress(job.id),
+        )
+        pipe.zrem(keys.FINISHED_JOBS, job.id)
+        for sha256 in used:
+            release_sha_ref(pipe, sha256, job.id)
+        pipe.execute()
+
+    def jobs_finished_before(self, epoch_s: float, limit: int) -> list[tuple[str, str]]:
+        """Up to ``limit`` (job id, tenant id) of jobs that ended before ``epoch_s``, oldest
+        first; ids whose record is gone are dropped from the finished set on the way."""
+        ids = [
+            text(m)
+            for m in self.client.zrangebyscore(keys.FINISHED_JOBS, "-inf", epoch_s, 0, limit)
+        ]
+        if not ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(keys.record("job", job_id), "tenant_id")
+        found: list[tuple[str, str]] = []
+        for job_id, tenant_id in zip(ids, pipe.execute(), strict=True):
+            if tenant_id is None:
+                self.client.zrem(keys.FINISHED_JOBS, job_id)
+            else:
+                found.append((job_id, text(tenant_id)))
+        return found
+
+    def append_job_logs(self, job_id: str, entries: Iterable[tuple[str, str, str, str]]) -> None:
+        """Appends (at, level, logger, message) entries, keeping the latest
+        :data:`JOB_LOG_MAX_ENTRIES`."""
+        entries = list(entries)
+        if not entries:
+            return
+        last = int(self.client.incrby(keys.job_log_seq(job_id), len(entries)))
+        first = last - len(entries) + 1
+        lines = [
+            json.dumps({"seq": first + i, "at": at, "level": level, "logger": name, "message": msg})
+            for i, (at, level, name, msg) in enumerate(entries)
+        ]
+        pipe = self.client.pipeline(transaction=False)
+        pipe.rpush(keys.job_logs(job_id), *lines)
+        pipe.ltrim(keys.job_logs(job_id), -JOB_LOG_MAX_ENTRIES, -1)
+        pipe.execute()
+
+    def job_logs(self, job_id: str, after: int = 0) -> list[JobLogEntry]:
+        """The kept entries with ``seq`` > ``after``, oldest first."""
+        raw = self.client.lrange(keys.job_logs(job_id), 0, -1)
+        entries = [JobLogEntry.model_validate_json(line) for line in raw]
+        return [entry for entry in entries if entry.seq > after]
+
     def job_status(self, job_id: str) -> JobStatus | None:
         status = self.client.hget(keys.record("job", job_id), "status")
         return None if status is None else JobStatus(text(status))
@@ -308,10 +446,15 @@ class Records:
         page_size: int,
         token: str | None,
         status: JobStatus | None = None,
+        where: JobFilter | None = None,
     ) -> Page[JobPublic]:
+        where = where or JobFilter(status=status)
+        if status is not None and where.status is None:
+            where = JobFilter(where.kind, status, where.model_id, where.dataset_id, where.tags)
+
         def load(job_id: str) -> JobPublic | None:
             job = self.get_job(tenant_id, job_id)
-            return job if job is not None and (status is None or job.status is status) else None
+            return job if job is not None and where.matches(job) else None
 
         return newest_first(
             self.client, keys.tenant_index(tenant_id, "job"), load, page_size, token
@@ -330,7 +473,13 @@ class Records:
         for name, value in (fields or {}).items():
             args += [name, value]
         result = self._transition(
-            keys=[keys.record("job", job_id), keys.RUNNING_JOBS, keys.QUEUED_JOBS], args=args
+            keys=[
+                keys.record("job", job_id),
+                keys.RUNNING_JOBS,
+                keys.QUEUED_JOBS,
+                keys.FINISHED_JOBS,
+            ],
+            args=args,
         )
         return None if result is None else JobStatus(text(result))
 
@@ -347,7 +496,12 @@ class Records:
         the current attempt's RQ id; returns the status after."""
         now = utc_now()
         result = self._interrupt(
-            keys=[keys.record("job", job_id), keys.RUNNING_JOBS, keys.QUEUED_JOBS],
+            keys=[
+                keys.record("job", job_id),
+                keys.RUNNING_JOBS,
+                keys.QUEUED_JOBS,
+                keys.FINISHED_JOBS,
+            ],
             args=[
                 ",".join(s.value for s in allowed),
                 reason,

@@ -1,6 +1,7 @@
 """The background threads of the API and of every worker supervisor: one fails jobs whose
 process is gone and moves children RQ left ready to the queue (service/upkeep/reaper.py), the other
-runs a store collection when one is due (service/store/gc.py). Apart, so that a long
+deletes jobs past their retention (service/upkeep/retention.py) and runs a store collection when
+one is due (service/store/gc.py). Apart, so that a long
 collection never delays the reaper.
 
 Both are safe to run from many processes at once: the reaper's verdicts are compare-and-sets,
@@ -27,6 +28,7 @@ from service.upkeep.reaper import (
     reap_stale_jobs,
     sweep_interval_s,
 )
+from service.upkeep.retention import delete_expired_jobs
 
 __all__ = ["Housekeeping"]
 
@@ -97,6 +99,13 @@ class Housekeeping:
 
     def _collect(self) -> None:
         settings = self._settings
+        if settings.job_retention_s is not None:
+            # First, so that this collection can take what expired jobs leave unused.
+            expired = delete_expired_jobs(self._records, settings.job_retention_s)
+            if expired:
+                log.info(
+                    "deleted %d jobs that ended over %g s ago", expired, settings.job_retention_s
+                )
         done = collect_if_due(
             self._records.client,
             self._store,

@@ -13,6 +13,7 @@ import logging
 import os
 import resource
 import socket
+from typing import Any
 
 import torch
 from rq import Queue, Worker
@@ -31,6 +32,45 @@ from workers.sharding.jobs import fail_killed_child
 __all__ = ["main"]
 
 log = logging.getLogger(__name__)
+
+
+# What a job function returned as its "status" for which RQ's "Job OK" line is true; for any
+# other (canceled, failed elsewhere, queued again) the line names the status instead.
+_OK_OUTCOMES = frozenset({"succeeded", "running", "done", "skipped"})
+
+
+class _Worker(Worker):
+    """RQ's worker, whose log says how a bnadapt job ended: RQ logs "Job OK" whenever the
+    function returned, which for a canceled job read as if it had succeeded."""
+
+    outcome: str | None = None
+
+    def _finalize_success(self, job: Job, queue: Queue, execution: Any, return_value: Any) -> None:
+        status = return_value.get("status") if isinstance(return_value, dict) else None
+        self.outcome = None if status is None else str(status)
+        try:
+            super()._finalize_success(job, queue, execution, return_value)
+        finally:
+            self.outcome = None
+
+
+class _OutcomeFilter(logging.Filter):
+    def __init__(self, worker: _Worker) -> None:
+        super().__init__()
+        self._worker = worker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        outcome = self._worker.outcome
+        if (
+            outcome is not None
+            and outcome not in _OK_OUTCOMES
+            and isinstance(record.args, tuple)
+            and any("Job OK" in str(arg) for arg in record.args)
+        ):
+            record.args = tuple(
+                f"job ended {outcome}" if "Job OK" in str(arg) else arg for arg in record.args
+            )
+        return True
 
 
 def main() -> None:
@@ -82,13 +122,14 @@ def main() -> None:
     names = [settings.queue]
     if device_class in DEVICE_CLASSES:
         names.insert(0, settings.job_queue(device_class))
-    worker = Worker(
+    worker = _Worker(
         [Queue(name, connection=client, serializer="json") for name in names],
         name=f"bnadapt-{socket.gethostname()}-{os.getpid()}",
         connection=client,
         serializer="json",
         work_horse_killed_handler=horse_killed,
     )
+    worker.log.addFilter(_OutcomeFilter(worker))
     worker.work(burst=args.burst, logging_level="INFO")
 
 

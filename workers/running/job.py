@@ -29,6 +29,7 @@ from service.store.base import Store
 from workers import import_path
 from workers.errors import JobCanceled
 from workers.estimators.dispatch import load_runner
+from workers.running.logs import job_logging
 from workers.running.saving import error_message
 
 __all__ = ["load_runners", "run_job"]
@@ -59,6 +60,16 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
         status = records.job_status(job.job_id)
         log.info("job %s not started: it is %s", job.job_id, status)
         return {"job_id": job.job_id, "status": str(status)}
+    with job_logging(records, job.job_id):  # NOTE [ Job logs ]
+        log.info("job %s (%s) started on %s", job.job_id, job.kind, _worker_name())
+        result = _run_started(job, records, store, settings)
+        log.info("job %s ended %s", job.job_id, result.get("status"))
+        return result
+
+
+def _run_started(
+    job: JobPayload, records: Records, store: Store, settings: Settings
+) -> dict[str, str]:
     try:
         return _runner(JOB_KINDS[job.kind].runner)(job, records, store, settings)
     except JobCanceled:
@@ -79,6 +90,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
         raise
     except Exception as exc:
         # The job's own failure (bad data, NaN, a bug): retrying would fail the same way.
+        log.exception("job %s failed", job.job_id)
         records.mark_finished(job.job_id, JobStatus.FAILED, error=error_message(exc))
         raise
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import torch
 from torch import nn
@@ -37,12 +38,27 @@ class BatchNormChange:
     reset: bool = False  # its statistics were cleared before the job's batches
 
 
+# NOTE [ Relative change from a zero baseline ]
+# relative_l2 = ||after - before|| / ||before|| says how much a tensor moved for its size. It
+# has no meaning where ||before|| is (about) zero: a freshly initialised model's running_mean
+# is all zeros, and dividing by a floor gave 7.9e37. There, and for integer tensors (counters
+# such as num_batches_tracked, whose "relative change" says nothing), relative_l2 is None and
+# the report shows what it can: the absolute change ``l2``, and for a one-element integer
+# tensor its plain values ``before`` and ``after``.
+ZERO_BASELINE_L2: Final = 1e-12
+
+
 @dataclass(frozen=True)
 class TensorChange:
     name: str
     changed: bool  # not torch.equal: any bit differs
     max_abs: float  # max |after - before|, 0 for an empty tensor
-    relative_l2: float  # ||after - before|| / max(||before||, tiny)
+    # ||after - before|| / ||before||; None for an integer tensor or a zero baseline
+    # (NOTE [ Relative change from a zero baseline ])
+    relative_l2: float | None
+    l2: float = 0.0  # ||after - before||
+    before: float | None = None  # a one-element integer tensor's values (a counter)
+    after: float | None = None
 
 
 def state_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -104,12 +120,22 @@ def tensor_changes(
         diff = _float64(new) - _float64(old)
         max_abs = diff.abs().max().item() if diff.numel() else 0.0
         norm = torch.linalg.vector_norm(_float64(old)).item()
+        l2 = torch.linalg.vector_norm(diff).item()
+        counter = not (old.is_floating_point() or old.is_complex())
+        if counter or norm < ZERO_BASELINE_L2:
+            relative = 0.0 if l2 == 0.0 and not counter else None
+        else:
+            relative = l2 / norm
+        one_value = counter and old.numel() == 1
         changes.append(
             TensorChange(
                 name=name,
                 changed=not torch.equal(old, new),
                 max_abs=max_abs,
-                relative_l2=torch.linalg.vector_norm(diff).item() / max(norm, _TINY),
+                relative_l2=relative,
+                l2=l2,
+                before=float(old.item()) if one_value else None,
+                after=float(new.item()) if one_value else None,
             )
         )
     return changes

@@ -84,6 +84,16 @@ class JobRuntime:
                 updated_at=utc_now(),
             )
 
+    def enter_saving(self) -> None:
+        """The saving phase: the figures of the last work phase stay (done of total, its
+        rate), only the phase's name changes and the ETA goes; saving is no batch, and a
+        "saving 1/1 batches at 0 samples/s" was what a finished job used to show."""
+        with self._lock:
+            if self._progress is not None:
+                self._progress = self._progress.model_copy(
+                    update={"phase": "saving", "eta_seconds": None, "updated_at": utc_now()}
+                )
+
     def report(self, done: int) -> None:
         with self._lock:
             if self._progress is None:

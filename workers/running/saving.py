@@ -80,17 +80,15 @@ def save_outcome(
     """Writes weights and report to the store, then registers the new model. Raises
     :class:`JobCanceled` before registering anything when the job was asked to stop."""
     begin_saving(job, runtime)
-    saved = register_output(job, store_weights(outcome, store), records, store)
-    runtime.report(1)
-    return saved
+    return register_output(job, store_weights(outcome, store), records, store)
 
 
 def begin_saving(job: JobPayload, runtime: JobRuntime) -> None:
-    """The saving phase (one unit: report 1 when saved) of a job that was not asked to stop;
-    :class:`JobCanceled` otherwise, before anything is written."""
+    """The saving phase of a job that was not asked to stop (its progress keeps the last work
+    phase's figures); :class:`JobCanceled` otherwise, before anything is written."""
     if runtime.check_cancel_now():
         raise JobCanceled(f"job {job.job_id} was canceled")
-    runtime.start_phase("saving", 1, "batches", 0.0)
+    runtime.enter_saving()
 
 
 def register_output(

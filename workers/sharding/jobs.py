@@ -258,7 +258,6 @@ def run_finish(spec: dict[str, Any]) -> dict[str, str]:
         # The model holds the weights now; released before the job's end, so that no ending
         # of this process can leave the merge's reference behind.
         run.shard_records.release_weights(job.job_id)
-        run.runtime.report(1)
         return saved
 
     def finish(run: ChildRun, saved: SavedOutcome) -> None:

@@ -1,21 +1,30 @@
-"""/v1/jobs: submit (checked, idempotent), list, show, cancel, report."""
+"""/v1/jobs: submit (checked, idempotent), list (filtered), show, cancel, delete, report,
+logs, and the live events of a job (server-sent events)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
+import json
 import logging
+import time
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Final
 
 import redis
-from fastapi import APIRouter, Body, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import StringConstraints
 from rq import Queue
 
 from api_schemas import (
+    ID_PATTERN,
     JOB_KINDS,
     AdaptParams,
     DatasetPublic,
     JobCreate,
+    JobKind,
     JobPayload,
     JobPayloadDataset,
     JobPayloadModel,
@@ -29,12 +38,22 @@ from api_schemas import (
     utc_now,
 )
 from api_schemas.jobs import num_batches
-from service.api.deps import JobDep, RecordsDep, SettingsDep, StoreDep, TenantDep
+from api_schemas.jobs.params import TAG_KEY_PATTERN
+from api_schemas.jobs.public import JobLogEntry, JobLogPage
+from service.api.deps import (
+    AsyncRecordsDep,
+    JobDep,
+    RecordsDep,
+    SettingsDep,
+    StoreDep,
+    TenantDep,
+)
 from service.api.problems import ApiError, not_found
 from service.errors import ObjectNotFoundError
 from service.records import keys
+from service.records.aio import AsyncRecords
 from service.records.queue import JOB_FUNCTION, enqueue_run
-from service.records.sync import Records
+from service.records.sync import JobFilter, Records
 from service.settings import Settings
 
 __all__ = ["JOB_FUNCTION", "router"]
@@ -160,16 +179,35 @@ def _existing_for_key(
     return job
 
 
-@router.post("", status_code=202)
+async def _json_body(request: Request) -> Any:
+    """The decoded JSON body. The route reads it itself, so that :func:`parse_job_create`
+    validates it strictly; the OpenAPI document still shows its schema (``JobCreate``, the
+    kinds' union, added by service/api/app.py)."""
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise ApiError(
+            422, f"the body is not JSON ({exc}); send a JobCreate object as application/json"
+        ) from exc
+
+
+JOB_CREATE_BODY: Final[dict[str, Any]] = {
+    "requestBody": {
+        "required": True,
+        "description": "AdaptJobCreate, TrainJobCreate or EvaluateJobCreate, chosen by kind",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobCreate"}}},
+    }
+}
+
+
+@router.post("", status_code=202, openapi_extra=JOB_CREATE_BODY)
 def create_job(
     tenant: TenantDep,
     records: RecordsDep,
     settings: SettingsDep,
     request: Request,
     response: Response,
-    body: Annotated[
-        dict[str, Any], Body(description="AdaptJobCreate, TrainJobCreate or EvaluateJobCreate")
-    ],
+    body: Annotated[Any, Depends(_json_body)],
     idempotency_key: Annotated[
         str | None, Header(pattern=_IDEMPOTENCY_KEY_PATTERN, alias="Idempotency-Key")
     ] = None,
@@ -206,6 +244,7 @@ def create_job(
         params=job_request.params,
         created_at=utc_now(),
         max_attempts=job_request.max_attempts,
+        tags=job_request.tags,
     )
     payload = JobPayload(
         job_id=job_id,
@@ -265,17 +304,49 @@ def create_job(
     return job if waiting is None else job.model_copy(update={"progress": waiting})
 
 
+IdQuery = Annotated[str | None, Query(pattern=ID_PATTERN)]
+_LIST_PARAMS: Final = frozenset(
+    {"page_size", "page_token", "status", "kind", "model_id", "dataset_id", "tag"}
+)
+_TAG_FILTER_PATTERN: Final = TAG_KEY_PATTERN.removesuffix("$") + r":.{0,256}$"
+
+
 @router.get("")
 def list_jobs(
     tenant: TenantDep,
     records: RecordsDep,
     settings: SettingsDep,
+    request: Request,
     page_size: Annotated[int, Query(ge=1, le=1000)] = 50,
     page_token: str | None = None,
     status: JobStatus | None = None,
+    kind: JobKind | None = None,
+    model_id: IdQuery = None,
+    dataset_id: IdQuery = None,
+    tag: Annotated[
+        list[Annotated[str, StringConstraints(pattern=_TAG_FILTER_PATTERN)]] | None,
+        Query(description="key:value; repeat for several (all must match)"),
+    ] = None,
 ) -> Page[JobPublic]:
-    """Newest first; ``status`` filters."""
-    return records.list_jobs(tenant, min(page_size, settings.page_size_max), page_token, status)
+    """Newest first. Every filter given must match; an unknown query parameter is a 422 (a
+    misspelt filter would otherwise list every job)."""
+    unknown = sorted(set(request.query_params) - _LIST_PARAMS)
+    if unknown:
+        raise ApiError(
+            422,
+            f"unknown query parameter(s) {', '.join(unknown)}; GET /v1/jobs takes "
+            f"{', '.join(sorted(_LIST_PARAMS))}",
+        )
+    where = JobFilter(
+        kind=kind,
+        status=status,
+        model_id=model_id,
+        dataset_id=dataset_id,
+        tags=dict(t.split(":", 1) for t in tag or []),
+    )
+    return records.list_jobs(
+        tenant, min(page_size, settings.page_size_max), page_token, where=where
+    )
 
 
 @router.api_route(
@@ -316,6 +387,116 @@ def cancel_job(
             raise ApiError(409, f"job {job_id} already {job.status.value}; nothing to cancel")
         records.request_cancel(job_id)
     return records.get_job(tenant, job_id) or job
+
+
+@router.delete("/{job_id}", status_code=204)
+def delete_job(job: JobDep, tenant: TenantDep, records: RecordsDep) -> Response:
+    """Deletes an ended job: its record, logs and report (a model it registered stays; delete
+    it with DELETE /v1/models/{id}). A queued or running job is a 409: cancel it first."""
+    if not job.status.is_terminal:
+        raise ApiError(
+            409,
+            f"job {job.id} is {job.status.value}; cancel it (POST /v1/jobs/{job.id}:cancel) "
+            "and delete it once it has ended",
+        )
+    records.delete_finished_job(tenant, job)
+    return Response(status_code=204)
+
+
+@router.get("/{job_id}/logs")
+async def get_logs(
+    job: JobDep,
+    records: AsyncRecordsDep,
+    after: Annotated[int, Query(ge=0, description="only entries with a larger seq")] = 0,
+) -> JobLogPage:
+    """What the job's processes logged (warnings, a failure's traceback), oldest first; the
+    latest few hundred entries are kept. To follow a running job, read
+    GET /v1/jobs/{id}/events?logs=true (server-sent events)."""
+    entries = [
+        JobLogEntry.model_validate_json(line) for line in await records.job_log_lines(job.id)
+    ]
+    items = [entry for entry in entries if entry.seq > after]
+    return JobLogPage(items=items, last_seq=max([after, *(e.seq for e in entries)]))
+
+
+# NOTE [ Job events ]
+# GET /v1/jobs/{id}/events is a server-sent event stream of one job: ``status`` (the whole job,
+# whenever its status changes, and first thing), ``progress`` (the Progress: phase, done/total,
+# rate, ETA, whenever it changes), ``log`` (each new log entry, with ?logs=true) and ``end``
+# (the whole job once it has ended; the stream then closes). The API polls the job's record
+# every EVENTS_POLL_S, on the event loop (redis.asyncio), so a watcher costs one Redis round
+# trip per poll and no thread; a comment line every EVENTS_KEEPALIVE_S keeps proxies from
+# closing a quiet stream. A client that reconnects gets the current state again first.
+EVENTS_POLL_S: Final = 0.25
+EVENTS_KEEPALIVE_S: Final = 15.0
+_EVENT_STREAM: Final[dict[int | str, dict[str, Any]]] = {
+    200: {
+        "description": "text/event-stream: events status, progress, log and end "
+        "(NOTE [ Job events ])",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+def _sse(event: str, data: str) -> str:
+    return f"event: {event}\ndata: {data}\n\n"
+
+
+async def _job_events(
+    records: AsyncRecords, tenant: str, job_id: str, logs: bool, after: int
+) -> AsyncIterator[str]:
+    last_status: JobStatus | None = None
+    last_progress: str | None = None
+    last_seq = after
+    last_sent = time.monotonic()
+    while True:
+        job = await records.get_job(tenant, job_id)
+        if job is None:  # deleted meanwhile
+            yield _sse("end", json.dumps({"id": job_id, "status": "deleted"}))
+            return
+        sent: list[str] = []
+        if job.status is not last_status:
+            sent.append(_sse("status", job.model_dump_json()))
+            last_status = job.status
+        progress = None if job.progress is None else job.progress.model_dump_json()
+        if progress is not None and progress != last_progress:
+            sent.append(_sse("progress", progress))
+            last_progress = progress
+        if logs:
+            for line in await records.job_log_lines(job_id):
+                entry = JobLogEntry.model_validate_json(line)
+                if entry.seq > last_seq:
+                    sent.append(_sse("log", entry.model_dump_json()))
+                    last_seq = entry.seq
+        if job.status.is_terminal:
+            sent.append(_sse("end", job.model_dump_json()))
+        for item in sent:
+            yield item
+        if job.status.is_terminal:
+            return
+        if sent:
+            last_sent = time.monotonic()
+        elif time.monotonic() - last_sent > EVENTS_KEEPALIVE_S:
+            yield ": keepalive\n\n"
+            last_sent = time.monotonic()
+        await asyncio.sleep(EVENTS_POLL_S)
+
+
+@router.get("/{job_id}/events", response_class=StreamingResponse, responses=_EVENT_STREAM)
+async def job_events(
+    job: JobDep,
+    tenant: TenantDep,
+    records: AsyncRecordsDep,
+    logs: Annotated[bool, Query(description="also send the job's log entries")] = False,
+    after: Annotated[int, Query(ge=0, description="with logs: entries after this seq")] = 0,
+) -> StreamingResponse:
+    """The job's live status, progress and (with ``logs``) log entries as server-sent events,
+    until it ends (NOTE [ Job events ])."""
+    return StreamingResponse(
+        _job_events(records, tenant, job.id, logs, after),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 @router.get("/{job_id}/report")

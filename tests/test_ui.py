@@ -1,0 +1,216 @@
+"""The web UI and /docs in a real headless browser (Debian's chromium through chromedriver,
+driven by selenium), against the real API and worker: sign in, a job submitted from the CLI
+watched live, its report's plots, a download, keyboard use, a phone-width screen, and Swagger
+UI served offline with an Authorize button. Screenshots are kept under the test's tmp dir (the
+path is printed); with BNADAPT_UPDATE_UI_SCREENSHOT=1 the wide one replaces docs/ui.png."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.servers import wait_for
+from tests.stack import REPO, Stack, running_stack
+from tests.test_e2e import created, digits_npz
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+if CHROMIUM is None or CHROMEDRIVER is None:  # .ci/run installs both
+    pytest.skip("needs chromium and chromedriver", allow_module_level=True)
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("stack"), {"BNADAPT_WORKER_THREADS": "1"}) as s:
+        yield s
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[tuple[WebDriver, Path]]:
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1280,900",
+    ):
+        options.add_argument(flag)
+    options.add_experimental_option(
+        "prefs",
+        {"download.default_directory": str(downloads), "download.prompt_for_download": False},
+    )
+    service = webdriver.ChromeService(executable_path=str(CHROMEDRIVER))
+    driver = webdriver.Chrome(options=options, service=service)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver, downloads
+    finally:
+        driver.quit()
+
+
+def shot(driver: WebDriver, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / f"{name}.png"
+    driver.save_screenshot(str(path))
+    print(f"screenshot: {path}")
+    return path
+
+
+def wait_css(driver: WebDriver, css: str, timeout_s: float = 30) -> Any:
+    return wait_for(
+        lambda: driver.find_elements(By.CSS_SELECTOR, css),
+        timeout_s=timeout_s,
+        interval_s=0.2,
+        what=f"{css} on {driver.current_url}",
+    )[0]
+
+
+def sign_in(driver: WebDriver, stack: Stack, key: str) -> None:
+    driver.get(f"{stack.url}/dashboard")  # redirects to the UI
+    field = wait_css(driver, "#apikey")
+    field.send_keys("bna_not_a_key_x")
+    field.send_keys(Keys.ENTER)
+    wait_for(
+        lambda: "not valid" in driver.find_element(By.CSS_SELECTOR, ".signin .error").text,
+        what="the refusal of a wrong key",
+    )
+    field = driver.find_element(By.CSS_SELECTOR, "#apikey")
+    field.clear()
+    field.send_keys(key)
+    driver.find_element(By.CSS_SELECTOR, "#signin").click()
+    wait_css(driver, "table#jobs")
+
+
+def test_ui_sign_in_watch_a_cli_job_live_and_read_its_report(
+    stack: Stack, browser: tuple[WebDriver, Path], tmp_path: Path
+) -> None:
+    driver, downloads = browser
+    client = stack.client("ui")
+    key = str(client.http.headers["authorization"]).split(" ", 1)[1]
+    model = created(client.add_model("digits_cnn", {"width": 8}, seed=0))
+    dataset = created(client.add_dataset(digits_npz()))
+    other = stack.client("someone-else")
+    hidden = created(other.add_model("digits_cnn", {"width": 4}, seed=0))
+
+    sign_in(driver, stack, key)
+    env = {**stack.env, "BNADAPT_URL": stack.url, "BNADAPT_API_KEY": key}
+    submitted = subprocess.run(
+        [sys.executable, "-m", "service.local.cli", "jobs", "submit", "train",
+         "--model", model["id"], "--dataset", dataset["id"], "--tag", "from=cli",
+         "--params", '{"epochs": 25, "batch_size": 16, "validation_fraction": 0.1}'],
+        env=env, cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    job_id = created_id(submitted.stdout)
+
+    driver.get(f"{stack.url}/ui/#/jobs?tag=from:cli")
+    link = wait_css(driver, f"a[href='#/jobs/{job_id}']")
+    link.click()
+    # Live: the progress text changes while the job runs, from the event stream.
+    seen = set()
+
+    def progressed() -> bool:
+        progress = driver.find_elements(By.CSS_SELECTOR, "#progress")
+        status = driver.find_elements(By.CSS_SELECTOR, "#job-status")
+        if not (progress and status):
+            return False  # the page is still loading
+        seen.add(progress[0].text)
+        return bool(status[0].text == "succeeded")
+
+    wait_for(progressed, timeout_s=240, interval_s=0.3, what="the job to succeed on its page")
+    live = [t for t in seen if t.startswith("train:")]
+    assert len(live) >= 2, f"no live progress seen: {seen}"
+    for plot in ("#plot-epochs", "#plot-loss", "#plot-mean-shift", "#plot-var-ratio"):
+        wait_css(driver, plot, timeout_s=30)
+    assert driver.find_elements(By.CSS_SELECTOR, "#plot-epochs polyline")
+    assert "started" in driver.find_element(By.CSS_SELECTOR, "#logs").text
+    driver.set_window_size(1280, 1900)  # the whole page, report included
+    wide = shot(driver, tmp_path, "job-1280")
+    driver.set_window_size(1280, 900)
+    if os.environ.get("BNADAPT_UPDATE_UI_SCREENSHOT") == "1":
+        shutil.copy(wide, REPO / "docs" / "ui.png")
+
+    driver.find_element(By.CSS_SELECTOR, "#download-weights").click()
+    weights = wait_for(
+        lambda: [p for p in downloads.glob("*.safetensors") if p.stat().st_size > 0],
+        timeout_s=30,
+        what="the downloaded weights",
+    )
+    assert weights[0].read_bytes()[:8], "a safetensors header"
+
+    # Models: lineage (parent and job) and only this tenant's.
+    driver.get(f"{stack.url}/ui/#/models")
+    table = wait_css(driver, "table#models")
+    assert model["id"] in table.text and job_id in table.text
+    assert hidden["id"] not in table.text
+    driver.get(f"{stack.url}/ui/#/datasets")
+    assert dataset["id"] in wait_css(driver, "table#datasets").text
+
+    # Keyboard: from the top of the page, Tab reaches the navigation and the job's link.
+    driver.get(f"{stack.url}/ui/#/jobs")
+    wait_css(driver, f"a[href='#/jobs/{job_id}']")
+    driver.find_element(By.TAG_NAME, "body").click()
+    reached = []
+    for _ in range(30):
+        driver.switch_to.active_element.send_keys(Keys.TAB)
+        active = driver.switch_to.active_element
+        reached.append(active.get_attribute("href") or active.text)
+    assert any(str(r).endswith("#/models") for r in reached), reached
+    assert any(str(r).endswith(f"#/jobs/{job_id}") for r in reached), reached
+    driver.switch_to.active_element.send_keys(Keys.ENTER)
+
+    # A phone's width: nothing wider than the screen (tables scroll inside their box).
+    driver.set_window_size(375, 800)
+    driver.get(f"{stack.url}/ui/#/jobs/{job_id}")
+    wait_css(driver, "#plot-var-ratio")
+    overflow = driver.execute_script(
+        "return document.documentElement.scrollWidth - window.innerWidth"
+    )
+    assert overflow <= 0, f"the page is {overflow} px wider than a 375 px screen"
+    shot(driver, tmp_path, "job-375")
+
+
+def created_id(stdout: str) -> str:
+    import json
+
+    job: dict[str, Any] = json.loads(stdout)
+    return str(job["id"])
+
+
+def test_docs_render_offline_with_authorize(
+    stack: Stack, browser: tuple[WebDriver, Path], tmp_path: Path
+) -> None:
+    driver, _ = browser
+    driver.get(f"{stack.url}/docs")
+    title = wait_css(driver, ".swagger-ui .info .title")
+    assert "bnadapt" in title.text
+    assert wait_css(driver, ".swagger-ui .btn.authorize")
+    assert driver.find_elements(By.CSS_SELECTOR, ".opblock-tag-section")
+    resources = driver.execute_script(
+        "return performance.getEntriesByType('resource').map(e => e.name)"
+    )
+    outside = [r for r in resources if not r.startswith(stack.url)]
+    assert outside == [], f"/docs fetched from elsewhere: {outside}"
+    shot(driver, tmp_path, "docs")

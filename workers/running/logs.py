@@ -1,0 +1,66 @@
+"""A job's own log: what its process logs while it runs, kept with the job in Redis.
+
+NOTE [ Job logs ]
+While a job runs, a handler on the root logger of its (forked) process appends every record
+at INFO or above from bnadapt's own loggers, and every WARNING or above from anywhere (Python
+warnings included, through ``logging.captureWarnings``), to the job's log list
+(``keys.job_logs``, the latest ``JOB_LOG_MAX_ENTRIES`` kept, each with a sequence number). A
+failure's traceback is logged there by ``run_job``. Writes are best effort: a log line that
+cannot reach Redis is dropped, never the job. The API serves the list, tenant-scoped, at
+GET /v1/jobs/{id}/logs and follows it in GET /v1/jobs/{id}/events?logs=true.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Final
+
+from service.records.sync import Records
+
+__all__ = ["job_logging"]
+
+MAX_MESSAGE_CHARS: Final = 16_000
+_OWN_LOGGERS: Final = ("workers", "service", "api_schemas")
+
+
+class _JobLogHandler(logging.Handler):
+    def __init__(self, records: Records, job_id: str) -> None:
+        super().__init__(logging.INFO)
+        self._records = records
+        self._job_id = job_id
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        own = record.name.split(".", 1)[0] in _OWN_LOGGERS
+        return record.levelno >= (logging.INFO if own else logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = self.format(record)[:MAX_MESSAGE_CHARS]
+            at = datetime.fromtimestamp(record.created, UTC).isoformat()
+            self._records.append_job_logs(
+                self._job_id, [(at, record.levelname, record.name, message)]
+            )
+        except Exception:  # noqa: BLE001 - a lost log line must never fail the job
+            return
+
+
+@contextmanager
+def job_logging(records: Records, job_id: str) -> Iterator[None]:
+    """Keeps what this process logs, while the block runs, in job ``job_id``'s log."""
+    root = logging.getLogger()
+    handler = _JobLogHandler(records, job_id)
+    previous_level = root.level
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        root.removeHandler(handler)
+        root.setLevel(previous_level)
