@@ -22,7 +22,15 @@ from rq import Queue
 from api_schemas import JobCreate, Problem, ProblemItem
 from service.api.metrics import install_metrics
 from service.api.problems import install_problem_handlers, problem_responses
-from service.api.routes import architectures, datasets, health, jobs, models, uploads
+from service.api.routes import (
+    architectures,
+    datasets,
+    direct_uploads,
+    health,
+    jobs,
+    models,
+    uploads,
+)
 from service.records.aio import AsyncRecords, async_redis_client
 from service.records.connection import redis_client
 from service.records.sync import Records
@@ -107,7 +115,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         datasets.router,
         uploads.router,
         jobs.router,
-        uploads.router,
+        direct_uploads.router,
     ):
         app.include_router(router, responses=problem_responses(400, 401, 404, 409, 413, 422, 503))
     install_metrics(app)
