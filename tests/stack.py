@@ -103,6 +103,7 @@ class Stack:
             own = self.worker_data_dirs[self._workers_started % len(self.worker_data_dirs)]
             env["BNADAPT_DATA_DIR"] = str(own)
         self._workers_started += 1
+        self.worker_log.parent.mkdir(parents=True, exist_ok=True)
         with self.worker_log.open("ab") as log:  # the child keeps its own descriptor
             return subprocess.Popen(
                 worker_command("cpu"),
