@@ -133,7 +133,7 @@ MIXTURES: Final[tuple[tuple[str, str], ...]] = (
 )
 
 
-def condition_names(shifts: tuple[Shift, ...] = SHIFTS, mixed: bool = True) -> list[str]:
+def condition_names(shifts: tuple[Shift, ...] = SHIFTS, mixed: bool = False) -> list[str]:
     """``clean`` and ``<shift>-<severity>`` for every severity, in table order; with
     ``mixed``, then the per-image variants ``<shift>-h<severity>`` and the mixtures
     ``<a>+<b>`` (see the module docstring)."""
@@ -186,7 +186,9 @@ def shifted(x: np.ndarray, condition: str, seed: int) -> np.ndarray:
     per_image = severity_text.startswith("h")
     severity_text = severity_text.removeprefix("h")
     if shift is None or not severity_text.isdigit():
-        raise ValueError(f"unknown condition {condition!r}; use one of {condition_names()}")
+        raise ValueError(
+            f"unknown condition {condition!r}; use one of {condition_names(mixed=True)}"
+        )
     severity = int(severity_text)
     if not 1 <= severity <= len(shift.levels):
         raise ValueError(

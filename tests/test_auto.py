@@ -6,6 +6,8 @@ the source's own distribution keeps the source, and the whole path runs through 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -194,9 +196,7 @@ def test_auto_adapts_a_global_shift_and_equals_the_fixed_estimator(
 
 def test_allow_backward_adds_entropy(store: LocalStore, digits: dict[str, Any]) -> None:
     x = (digits["split"].x_test * 0.4).astype(np.float32)
-    outcome = run_adapt(
-        store, digits, x, estimator="auto", allow_backward=True, steps=8, lr=1e-3
-    )
+    outcome = run_adapt(store, digits, x, estimator="auto", allow_backward=True, steps=8, lr=1e-3)
     auto = outcome.report.auto
     assert auto is not None
     assert [c.name for c in auto.candidates][-1] == "entropy"
@@ -251,3 +251,16 @@ def test_auto_through_the_service(stack: Stack, digits: dict[str, Any]) -> None:
     assert any("<- kept" in line for line in lines)
     assert lines[-1] in ("auto kept the source model unchanged", f"auto chose {report.auto.chosen}")
     json.dumps(report.model_dump(mode="json"))  # plain JSON all the way
+
+    # `bnadapt jobs show` prints the same summary on stderr (stdout stays the job's JSON).
+    key = client.http.headers["Authorization"].removeprefix("Bearer ")
+    argv = ["--url", stack.url, "--key", key, "jobs", "show", job["id"]]
+    shown = subprocess.run(
+        [sys.executable, "-m", "service.local.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(shown.stdout)["id"] == job["id"]
+    assert shown.stderr.splitlines() == lines
