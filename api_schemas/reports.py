@@ -6,9 +6,13 @@ from api_schemas.common import ResourceId
 from api_schemas.jobs.kinds import JobKind
 
 __all__ = [
+    "AutoCandidate",
+    "AutoChoice",
     "BatchNormChange",
     "EpochLog",
     "Metrics",
+    "PredictionDiagnostics",
+    "Predictions",
     "Report",
     "ShardSummary",
     "TensorChange",
@@ -103,6 +107,60 @@ class ShardSummary(_ReportModel):
     compute_s: float = Field(ge=0.0)
 
 
+class Predictions(_ReportModel):
+    """A model's class predictions on some samples, without labels: ``mean_entropy`` (nats)
+    and ``mean_max_probability`` of the softmax per sample, ``marginal_entropy`` (nats) of the
+    mean softmax (low when predictions pile onto few classes)."""
+
+    mean_entropy: float = Field(ge=0.0)
+    mean_max_probability: float = Field(ge=0.0, le=1.0)
+    marginal_entropy: float = Field(ge=0.0)
+
+
+class PredictionDiagnostics(_ReportModel):
+    """Unsupervised diagnostics of an adapt job: the input and the output model on the same
+    ``samples`` target samples, in the job's batch size. ``held_out``: the samples were held
+    out of estimation (the job's ``holdout``); otherwise they are the samples the estimator
+    used. ``changed_fraction``: samples whose predicted class differs after."""
+
+    samples: int = Field(ge=1)
+    held_out: bool
+    before: Predictions
+    after: Predictions
+    changed_fraction: float = Field(ge=0.0, le=1.0)
+
+
+class AutoCandidate(_ReportModel):
+    """One candidate the ``auto`` estimator scored on its held-out samples. ``name`` is
+    ``source`` (the input statistics), ``precise``, ``prior`` (then ``prior_strength`` is the
+    N the ``prior`` estimator would take for the same estimation samples, ``source_weight``
+    the source's share) or ``entropy``. ``eligible``: its mean entropy is below the source's;
+    ``score``: marginal entropy minus mean entropy (higher is better)."""
+
+    name: str
+    prior_strength: float | None = None
+    source_weight: float | None = Field(default=None, ge=0.0, le=1.0)
+    predictions: Predictions
+    score: float
+    eligible: bool
+    changed_fraction: float = Field(ge=0.0, le=1.0)  # held-out predictions unlike the source's
+
+
+class AutoChoice(_ReportModel):
+    """What the ``auto`` estimator tried and kept: candidates estimated on
+    ``estimation_samples``, scored on ``held_out_samples`` by ``criterion``; ``chosen`` is one
+    of the candidates' names (by index, ``chosen_index``), ``kept_source`` when it is the
+    input model, unchanged."""
+
+    criterion: str
+    estimation_samples: int = Field(ge=1)
+    held_out_samples: int = Field(ge=1)
+    candidates: list[AutoCandidate]
+    chosen: str
+    chosen_index: int = Field(ge=0)
+    kept_source: bool
+
+
 class Report(_ReportModel):
     """The report of one finished job. ``estimator`` is a plain string so reports written by
     older versions stay readable when estimators are renamed or removed.
@@ -132,3 +190,47 @@ class Report(_ReportModel):
     # An adapt job run with shards=K > 1: its K shards, in batch order (the timings are then
     # the merge's); empty when one worker ran all batches.
     shards: list[ShardSummary] = Field(default_factory=list)
+    # Adapt jobs with class logits: predictions before and after on target samples (null in
+    # old reports, for other outputs, and for sharded jobs whose evaluation children measure).
+    diagnostics: PredictionDiagnostics | None = None
+    # The auto estimator's candidates and choice; null for other estimators.
+    auto: AutoChoice | None = None
+
+    def summary_lines(self) -> list[str]:
+        """The diagnostics and the auto choice as lines of text (empty when there are none),
+        for the demo and the CLI."""
+        lines: list[str] = []
+        found = self.diagnostics
+        if found is not None:
+            where = "held-out" if found.held_out else "estimation"
+            lines.append(
+                f"predictions on {found.samples} {where} samples, before -> after: mean entropy "
+                f"{found.before.mean_entropy:.3f} -> {found.after.mean_entropy:.3f}, mean max "
+                f"probability {found.before.mean_max_probability:.3f} -> "
+                f"{found.after.mean_max_probability:.3f}, predictions changed "
+                f"{100 * found.changed_fraction:.1f}%"
+            )
+        if self.auto is not None:
+            auto = self.auto
+            lines.append(
+                f"auto: {len(auto.candidates)} candidates estimated on "
+                f"{auto.estimation_samples} samples, scored on {auto.held_out_samples} held out "
+                f"({auto.criterion})"
+            )
+            lines.append("  candidate                 mean entropy  score    changed  eligible")
+            for index, candidate in enumerate(auto.candidates):
+                label = candidate.name
+                if candidate.source_weight is not None:
+                    label += f" (source weight {candidate.source_weight:g})"
+                mark = "  <- kept" if index == auto.chosen_index else ""
+                lines.append(
+                    f"  {label:25} {candidate.predictions.mean_entropy:12.4f} "
+                    f"{candidate.score:7.4f} {100 * candidate.changed_fraction:6.1f}%  "
+                    f"{'yes' if candidate.eligible else 'no':8}{mark}"
+                )
+            lines.append(
+                "auto kept the source model unchanged"
+                if auto.kept_source
+                else f"auto chose {auto.chosen}"
+            )
+        return lines

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 __all__ = [
     "Results",
     "Verdict",
     "accuracy_tables",
+    "auto_choice_table",
+    "auto_verdicts",
     "main_table",
     "target_lines",
     "verdicts",
@@ -21,6 +23,13 @@ PRECISE_SHIFTS: Final = ("contrast", "brightness", "scale")
 NOISE_GAIN_POINTS: Final = 5.0
 NOISE_SHIFT: Final = "gaussian_noise"
 CLEAN_LOSS_POINTS: Final = 1.0
+# The auto estimator's targets: it never loses more than this against the source model...
+AUTO_LOSS_POINTS: Final = 0.5
+# ...its mean gain over the shifted conditions is at least this share of the best fixed
+# estimator's...
+AUTO_GAIN_SHARE: Final = 0.9
+# ...and on clean data it moves accuracy by at most this.
+AUTO_CLEAN_POINTS: Final = 0.2
 
 
 @dataclass
@@ -36,6 +45,8 @@ class Results:
     source: dict[str, float]
     adapted: dict[tuple[str, str, int], float]
     failures: list[str]
+    # What the auto jobs kept, by the same keys: "source", "precise", "prior w=0.5", ...
+    choices: dict[tuple[str, str, int], str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -90,7 +101,12 @@ def accuracy_tables(results: Results, estimator_labels: dict[str, str]) -> list[
 
 
 def _severities(results: Results, shift: str) -> list[str]:
-    return [c for c in results.conditions if c.rpartition("-")[0] == shift]
+    """The uniform conditions of ``shift`` (``<shift>-<digit>``, not the per-image variants)."""
+    return [
+        c
+        for c in results.conditions
+        if c.rpartition("-")[0] == shift and c.rpartition("-")[2].isdigit()
+    ]
 
 
 def verdicts(results: Results, clean: str) -> list[Verdict]:
@@ -150,3 +166,86 @@ def target_lines(found: Sequence[Verdict]) -> list[str]:
         for v in found
     ]
     return lines
+
+
+def auto_choice_table(results: Results, autos: Sequence[str], labels: dict[str, str]) -> list[str]:
+    """Conditions by numbers of target samples: what each auto estimator kept."""
+    head = [
+        "condition",
+        *(
+            f"{labels[a]}, n={_n_label(n, results.num_test)}"
+            for a in autos
+            for n in results.sample_counts
+        ),
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for condition in results.conditions:
+        cells = [
+            results.choices.get((condition, a, n), "failed")
+            for a in autos
+            for n in results.sample_counts
+        ]
+        lines.append(f"| {condition} | {' | '.join(cells)} |")
+    return lines
+
+
+def auto_verdicts(
+    results: Results, clean: str, autos: Sequence[str], fixed: Sequence[str]
+) -> list[Verdict]:
+    """The auto targets, for each auto estimator and every n: the worst loss against the source
+    over all conditions, the mean gain over the shifted conditions against the best fixed
+    estimator's, and the change on clean data."""
+    found: list[Verdict] = []
+    shifted = [c for c in results.conditions if c != clean]
+    for auto in autos:
+        for n in results.sample_counts:
+            where = f"{auto}, n={_n_label(n, results.num_test)}"
+            losses = {
+                c: 100 * (results.source[c] - results.adapted[c, auto, n])
+                for c in results.conditions
+                if (c, auto, n) in results.adapted and c in results.source
+            }
+            missing = len(results.conditions) - len(losses)
+            worst = max(losses, key=lambda c: losses[c]) if losses else "none"
+            found.append(
+                Verdict(
+                    f"auto loses <= {AUTO_LOSS_POINTS:g} point vs source, every condition",
+                    where,
+                    f"worst {worst}: {-losses.get(worst, 0.0):+.1f}"
+                    + (f"; {missing} failed" if missing else ""),
+                    not missing and losses[worst] <= AUTO_LOSS_POINTS,
+                )
+            )
+
+            def mean_gain(estimator: str, n: int = n) -> float | None:
+                gains = [
+                    results.adapted[c, estimator, n] - results.source[c]
+                    for c in shifted
+                    if (c, estimator, n) in results.adapted
+                ]
+                return 100 * sum(gains) / len(gains) if len(gains) == len(shifted) else None
+
+            best = max(fixed, key=lambda e: mean_gain(e) or -1e9)
+            auto_gain, best_gain = mean_gain(auto), mean_gain(best)
+            share = None if auto_gain is None or not best_gain else auto_gain / best_gain
+            found.append(
+                Verdict(
+                    f"auto's mean gain >= {AUTO_GAIN_SHARE:.0%} of the best fixed estimator's",
+                    where,
+                    f"{auto_gain or 0:+.2f} vs {best} {best_gain or 0:+.2f} over "
+                    f"{len(shifted)} conditions" + ("" if share is None else f" ({share:.0%})"),
+                    share is not None and share >= AUTO_GAIN_SHARE,
+                )
+            )
+            clean_acc = results.adapted.get((clean, auto, n))
+            change = None if clean_acc is None else 100 * (clean_acc - results.source[clean])
+            found.append(
+                Verdict(
+                    f"auto on clean data moves accuracy <= {AUTO_CLEAN_POINTS:g} point",
+                    where,
+                    f"{_pct(clean_acc)} vs {_pct(results.source[clean])}"
+                    + ("" if change is None else f" ({change:+.1f})"),
+                    change is not None and abs(change) <= AUTO_CLEAN_POINTS + 1e-9,
+                )
+            )
+    return found

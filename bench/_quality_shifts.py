@@ -23,6 +23,18 @@ light to a heavy blur (scipy's ``gaussian_filter``, ``mode="nearest"`` as skimag
 ImageNet-C calls, truncated at 4 sigma). ``invert`` is a semantic shift: white digits on black
 become black digits on white, which no re-estimation of normalization statistics should be
 expected to undo.
+
+Conditions where one pooled set of statistics cannot fit every image (named in
+:func:`condition_names` after the uniform ones):
+
+- per-image variants ``<shift>-h3``: each image gets its own level, drawn uniformly between
+  no shift (c = s = 1, b = sigma = 0) and severity 3's level, so the target distribution is a
+  spread of shifts rather than one; ``invert-h1`` inverts each image with probability 1/2.
+- mixtures ``<a>+<b>``: each image is shifted by condition ``a`` or ``b`` (``clean`` included),
+  each with probability 1/2.
+
+Both draw from generators seeded by ``seed`` and the condition's name, so they are
+reproducible on their own too.
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ from scipy.ndimage import gaussian_filter
 
 __all__ = [
     "CLEAN",
+    "MIXTURES",
+    "PER_IMAGE_SEVERITY",
     "SHIFTS",
     "Shift",
     "brightness",
@@ -102,14 +116,58 @@ SHIFTS: Final[tuple[Shift, ...]] = (
     Shift("invert", "", (1.0,), lambda x, _, rng: invert(x)),
 )
 _BY_NAME: Final = {shift.name: shift for shift in SHIFTS}
+# The level "no shift" of each shift's parameter: one end of the per-image variants' range.
+_IDENTITY: Final = {
+    "contrast": 1.0,
+    "brightness": 0.0,
+    "scale": 1.0,
+    "gaussian_noise": 0.0,
+    "gaussian_blur": 0.0,
+}
+PER_IMAGE_SEVERITY: Final = 3  # the per-image variants range up to this severity's level
+MIXTURES: Final[tuple[tuple[str, str], ...]] = (
+    (CLEAN, "scale-3"),
+    (CLEAN, "invert-1"),
+    ("contrast-2", "brightness-3"),
+    ("scale-2", "gaussian_noise-3"),
+)
 
 
-def condition_names(shifts: tuple[Shift, ...] = SHIFTS) -> list[str]:
-    """``clean`` and ``<shift>-<severity>`` for every severity, in table order."""
+def condition_names(shifts: tuple[Shift, ...] = SHIFTS, mixed: bool = False) -> list[str]:
+    """``clean`` and ``<shift>-<severity>`` for every severity, in table order; with
+    ``mixed``, then the per-image variants ``<shift>-h<severity>`` and the mixtures
+    ``<a>+<b>`` (see the module docstring)."""
     names = [CLEAN]
     for shift in shifts:
         names += [f"{shift.name}-{s}" for s in range(1, len(shift.levels) + 1)]
+    if mixed:
+        for shift in shifts:
+            names.append(f"{shift.name}-h{min(PER_IMAGE_SEVERITY, len(shift.levels))}")
+        names += [f"{a}+{b}" for a, b in MIXTURES]
     return names
+
+
+def _per_image(x: np.ndarray, shift: Shift, severity: int, rng: np.random.Generator) -> np.ndarray:
+    """Each image of ``x`` (N, C, H, W) float64 under its own level of ``shift``."""
+    out = np.empty_like(x)
+    if shift.name == "invert":
+        flip = rng.random(len(x)) < 0.5  # (N,)
+        out[:] = np.where(flip[:, None, None, None], invert(x), x)
+        return out
+    ends = sorted((_IDENTITY[shift.name], shift.levels[severity - 1]))
+    levels = rng.uniform(ends[0], ends[1], size=len(x))  # (N,)
+    for i, level in enumerate(levels):
+        out[i : i + 1] = shift.apply(x[i : i + 1], float(level), rng)
+    return out
+
+
+def _mixture(x: np.ndarray, a: str, b: str, seed: int) -> np.ndarray:
+    """Each image of ``x`` (N, C, H, W) under condition ``a`` or ``b``, 1/2 each."""
+    pick_b = np.random.default_rng([seed, 1000, *map(ord, a + "+" + b)]).random(len(x)) < 0.5
+    shifted_a = shifted(x, a, seed).astype(np.float64)
+    shifted_b = shifted(x, b, seed).astype(np.float64)
+    out: np.ndarray = np.where(pick_b[:, None, None, None], shifted_b, shifted_a)
+    return out
 
 
 def shifted(x: np.ndarray, condition: str, seed: int) -> np.ndarray:
@@ -120,14 +178,23 @@ def shifted(x: np.ndarray, condition: str, seed: int) -> np.ndarray:
         raise ValueError(f"expected float32 images (N, C, H, W), got {x.dtype} {x.shape}")
     if condition == CLEAN:
         return x.copy()
+    if "+" in condition:
+        a, _, b = condition.partition("+")
+        return _mixture(x, a, b, seed).astype(np.float32)
     name, _, severity_text = condition.rpartition("-")
     shift = _BY_NAME.get(name)
+    per_image = severity_text.startswith("h")
+    severity_text = severity_text.removeprefix("h")
     if shift is None or not severity_text.isdigit():
-        raise ValueError(f"unknown condition {condition!r}; use one of {condition_names()}")
+        raise ValueError(
+            f"unknown condition {condition!r}; use one of {condition_names(mixed=True)}"
+        )
     severity = int(severity_text)
     if not 1 <= severity <= len(shift.levels):
         raise ValueError(
             f"{name} has severities 1 to {len(shift.levels)}, got {severity} in {condition!r}"
         )
-    rng = np.random.default_rng([seed, SHIFTS.index(shift), severity])
+    rng = np.random.default_rng([seed, SHIFTS.index(shift), severity, int(per_image)])
+    if per_image:
+        return _per_image(x.astype(np.float64), shift, severity, rng).astype(np.float32)
     return shift.apply(x.astype(np.float64), shift.levels[severity - 1], rng).astype(np.float32)

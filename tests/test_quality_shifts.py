@@ -7,6 +7,7 @@ import pytest
 
 from bench._quality_shifts import (
     CLEAN,
+    MIXTURES,
     SHIFTS,
     Shift,
     brightness,
@@ -89,3 +90,25 @@ def test_unknown_conditions_are_refused(images: np.ndarray) -> None:
             shifted(images, bad, seed=0)
     with pytest.raises(ValueError, match="float32"):
         shifted(images.astype(np.float64), CLEAN, seed=0)
+
+
+def test_per_image_variants_and_mixtures(images: np.ndarray) -> None:
+    """Each image of a per-image variant is under its own level, and each image of a mixture
+    is exactly that image under one of the two conditions."""
+    uniform = condition_names()
+    mixed = condition_names(mixed=True)[len(uniform) :]
+    assert condition_names(mixed=True)[: len(uniform)] == uniform
+    assert len(mixed) == len(SHIFTS) + len(MIXTURES)
+    for condition in mixed:
+        out = shifted(images, condition, seed=0)
+        assert out.shape == images.shape and out.dtype == np.float32
+        assert out.min() >= 0.0 and out.max() <= 1.0
+        assert np.array_equal(out, shifted(images, condition, seed=0))
+        assert not np.array_equal(out, images)
+    ratio = shifted(images, "scale-h3", seed=0).sum(axis=(1, 2, 3)) / images.sum(axis=(1, 2, 3))
+    assert 0.05 <= ratio.min() < ratio.max() <= 1.0 and len(np.unique(ratio.round(6))) > 100
+    for a, b in MIXTURES:
+        out = shifted(images, f"{a}+{b}", seed=0)
+        from_a = (out == shifted(images, a, seed=0)).all(axis=(1, 2, 3))
+        from_b = (out == shifted(images, b, seed=0)).all(axis=(1, 2, 3))
+        assert (from_a | from_b).all() and 0.3 < from_b.mean() < 0.7

@@ -84,6 +84,7 @@ def test_unknown_estimator() -> None:
         "precise",
         "prior",
         "entropy",
+        "auto",
     }
 
 

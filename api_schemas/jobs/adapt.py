@@ -28,6 +28,8 @@ from api_schemas.jobs.params import (
 from api_schemas.models import Seed
 
 __all__ = [
+    "AUTO_HOLDOUT",
+    "AUTO_MAX_HOLDOUT",
     "ESTIMATORS",
     "ESTIMATOR_NAMES",
     "AdaptJobCreate",
@@ -36,6 +38,10 @@ __all__ = [
     "EstimatorSpec",
     "Pooling",
 ]
+
+# The fraction of the job's samples `auto` holds out of estimation unless the job says.
+AUTO_HOLDOUT: Final = 0.25
+AUTO_MAX_HOLDOUT: Final = 0.5
 
 # How the shards of a sharded job pool per-batch statistics: every element alike
 # ("elements") or every batch alike ("batches"); "prior_base" pools as the job's prior_base
@@ -58,6 +64,9 @@ class EstimatorSpec:
     sharding: Pooling | None
     sequential_reason: str = ""
     backward: bool = False
+    # The runner gets all the job's samples and holds out its share itself (split_target in
+    # workers/running/reporting.py); the others get the estimation samples only.
+    holds_out: bool = False
 
 
 ESTIMATORS: Final[dict[str, EstimatorSpec]] = {
@@ -101,6 +110,16 @@ ESTIMATORS: Final[dict[str, EstimatorSpec]] = {
         sequential_reason="each optimizer step starts from the parameters the previous one made",
         backward=True,
     ),
+    "auto": EstimatorSpec(
+        "chooses the source statistics, precise, prior at a few strengths or (allow_backward) "
+        "entropy by an unsupervised score on target samples held out from estimation",
+        "workers.estimators.auto:run",
+        resets=False,
+        sharding=None,
+        sequential_reason="it scores every candidate on held-out samples after estimating it, "
+        "and its choice needs all the estimation samples in one place",
+        holds_out=True,
+    ),
 }
 ESTIMATOR_NAMES: Final[tuple[str, ...]] = tuple(ESTIMATORS)
 
@@ -141,7 +160,16 @@ class AdaptParams(RequestModel):
 
     ``measure_batches`` bounds the measurement of labelled data before and after (the first
     that many batches of ``batch_size``); None: as many as ``max_batches``, all when that is
-    None too. The report's ``metrics_*.num_samples`` says how many samples were measured."""
+    None too. The report's ``metrics_*.num_samples`` says how many samples were measured.
+
+    ``auto`` (see workers/estimators/auto.py) holds ``holdout`` of the job's samples out of
+    estimation (default 1/4, drawn with ``seed``), estimates ``precise`` on the rest, scores the
+    source statistics, ``precise``, ``prior`` mixes of the two and, with ``allow_backward``,
+    ``entropy`` (with ``steps``, ``lr``, ``optimizer``) on the held-out samples, and keeps the
+    best; it may keep the source model unchanged. The other estimators hold nothing out by
+    default; with ``holdout > 0`` they estimate on the rest. Every adapt job's report gives
+    prediction diagnostics on the held-out samples (on the estimation samples when nothing is
+    held out)."""
 
     batch_size: BatchSize = 64
     max_batches: int | None = Field(default=None, ge=1)
@@ -164,6 +192,10 @@ class AdaptParams(RequestModel):
     device: Device = "auto"
     shards: int = Field(default=1, ge=1, le=MAX_SHARDS)
     layerwise: bool = False
+    # The fraction of the job's samples held out of estimation; None: 1/4 for auto, else 0.
+    holdout: float | None = Field(default=None, ge=0.0, le=AUTO_MAX_HOLDOUT, allow_inf_nan=False)
+    # auto: may try candidates that need backward passes (entropy).
+    allow_backward: bool = False
 
     def measured_samples(self, num_samples: int) -> int:
         """How many of the dataset's first samples the before/after measurement covers."""
@@ -211,6 +243,38 @@ class AdaptParams(RequestModel):
                 "current statistics"
             )
         return self
+
+    @model_validator(mode="after")
+    def _auto_options_fit(self) -> Self:
+        if self.allow_backward and self.estimator != "auto":
+            raise ValueError(
+                f"allow_backward is an option of the auto estimator, not of {self.estimator}; "
+                "use estimator 'auto', or drop allow_backward"
+            )
+        if self.estimator == "auto" and self.reset is not None:
+            raise ValueError(
+                "the auto estimator decides per candidate whether statistics start anew "
+                "(precise, prior) or from the source ones (entropy, the source itself); drop reset"
+            )
+        if self.estimator == "auto" and self.holdout == 0:
+            raise ValueError(
+                "the auto estimator chooses on samples held out of estimation, so holdout must "
+                f"be > 0; drop holdout (default {AUTO_HOLDOUT:g}) or use a fixed estimator"
+            )
+        if self.effective_holdout() > 0 and self.shards > 1:
+            raise ValueError(
+                f"holdout {self.effective_holdout():g} keeps samples out of estimation, but "
+                f"shards={self.shards} split all the job's batches among shards; use shards=1, "
+                "or holdout 0"
+            )
+        return self
+
+    def effective_holdout(self) -> float:
+        """The fraction of the job's samples held out of estimation: the job's ``holdout``,
+        else :data:`AUTO_HOLDOUT` for ``auto`` and 0 for the others."""
+        if self.holdout is not None:
+            return self.holdout
+        return AUTO_HOLDOUT if self.estimator == "auto" else 0.0
 
     def effective_reset(self) -> bool:
         """Whether the running statistics are cleared before the first batch: the job's

@@ -204,7 +204,12 @@ def cmd_datasets_delete(args: argparse.Namespace) -> int:
 
 
 def _print_evaluation(client: Client, job: JobPublic) -> None:
-    """For a succeeded evaluate job, its metrics in one line on stderr (stdout stays JSON)."""
+    """For a succeeded evaluate job, its metrics in one line on stderr (stdout stays JSON); for
+    an adapt job, its prediction diagnostics and the auto estimator's choice."""
+    if job.kind == "adapt" and job.status is JobStatus.SUCCEEDED:
+        for line in client.report(job.id).summary_lines():
+            print(line, file=sys.stderr)
+        return
     if job.kind != "evaluate" or job.status is not JobStatus.SUCCEEDED:
         return
     metrics = client.report(job.id).metrics_before

@@ -3,7 +3,8 @@
 Starts everything (``bnadapt up``'s stack), trains the digits CNN through the service, uploads a
 shifted copy of the held-out digits (contrast halved, brightness raised), BN-adapts the trained
 model to it, downloads the adapted weights, and prints accuracy before and after with the
-report's summary. bench/quality_bench.py reuses its data split and training.
+report's summary, then lets the ``auto`` estimator choose for the clean and the shifted digits
+and prints its candidates and choice. bench/quality_bench.py reuses its data split and training.
 """
 
 from __future__ import annotations
@@ -135,6 +136,14 @@ def run_demo(data_dir: Path, port: int) -> int:
         params = {"estimator": "cumulative", "batch_size": 64}
         on_clean = _succeeded(client, client.submit("adapt", source_id, clean_set.id, params))
         adapted = _succeeded(client, client.submit("adapt", source_id, shifted_set.id, params))
+        print("   and let the auto estimator choose for both, without labels")
+        auto_params = {"estimator": "auto", "batch_size": 64}
+        auto_clean = _succeeded(
+            client, client.submit("adapt", source_id, clean_set.id, auto_params)
+        )
+        auto_shifted = _succeeded(
+            client, client.submit("adapt", source_id, shifted_set.id, auto_params)
+        )
         weights = client.download_weights(new_model_id(adapted), work / "adapted.safetensors")
         report = client.report(adapted.id)
         (work / "adapt-report.json").write_text(report.model_dump_json(indent=2))
@@ -148,4 +157,12 @@ def run_demo(data_dir: Path, port: int) -> int:
         print(f"   report:          {work / 'adapt-report.json'}\n")
         for line in report_summary(report):
             print(f"   {line}")
+        for name, job in (("clean", auto_clean), ("shifted", auto_shifted)):
+            auto_report = client.report(job.id)
+            print(
+                f"\n   auto on the {name} digits: accuracy {_accuracy(auto_report, 'before'):.3f}"
+                f" -> {_accuracy(auto_report, 'after'):.3f}"
+            )
+            for line in auto_report.summary_lines():
+                print(f"   {line}")
     return 0 if all(layer.consistent for layer in report.batchnorm) else 1

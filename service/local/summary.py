@@ -52,4 +52,4 @@ def report_summary(report: Report) -> list[str]:
         consistent = all(layer.consistent for layer in report.batchnorm)
         lines.append(f"statistics consistent with the batches run: {'yes' if consistent else 'NO'}")
     lines.append(f"compute {report.timings.compute_s:.2f} s on {report.device}")
-    return lines
+    return lines + report.summary_lines()  # prediction diagnostics, auto's candidates

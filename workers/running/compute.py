@@ -29,6 +29,7 @@ from api_schemas.reports import (
     BatchNormChange,
     EpochLog,
     Metrics,
+    PredictionDiagnostics,
     Report,
     TensorChange,
     Timings,
@@ -36,6 +37,7 @@ from api_schemas.reports import (
 from service.formats.arrays import open_arrays
 from service.store.base import Store
 from workers.errors import AdaptError, ArchitectureError, DataError, WorkerError
+from workers.estimators.auto import AutoStats
 from workers.estimators.dispatch import Estimate, run_estimator
 from workers.estimators.running import select_batchnorm
 from workers.models.architectures import (
@@ -52,7 +54,17 @@ from workers.running.data import Data, Samples, labels_tensor, num_batches
 from workers.running.evaluation import Metrics as EvalMetrics
 from workers.running.evaluation import evaluate_sums, loss_for
 from workers.running.hooks import JobHooks, NoHooks
-from workers.running.reporting import batchnorm_changes, state_snapshot, tensor_changes
+from workers.running.reporting import (
+    MAX_DIAGNOSTIC_SAMPLES,
+    PredictionSums,
+    TargetSplit,
+    batchnorm_changes,
+    diagnostics,
+    predict,
+    split_target,
+    state_snapshot,
+    tensor_changes,
+)
 from workers.running.training import train_model
 
 __all__ = [
@@ -204,13 +216,19 @@ def compute(
     epochs: list[EpochLog] = []
     adapted: list[str] = []
     reset = False
+    target: _Target | None = None
+    auto = None
     if isinstance(params, AdaptParams):
         adapted = select_batchnorm(model, params.include, params.exclude)
         reset = params.effective_reset()
-        run = estimate or functools.partial(run_estimator, x=x, reset=reset, device=device)
-        with one_sample_batch_explained(len(x), params.batch_size, params.max_batches):
+        target = _target_before(model, x, params, device, measure)
+        given = x if params.spec.holds_out else target.split.estimation
+        run = estimate or functools.partial(run_estimator, x=given, reset=reset, device=device)
+        with one_sample_batch_explained(len(given), params.batch_size, params.max_batches):
             stats = run(model, params, adapted, hooks)
         _check_statistics_finite(model, adapted)
+        if isinstance(stats, AutoStats):  # whether statistics started anew depends on its choice
+            reset, auto = stats.reset, stats.choice
         # `batches` is what each adapted layer ran in train mode (entropy: one per step), so
         # num_batches_tracked_after == (0 if reset else before) + batches in the report.
         batches, samples, estimator = stats.batches, stats.samples, params.estimator
@@ -249,6 +267,7 @@ def compute(
         _check_statistics_finite(model, adapted, adapting=False)
     computed = time.perf_counter()
     metrics_after = measure_on_all("evaluate after")
+    found_diagnostics = None if target is None else _target_after(model, target, device)
     after = state_snapshot(model)
     report = Report(
         job_id=payload.job_id,
@@ -274,6 +293,8 @@ def compute(
         metrics_before=contract_metrics(metrics_before),
         metrics_after=contract_metrics(metrics_after),
         epochs=epochs,
+        diagnostics=found_diagnostics,
+        auto=auto,
     )
     kwargs = resolve_kwargs(payload.model.architecture, payload.model.kwargs)
     return JobOutcome(
@@ -283,6 +304,42 @@ def compute(
         batchnorm_layers=batchnorm_layers(model),
         input_shape=list(arch.input_shape(kwargs)),
     )
+
+
+@dataclass(frozen=True)
+class _Target:
+    """An adapt job's samples split by its holdout, and the input model's predictions on the
+    diagnostics' samples (None: not measured)."""
+
+    split: TargetSplit
+    batch_size: int
+    before: PredictionSums | None
+
+
+def _target_before(
+    model: nn.Module, x: Data, params: AdaptParams, device: torch.device, measure: bool
+) -> _Target:
+    """NOTE [ Held-out target samples ] (workers/running/reporting.py): the split, and the
+    predictions before estimation when the job ``measure``s."""
+    split = split_target(
+        x, params.batch_size, params.max_batches, params.effective_holdout(), params.seed
+    )
+    before = None
+    if measure:
+        sample = split.held_out[:MAX_DIAGNOSTIC_SAMPLES]
+        before = predict(model, sample, batch_size=params.batch_size, device=device)
+    return _Target(split, params.batch_size, before)
+
+
+def _target_after(
+    model: nn.Module, target: _Target, device: torch.device
+) -> PredictionDiagnostics | None:
+    """The report's diagnostics: the output model's predictions on the same samples."""
+    if target.before is None:
+        return None
+    sample = target.split.held_out[:MAX_DIAGNOSTIC_SAMPLES]
+    after = predict(model, sample, batch_size=target.batch_size, device=device)
+    return diagnostics(target.before, after, target.split.is_held_out)
 
 
 def compute_evaluation(payload: JobPayload, store: Store, hooks: JobHooks | None = None) -> Report:

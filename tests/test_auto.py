@@ -1,0 +1,266 @@
+"""The ``auto`` estimator and the prediction diagnostics of every adapt job: the candidates and
+the choice are reported, the choice follows the rule of NOTE [ Choosing without labels ], the
+kept candidate is bitwise what the fixed estimator gives on the same estimation samples, auto on
+the source's own distribution keeps the source, and the whole path runs through the service."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from api_schemas import AdaptParams, JobPayload
+from api_schemas.reports import Report
+from service.local.demo import digits_split
+from service.store.local import LocalStore
+from tests.stack import Stack, npz_bytes, running_stack
+from workers.estimators.auto import SOURCE_WEIGHTS
+from workers.models.architectures import build_model
+from workers.running.compute import JobOutcome, compute, weights_bytes
+from workers.running.reporting import split_target
+from workers.running.training import train_model
+
+TRAIN_EPOCHS = 6
+
+
+@pytest.fixture(scope="module")
+def digits() -> dict[str, Any]:
+    """The demo's digits split and the digits CNN trained on it in-process (a few seconds)."""
+    split = digits_split()
+    torch.manual_seed(0)
+    model = build_model("digits_cnn", {})
+    train_model(
+        model,
+        torch.from_numpy(split.x_train),
+        torch.from_numpy(split.y_train),
+        epochs=TRAIN_EPOCHS,
+        batch_size=32,
+        optimizer="sgd",
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=0.0,
+        loss="cross_entropy",
+        validation_fraction=0.0,
+        seed=0,
+        device=torch.device("cpu"),
+    )
+    return {"split": split, "weights": weights_bytes(model.state_dict())}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "store")
+
+
+def run_adapt(
+    store: LocalStore, digits: dict[str, Any], x: np.ndarray, **params: Any
+) -> JobOutcome:
+    weights = store.put_bytes(digits["weights"])
+    dataset = store.put_bytes(npz_bytes(x=x, y=digits["split"].y_test))
+    payload = JobPayload.model_validate(
+        {
+            "job_id": "job_x",
+            "tenant_id": "tn_1",
+            "kind": "adapt",
+            "model": {
+                "id": "mdl_a",
+                "architecture": "digits_cnn",
+                "kwargs": {},
+                "weights_sha256": weights,
+            },
+            "dataset": {"id": "ds_b", "sha256": dataset, "format": "npz"},
+            "params": {"batch_size": 64, "device": "cpu", **params},
+        }
+    )
+    return compute(payload, store)
+
+
+def accuracy(report: Report, when: str) -> float:
+    metrics = report.metrics_before if when == "before" else report.metrics_after
+    assert metrics is not None and metrics.accuracy is not None
+    return metrics.accuracy
+
+
+def assert_rule_holds(report: Report) -> None:
+    """The kept candidate is the highest-scoring eligible one (the source always eligible;
+    ties to the earlier), eligible meaning a lower held-out mean entropy than the source."""
+    auto = report.auto
+    assert auto is not None
+    source = auto.candidates[0]
+    assert source.name == "source" and source.eligible and source.changed_fraction == 0
+    for candidate in auto.candidates[1:]:
+        below = candidate.predictions.mean_entropy < source.predictions.mean_entropy
+        assert candidate.eligible == below
+    scores = [c.score if c.eligible else -np.inf for c in auto.candidates]
+    assert auto.chosen_index == int(np.argmax(scores))
+    assert auto.chosen == auto.candidates[auto.chosen_index].name
+    assert auto.kept_source == (auto.chosen_index == 0)
+
+
+def test_auto_options_are_checked() -> None:
+    assert AdaptParams(estimator="auto").effective_holdout() == 0.25
+    assert AdaptParams(estimator="precise").effective_holdout() == 0.0
+    for bad, match in [
+        ({"estimator": "auto", "shards": 2}, "held-out samples after estimating"),
+        ({"estimator": "auto", "reset": True}, "drop reset"),
+        ({"estimator": "auto", "holdout": 0}, "holdout must be > 0"),
+        ({"estimator": "precise", "allow_backward": True}, "option of the auto estimator"),
+        ({"estimator": "precise", "holdout": 0.25, "shards": 2}, "use shards=1, or holdout 0"),
+        ({"estimator": "auto", "holdout": 0.6}, "less than or equal to 0.5"),
+    ]:
+        with pytest.raises(ValidationError, match=match):
+            AdaptParams.model_validate(bad)
+
+
+def test_split_is_seeded_disjoint_and_in_order() -> None:
+    x = torch.arange(100.0)[:, None]  # (100, 1)
+    split = split_target(x, batch_size=16, max_batches=5, fraction=0.25, seed=3)
+    est, held = split.estimation[:, 0], split.held_out[:, 0]
+    assert len(held) == 20 and len(est) == 60  # of the 80 samples 5 batches of 16 use
+    assert torch.equal(torch.cat([est, held]).sort().values, torch.arange(80.0))
+    assert torch.equal(est, est.sort().values) and torch.equal(held, held.sort().values)
+    again = split_target(x, batch_size=16, max_batches=5, fraction=0.25, seed=3)
+    assert torch.equal(again.held_out, split.held_out)
+    other = split_target(x, batch_size=16, max_batches=5, fraction=0.25, seed=4)
+    assert not torch.equal(other.held_out, split.held_out)
+    whole = split_target(x, batch_size=16, max_batches=None, fraction=0.0, seed=3)
+    assert whole.estimation is x and not whole.is_held_out and len(whole.held_out) == 100
+
+
+def test_auto_on_the_source_distribution_keeps_the_source(
+    store: LocalStore, digits: dict[str, Any]
+) -> None:
+    """Clean test digits come from the training distribution: auto keeps the source
+    statistics (or a candidate that changes no held-out prediction), and accuracy moves by at
+    most 0.2 point."""
+    outcome = run_adapt(store, digits, digits["split"].x_test, estimator="auto")
+    report = outcome.report
+    assert report.auto is not None
+    assert_rule_holds(report)
+    kept = report.auto.candidates[report.auto.chosen_index]
+    assert report.auto.kept_source or kept.changed_fraction == 0.0
+    assert abs(accuracy(report, "after") - accuracy(report, "before")) <= 0.002
+    if report.auto.kept_source:
+        assert not any(t.changed for t in report.tensors)
+        assert report.batches == 0
+    assert all(layer.consistent for layer in report.batchnorm)
+
+
+def test_auto_adapts_a_global_shift_and_equals_the_fixed_estimator(
+    store: LocalStore, digits: dict[str, Any]
+) -> None:
+    """On faint digits (x * 0.05) auto adapts; it is deterministic; the kept candidate is
+    bitwise the fixed estimator on the same estimation samples (the same holdout and seed);
+    the report lists the candidates and the diagnostics on the held-out samples."""
+    x = (digits["split"].x_test * 0.05).astype(np.float32)
+    outcome = run_adapt(store, digits, x, estimator="auto", seed=5)
+    report = outcome.report
+    auto = report.auto
+    assert auto is not None
+    assert_rule_holds(report)
+    assert [c.name for c in auto.candidates] == ["source", "precise", *["prior"] * 3]
+    assert [c.source_weight for c in auto.candidates[2:]] == list(SOURCE_WEIGHTS)
+    assert auto.held_out_samples == round(0.25 * len(x))
+    assert auto.estimation_samples == len(x) - auto.held_out_samples
+    assert not auto.kept_source
+    assert accuracy(report, "after") > accuracy(report, "before") + 0.5
+    assert all(layer.consistent for layer in report.batchnorm)
+    found = report.diagnostics
+    assert found is not None and found.held_out and found.samples == auto.held_out_samples
+    kept = auto.candidates[auto.chosen_index]
+    assert found.after == kept.predictions
+    assert found.before == auto.candidates[0].predictions
+    assert found.changed_fraction == kept.changed_fraction
+    assert found.after.mean_entropy < found.before.mean_entropy
+
+    again = run_adapt(store, digits, x, estimator="auto", seed=5)
+    assert again.report.auto == auto
+    assert all(torch.equal(v, again.state_dict[k]) for k, v in outcome.state_dict.items())
+
+    fixed: dict[str, Any] = {"estimator": kept.name, "holdout": 0.25, "seed": 5}
+    if kept.name == "prior":
+        fixed |= {"prior_strength": kept.prior_strength, "prior_base": "precise"}
+    same = run_adapt(store, digits, x, **fixed)
+    assert same.report.samples == auto.estimation_samples
+    assert all(torch.equal(v, same.state_dict[k]) for k, v in outcome.state_dict.items())
+    assert same.report.diagnostics == found
+
+
+def test_allow_backward_adds_entropy(store: LocalStore, digits: dict[str, Any]) -> None:
+    x = (digits["split"].x_test * 0.4).astype(np.float32)
+    outcome = run_adapt(store, digits, x, estimator="auto", allow_backward=True, steps=8, lr=1e-3)
+    auto = outcome.report.auto
+    assert auto is not None
+    assert [c.name for c in auto.candidates][-1] == "entropy"
+    assert_rule_holds(outcome.report)
+    assert all(layer.consistent for layer in outcome.report.batchnorm)
+
+
+@pytest.mark.parametrize("holdout", [None, 0.25])
+def test_fixed_estimators_report_diagnostics(
+    store: LocalStore, digits: dict[str, Any], holdout: float | None
+) -> None:
+    """Without a holdout the diagnostics use the samples the estimator used (all of them,
+    which it still sees, so its result is as before); with one, the held-out samples."""
+    x = (digits["split"].x_test * 0.4 + 0.1).astype(np.float32)
+    outcome = run_adapt(store, digits, x, estimator="precise", holdout=holdout)
+    found = outcome.report.diagnostics
+    assert found is not None and outcome.report.auto is None
+    if holdout is None:
+        assert not found.held_out and found.samples == len(x)
+        assert outcome.report.samples == len(x)
+    else:
+        assert found.held_out and found.samples == round(0.25 * len(x))
+        assert outcome.report.samples == len(x) - found.samples
+    assert 0.0 < found.changed_fraction <= 1.0
+    assert found.after.mean_max_probability > found.before.mean_max_probability
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("stack"), {"BNADAPT_WORKER_THREADS": "1"}) as s:
+        yield s
+
+
+def test_auto_through_the_service(stack: Stack, digits: dict[str, Any]) -> None:
+    client = stack.client("tn_auto")
+    model = client.add_model("digits_cnn", weights=digits["weights"]).json()
+    x = (digits["split"].x_test * 0.2).astype(np.float32)
+    dataset = client.add_dataset(npz_bytes(x=x, y=digits["split"].y_test)).json()
+    body = {
+        "kind": "adapt",
+        "model_id": model["id"],
+        "dataset_id": dataset["id"],
+        "params": {"estimator": "auto", "batch_size": 64},
+    }
+    job = client.wait(client.submit(body).json()["id"])
+    assert job["status"] == "succeeded", job
+    report = Report.model_validate(client.http.get(f"/v1/jobs/{job['id']}/report").json())
+    assert report.estimator == "auto" and report.auto is not None
+    assert_rule_holds(report)
+    assert report.diagnostics is not None and report.diagnostics.held_out
+    lines = report.summary_lines()
+    assert any("<- kept" in line for line in lines)
+    assert lines[-1] in ("auto kept the source model unchanged", f"auto chose {report.auto.chosen}")
+    json.dumps(report.model_dump(mode="json"))  # plain JSON all the way
+
+    # `bnadapt jobs show` prints the same summary on stderr (stdout stays the job's JSON).
+    key = client.http.headers["Authorization"].removeprefix("Bearer ")
+    argv = ["--url", stack.url, "--key", key, "jobs", "show", job["id"]]
+    shown = subprocess.run(
+        [sys.executable, "-m", "service.local.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(shown.stdout)["id"] == job["id"]
+    assert shown.stderr.splitlines() == lines

@@ -1,0 +1,259 @@
+"""The ``auto`` estimator: adaptation that should never hurt, chosen without labels.
+
+BatchNorm adaptation is a bet. On a shift shared by every image it recovers most of the
+accuracy; on a shift that differs image to image, or one the source model already copes with,
+pooled target statistics can cost accuracy, and a user has no labels to tell which case is
+theirs. ``auto`` holds some target samples out (NOTE [ Held-out target samples ] in
+workers/running/reporting.py), estimates candidates on the rest, scores each on the held-out
+samples by the rule of NOTE [ Choosing without labels ], and keeps the best, which may be the
+source model unchanged. The report says which candidates were tried, their scores and the
+choice (``Report.auto``).
+
+Candidates, in order (ties go to the earlier one):
+
+- ``source``: the input statistics, unchanged;
+- ``precise``: pooled target statistics (workers/estimators/precise.py), collected once;
+- ``prior`` with the source's share :data:`SOURCE_WEIGHTS` of the statistics: the same
+  computation as the ``prior`` estimator over ``precise`` with ``prior_strength = w / (1 - w)
+  * n`` for ``n`` estimation samples (no further pass: the collected statistics are mixed);
+- ``entropy`` (TENT with the job's ``steps``, ``lr`` and ``optimizer``, from the source
+  statistics), only when the job sets ``allow_backward``: it needs backward passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from api_schemas.reports import AutoCandidate, AutoChoice
+from workers.errors import AdaptError
+from workers.estimators.entropy import entropy_adapt
+from workers.estimators.precise import apply_statistics, collect_statistics
+from workers.estimators.prior import mix_with_source
+from workers.estimators.running import AdaptStats, check_stop, resolve_batchnorm
+from workers.running.data import iter_batches, num_batches
+from workers.running.reporting import PredictionSums, predict, split_target
+
+if TYPE_CHECKING:
+    from workers.estimators.dispatch import EstimatorTask
+
+__all__ = ["CRITERION", "SOURCE_WEIGHTS", "AutoStats", "run"]
+
+# The source's share of the statistics in the `prior` candidates.
+SOURCE_WEIGHTS: Final = (0.75, 0.5, 0.25)
+CRITERION: Final = (
+    "among the source and the candidates with a lower mean entropy than the source, the "
+    "highest marginal entropy minus mean entropy"
+)
+
+# NOTE [ Choosing without labels ]
+#
+# The rule: a candidate is eligible when its mean prediction entropy on the held-out samples
+# is below the source model's; among the source and the eligible candidates, the one with the
+# highest information score, H(mean softmax) - mean H(softmax), wins (ties: the earlier one,
+# the source first). Measured on the quality benchmark's digits (27 conditions: uniform,
+# per-image and mixed shifts, and clean; n = 16 to 597 target samples, 1/4 held out), against
+# the rules one might try first:
+#
+# - lowest mean entropy alone never lost more than 0.5 point against the source, but when
+#   entropy (TENT) is a candidate it picks it on inverted digits (3.5% -> 0.2%): TENT lowers
+#   the very quantity the rule reads, and an inverted digit is confidently misread;
+# - highest mean max-probability: as entropy, and it lost 1.0 point on inversion even without
+#   TENT (a prior mix looked more confident);
+# - highest information score alone: best mean gain, but with 16 samples (4 held out) it
+#   picked precise on inversion (-3.2 points): with few samples the marginal entropy is noisy;
+# - the rule above: lost nothing at any n, with mean gains within 1% of the best candidate from
+#   256 samples up (0.85 of it at 16), with and without TENT.
+#
+# Why it works: adaptation that fits the target makes held-out predictions more certain
+# (entropy falls); adaptation that fails by collapsing many images onto a few confident
+# classes (a semantic shift such as inversion, or statistics pooled over images that need
+# different ones) lowers the marginal entropy more than the mean entropy, and the score
+# falls. Its blind spot: a target whose true classes are far from balanced, where spreading
+# predictions is not a virtue; the source stays eligible, so the harm is bounded by picking
+# a candidate that also lowered the entropy.
+
+
+@dataclass(frozen=True)
+class AutoStats(AdaptStats):
+    """The kept candidate's :class:`AdaptStats` (``batches`` it ran in train mode: 0 for the
+    source), whether its statistics started anew (``reset``), and the report's choice."""
+
+    reset: bool
+    choice: AutoChoice
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    name: str
+    state: list[dict[str, torch.Tensor]]  # per selected layer: its buffers and parameters
+    stats: AdaptStats
+    reset: bool
+    source_weight: float | None = None
+    prior_strength: float | None = None
+
+
+def _layer_state(layers: list[_BatchNorm]) -> list[dict[str, torch.Tensor]]:
+    """Copies of the layers' buffers and affine parameters."""
+    state = []
+    for bn in layers:
+        tensors = {k: v.detach().clone() for k, v in bn._buffers.items() if v is not None}
+        tensors |= {k: v.detach().clone() for k, v in bn._parameters.items() if v is not None}
+        state.append(tensors)
+    return state
+
+
+def _load_layer_state(layers: list[_BatchNorm], state: list[dict[str, torch.Tensor]]) -> None:
+    """Writes :func:`_layer_state`'s copies back into the same tensors."""
+    with torch.no_grad():
+        for bn, tensors in zip(layers, state, strict=True):
+            for key, value in tensors.items():
+                target = bn._buffers.get(key)
+                if target is None:
+                    target = bn._parameters[key]
+                assert target is not None
+                target.copy_(value)
+
+
+def run(task: EstimatorTask) -> AutoStats:
+    """The ``auto`` row of the estimator table; see the module docstring."""
+    params = task.params
+    model, layers, hooks = task.model, task.layers, task.hooks
+    split = split_target(
+        task.x, params.batch_size, params.max_batches, params.effective_holdout(), params.seed
+    )
+    estimation, held_out = split.estimation, split.held_out  # (N_e, ...), (N_h, ...) CPU
+    selected = resolve_batchnorm(model, layers)
+    views = list(iter_batches(estimation, params.batch_size))  # the estimation batches, (B, ...)
+    samples = len(estimation)
+    steps = (params.steps or len(views)) if params.allow_backward else 0
+    scored = 2 + len(SOURCE_WEIGHTS) + (1 if params.allow_backward else 0)
+    held_batches = num_batches(len(held_out), params.batch_size)
+    task.start(len(views) + steps + scored * held_batches)
+    done = 0
+
+    def advance(count: int) -> None:
+        nonlocal done
+        done += count
+        hooks.report(done)
+
+    def score() -> PredictionSums:
+        found = predict(
+            model,
+            held_out,
+            batch_size=params.batch_size,
+            device=task.device,
+            should_stop=hooks.should_stop,
+        )
+        if found is None:
+            raise AdaptError(
+                "the auto estimator scores candidates by their class predictions, but the "
+                "model's output is not class logits (B, num_classes >= 2); use a fixed "
+                "estimator such as 'precise'"
+            )
+        advance(held_batches)
+        return found
+
+    source_state = _layer_state(selected)
+    candidates = [_Candidate("source", source_state, AdaptStats(0, 0), reset=False)]
+    predictions = [score()]
+
+    # precise, once; the prior candidates mix its statistics with the source ones.
+    check_stop(hooks.should_stop, done)
+    base = done
+    collected = collect_statistics(
+        model,
+        (view.to(task.device) for view in views),
+        layers=layers,
+        progress=lambda n: hooks.report(base + n),
+        should_stop=hooks.should_stop,
+    )
+    done += len(views)
+    precise_stats = AdaptStats(batches=len(views), samples=samples)
+
+    def apply_precise() -> AdaptStats:
+        apply_statistics(model, collected, layers)
+        return precise_stats
+
+    apply_precise()
+    candidates.append(_Candidate("precise", _layer_state(selected), precise_stats, reset=True))
+    predictions.append(score())
+    for weight in SOURCE_WEIGHTS:
+        check_stop(hooks.should_stop, done)
+        strength = weight / (1.0 - weight) * samples
+        _load_layer_state(selected, source_state)
+        mix_with_source(model, layers, strength, apply_precise)
+        candidates.append(
+            _Candidate(
+                "prior",
+                _layer_state(selected),
+                precise_stats,
+                reset=True,
+                source_weight=weight,
+                prior_strength=strength,
+            )
+        )
+        predictions.append(score())
+    if params.allow_backward:
+        check_stop(hooks.should_stop, done)
+        _load_layer_state(selected, source_state)
+        base = done
+        tent = entropy_adapt(
+            model,
+            views,
+            layers=layers,
+            lr=params.lr,
+            steps=steps,
+            optimizer=params.optimizer,
+            reset=False,
+            progress=lambda n: hooks.report(base + n),
+            should_stop=hooks.should_stop,
+        )
+        done += steps
+        candidates.append(_Candidate("entropy", _layer_state(selected), tent, reset=False))
+        predictions.append(score())
+
+    chosen, table = _choose(candidates, predictions)
+    kept = candidates[chosen]
+    _load_layer_state(selected, kept.state)
+    choice = AutoChoice(
+        criterion=CRITERION,
+        estimation_samples=samples,
+        held_out_samples=len(held_out),
+        candidates=table,
+        chosen=kept.name,
+        chosen_index=chosen,
+        kept_source=chosen == 0,
+    )
+    return AutoStats(kept.stats.batches, kept.stats.samples, reset=kept.reset, choice=choice)
+
+
+def _choose(
+    candidates: list[_Candidate], predictions: list[PredictionSums]
+) -> tuple[int, list[AutoCandidate]]:
+    """The index of the kept candidate by NOTE [ Choosing without labels ], and the table."""
+    source = predictions[0]
+    source_entropy = source.predictions().mean_entropy
+    table = []
+    best, best_score = 0, source.information()
+    for index, (candidate, found) in enumerate(zip(candidates, predictions, strict=True)):
+        summary = found.predictions()
+        eligible = index == 0 or summary.mean_entropy < source_entropy
+        information = found.information()
+        if eligible and information > best_score:
+            best, best_score = index, information
+        table.append(
+            AutoCandidate(
+                name=candidate.name,
+                prior_strength=candidate.prior_strength,
+                source_weight=candidate.source_weight,
+                predictions=summary,
+                score=information,
+                eligible=eligible,
+                changed_fraction=source.changed_fraction(found),
+            )
+        )
+    return best, table
