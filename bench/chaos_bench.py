@@ -2,7 +2,7 @@
 
 The whole service (Redis-compatible server, API, one worker with one torch thread) runs
 ``--rounds`` train jobs one after another; each gets one real fault while it trains
-(tests/chaos.py: ``job-kill``, ``machine-lost``, ``redis-outage`` of 3 s), and must end
+(tests/e2e/chaos.py: ``job-kill``, ``machine-lost``, ``redis-outage`` of 3 s), and must end
 succeeded with exactly one model. Reported per fault: rounds, outcomes, attempts used, and
 the seconds from the fault to the terminal status (median, max). The heartbeat timeout is
 the test stack's 4 s, so ``machine-lost`` shows the sweep's bound plus the retry's backoff
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.chaos import FAULTS, run_chaos
+from tests.e2e.chaos import FAULTS, run_chaos
 from tests.stack import running_stack
 
 

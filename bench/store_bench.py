@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service.records.connection import redis_client
 from service.store.cache import ObjectCache
 from service.store.s3 import S3Store
+from tests.e2e.test_e2e import digits_npz
 from tests.servers import S3Server, new_redis_server, new_s3_server
 from tests.stack import Client, running_stack
-from tests.test_e2e import digits_npz
 
 MIB = 1024 * 1024
 

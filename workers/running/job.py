@@ -41,7 +41,7 @@ _LOST_REDIS: Final = (
     "stopped; check that Redis runs and is reachable from the workers"
 )
 # Fault injection, for tests only: seconds a job's process waits between RQ's fork and marking
-# the job running, so that a test can kill it in that window (tests/test_reliability.py).
+# the job running, so that a test can kill it in that window (tests/e2e/test_reliability.py).
 FAULT_START_DELAY_ENV: Final = "BNADAPT_FAULT_START_DELAY_S"
 
 

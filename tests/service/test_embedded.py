@@ -236,7 +236,7 @@ def test_lock_outlives_the_process_that_started_the_server(tmp_path: Path) -> No
         text=True,
         check=True,
         timeout=30,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
     )
     orphan_pid = int(parent.stdout)
     try:

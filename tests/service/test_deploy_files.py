@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 S3_COMPOSE_FILE = ROOT / "docker-compose.s3.yml"
 DOCKERFILE = ROOT / "Dockerfile"

@@ -12,9 +12,9 @@ import pytest
 
 from api_schemas import JobStatus
 from service.local.embedded import RedisServer
+from tests.e2e.test_e2e import created, digits_npz, long_train
 from tests.servers import wait_for
 from tests.stack import Client, Stack, running_stack
-from tests.test_e2e import created, digits_npz, long_train
 
 pytestmark = pytest.mark.slow
 

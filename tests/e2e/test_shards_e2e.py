@@ -15,10 +15,10 @@ import torch
 
 from service.records import keys
 from service.records.shards import FINISH, MERGE, ChildState, ShardRecords
+from tests.e2e.test_e2e import created, digits, digits_npz
 from tests.servers import stop_process, wait_for
 from tests.stack import Client, Stack, npz_bytes, running_stack
-from tests.test_e2e import created, digits, digits_npz
-from tests.test_shards import assert_same_adaptation
+from tests.workers.test_shards import assert_same_adaptation
 
 pytestmark = pytest.mark.slow
 

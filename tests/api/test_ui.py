@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.test_e2e import created, digits_npz
 from tests.servers import wait_for
 from tests.stack import REPO, Stack, running_stack
-from tests.test_e2e import created, digits_npz
 
 pytestmark = pytest.mark.slow
 

@@ -39,7 +39,7 @@ def test_no_torch_import() -> None:
         "import sys, service.formats.arrays, service.store.local, service.errors\n"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 
 def test_npz_with_class_labels(tmp_path: Path) -> None:

@@ -23,9 +23,9 @@ from service.client import Client as ApiClient
 from service.local.cli import _parser
 from service.records import keys
 from service.upkeep.retention import delete_expired_jobs
+from tests.e2e.test_e2e import created, digits_npz, long_train, problem
 from tests.servers import wait_for
 from tests.stack import REPO, Client, Stack, npz_bytes, running_stack
-from tests.test_e2e import created, digits_npz, long_train, problem
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
-from tests.checkpoint_harness import assert_same, check_equivalent, run
+from tests.checkpoint.checkpoint_harness import assert_same, check_equivalent, run
 from workers.checkpoint import (
     CheckpointWrapper,
     apply_checkpointing,

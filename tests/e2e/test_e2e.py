@@ -411,4 +411,4 @@ def test_service_does_not_import_torch() -> None:
         "service.api.app.create_app(); "
         "assert 'torch' not in sys.modules and 'workers' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

@@ -29,7 +29,7 @@ from service.settings import Settings
 from service.store.local import LocalStore
 from service.upkeep.reaper import enqueue_ready_children, reap_stale_jobs
 from tests.stack import npz_bytes
-from tests.test_shards import adapt_payload
+from tests.workers.test_shards import adapt_payload
 from workers.running.runtime import JobRuntime
 from workers.sharding.jobs import start_shards
 

@@ -19,7 +19,7 @@ from service.settings import Settings
 from service.store.local import LocalStore
 from service.upkeep.reaper import reap_lost_queued_jobs
 from tests.stack import npz_bytes
-from tests.test_shards import adapt_payload
+from tests.workers.test_shards import adapt_payload
 
 TENANT = "tn_attempts"
 

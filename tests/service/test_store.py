@@ -93,7 +93,7 @@ def test_crashed_writer_leaves_only_a_temp_file(store: LocalStore) -> None:
         "    w.write(b'partial'); os._exit(3)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code, str(store.root)], cwd=Path(__file__).parents[1], check=False
+        [sys.executable, "-c", code, str(store.root)], cwd=Path(__file__).parents[2], check=False
     )
     assert result.returncode == 3
     leftovers = files_under(store.root)

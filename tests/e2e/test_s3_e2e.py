@@ -18,9 +18,9 @@ import pytest
 from rq import Queue
 
 from service.records import keys
+from tests.e2e.test_e2e import created, digits_npz, long_train
 from tests.servers import S3Server, wait_for
 from tests.stack import Client, Stack, running_stack
-from tests.test_e2e import created, digits_npz, long_train
 
 pytestmark = pytest.mark.slow
 

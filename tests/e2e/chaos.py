@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from service.local.embedded import RedisServer
+from tests.e2e.test_e2e import created, digits_npz
 from tests.servers import wait_for
 from tests.stack import Client, Stack
-from tests.test_e2e import created, digits_npz
 
 __all__ = ["FAULTS", "ChaosTally", "run_chaos"]
 

@@ -11,8 +11,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from tests.e2e.test_e2e import created, digits_npz, problem, weights_of
 from tests.stack import Client, Stack, npz_bytes, running_stack
-from tests.test_e2e import created, digits_npz, problem, weights_of
 
 pytestmark = pytest.mark.slow
 

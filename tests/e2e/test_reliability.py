@@ -20,9 +20,9 @@ from service.api.routes.jobs import _body_sha256
 from service.local.embedded import RedisServer, free_port
 from service.local.up import api_command
 from service.records.connection import redis_client
+from tests.e2e.test_e2e import created, digits_npz, problem
 from tests.servers import stop_process, wait_for
 from tests.stack import REPO, Client, Stack, running_stack
-from tests.test_e2e import created, digits_npz, problem
 
 pytestmark = pytest.mark.slow
 

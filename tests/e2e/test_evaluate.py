@@ -27,8 +27,8 @@ from service.client import new_model_id
 from service.errors import BnadaptError
 from service.local.cli import main as cli_main
 from service.store.local import LocalStore
+from tests.e2e.test_e2e import created, digits, digits_npz, problem
 from tests.stack import Client, Stack, job_payload, npz_bytes, running_stack
-from tests.test_e2e import created, digits, digits_npz, problem
 from workers.models.architectures import build_model
 from workers.running.compute import compute_evaluation
 from workers.running.evaluation import evaluate_sums

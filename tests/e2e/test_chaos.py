@@ -1,4 +1,4 @@
-"""Chaos, small N: rounds of real faults (tests/chaos.py) against one stack; every job ends
+"""Chaos, small N: rounds of real faults (tests/e2e/chaos.py) against one stack; every job ends
 succeeded with exactly one model. ``CHAOS_ROUNDS`` sets N (3 by default: each fault once);
 bench/chaos_bench.py runs many more and reports timings."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos import run_chaos
+from tests.e2e.chaos import run_chaos
 from tests.stack import running_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]

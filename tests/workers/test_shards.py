@@ -1,5 +1,5 @@
 """Sharded adaptation computed in process: the shards' statistics, sent as JSON and merged, give
-the single worker's result. No Redis here (the service path: tests/test_shards_e2e.py)."""
+the single worker's result. No Redis here (the service path: tests/e2e/test_shards_e2e.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from api_schemas import AdaptParams, JobPayload, JobPayloadDataset, JobPayloadModel
 from service.store.local import LocalStore
+from tests.e2e.test_e2e import digits
 from tests.stack import npz_bytes
-from tests.test_e2e import digits
 from workers.errors import AdaptError
 from workers.models.architectures import build_model
 from workers.running.compute import JobOutcome, compute, weights_bytes
@@ -191,7 +191,7 @@ def assert_same_adaptation(
     sharded: dict[str, torch.Tensor], single: dict[str, torch.Tensor], batches: int
 ) -> None:
     """Running statistics within 1e-6 relative (a mean near 0 measured against the spread, as
-    in tests/test_precise.py), counters exact, every other tensor bitwise equal."""
+    in tests/workers/test_precise.py), counters exact, every other tensor bitwise equal."""
     assert set(sharded) == set(single)  # safetensors keeps no key order
     layers = [key.removesuffix(".running_mean") for key in single if key.endswith("running_mean")]
     assert layers

@@ -18,7 +18,7 @@ from bench._quality_shifts import (
     scale,
     shifted,
 )
-from tests.test_e2e import digits
+from tests.e2e.test_e2e import digits
 
 
 @pytest.fixture(scope="module")

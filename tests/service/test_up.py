@@ -13,9 +13,9 @@ import pytest
 
 from service.client import Client
 from service.local.embedded import free_port
+from tests.e2e.test_e2e import digits
 from tests.servers import wait_for
 from tests.stack import REPO, npz_bytes
-from tests.test_e2e import digits
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.checkpoint_harness import assert_same
+from tests.checkpoint.checkpoint_harness import assert_same
 from workers.checkpoint import apply_checkpointing
 
 pytestmark = [

@@ -1,0 +1,1 @@
+"""Tests: the checkpoint wrapper, against plain torch and the peers' wrappers."""

@@ -1,0 +1,1 @@
+"""Tests: the store, the records, the local operations and deployment files."""

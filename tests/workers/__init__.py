@@ -1,0 +1,1 @@
+"""Tests: models, estimators, training, reports, sharding, in process."""
