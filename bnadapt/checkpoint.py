@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -70,10 +70,14 @@ __all__ = [
 # How it is kept, on top of torch's non-reentrant checkpoint, through its context_fn:
 # 1. First forward (forward context): it runs on the real buffers, so they are updated exactly
 #    as without checkpointing. Before any module of the region runs, we record its training
-#    flag and a clone of each of its buffers (_CallState.capture). The wrapped module's whole
-#    tree is recorded on entry; modules reached otherwise (a plain function passed to
-#    checkpoint) are recorded when first called, through a global forward pre-hook that is
-#    registered only while the first forward runs and ignores other threads.
+#    flag and a clone of each of its buffers (_CallState.capture). A wrapped module's whole
+#    tree is recorded on entry, so the guarantee covers the modules registered under it (as
+#    state_dict does); one it calls without registering it (kept in a plain list, or passed
+#    in as an argument) is not recorded. A plain function passed to checkpoint has no tree:
+#    the modules it reaches are recorded when first called, through a global forward pre-hook
+#    that is registered only while its first forward runs and ignores other threads. (Global
+#    hooks would make torch.compile warn about, and retrace, compiled modules run inside a
+#    wrapped one; that is why wrappers do without.)
 # 2. Recomputation (recompute context): every recorded module gets its recorded training flag
 #    and fresh throwaway clones of its recorded buffers in place of the real ones, so it
 #    computes exactly what the first forward computed (later calls may have moved the real
@@ -93,19 +97,62 @@ __all__ = [
 # The records cost one clone of the region's buffers per call, freed with the autograd graph;
 # for BatchNorm that is a few floats per channel, against whole activation maps saved.
 
+# NOTE [ Parameters in the recomputation ]
+#
+# The recomputation must also see the parameters the first forward saw. They can differ from
+# the module's own by the time backward runs: torch.func.functional_call (and
+# stateless.reparametrize) puts other tensors into the module's _parameters for the duration of
+# the call only, and restores the real ones before backward. Recomputing with those would
+# compute with the wrong weights and send the gradients to them instead of to the tensors the
+# caller passed. So _CallState also records each module's _parameters entries (the tensor
+# objects themselves, not clones: they must stay the autograd leaves or nodes of the caller's
+# graph), and the recomputation swaps them in beside the buffers, and back out on exit.
+
+# NOTE [ Under torch.compile ]
+#
+# Dynamo traces torch's non-reentrant checkpoint as a higher-order op and accepts no context_fn
+# but torch's own selective-checkpoint ones, so the context managers above cannot be used when
+# torch.compiler.is_compiling(). Measured with torch 2.13, the plain op is no answer either:
+# under aot_eager and inductor the recomputation happens inside AOT's joint graph, which
+# applies buffer mutations once, but under the eager backend the op runs torch's checkpoint on
+# the traced region, whose recomputation updates the buffers again (and fails its own
+# saved-input version check). So a region whose root module is known is traced in functional
+# form instead, one that is right on every backend:
+#   snapshot = clone of each buffer of the root's tree (outside the region)
+#   region(snapshot, *args): work = clones of snapshot; out = functional_call(root, work, args)
+#                            return out, work          # its inputs are never written
+#   out, updated = torch checkpoint(region, snapshot, *args)
+#   buffer.copy_(updated) for each buffer (outside the region: once, whatever recomputes)
+# Recomputation, wherever it happens, starts again from the snapshot, so it computes what the
+# first forward computed and writes only throwaway clones. Parameters are inputs of the traced
+# region, so the recomputation uses the forward's (NOTE [ Parameters in the recomputation ])
+# without recording them. Training flags are read while tracing and baked into the graph.
+# A plain function (no root module) has no buffers we can name before it runs: it gets
+# torch's op as is (buffers updated once under aot_eager and inductor; under the eager backend
+# torch's own error if the region updates buffers).
+
 _WRAPPED_NAME = "_checkpoint_wrapped_module"
 
 
+class _Record(NamedTuple):
+    """One module as the call found it."""
+
+    training: bool
+    # The tensors in its _parameters, themselves (see NOTE [ Parameters in the recomputation ]).
+    parameters: dict[str, nn.Parameter | None]
+    # A clone of each buffer, or None where there was no value.
+    buffers: dict[str, torch.Tensor | None]
+
+
 class _CallState:
-    """The training flags and buffer values of every module of one checkpointed call, as they
-    were when the call reached that module."""
+    """The training flags, parameters and buffer values of every module of one checkpointed
+    call, as they were when the call reached that module."""
 
     __slots__ = ("_owner", "records")
 
     def __init__(self) -> None:
         self._owner = threading.get_ident()
-        # Module -> (training flag, {buffer name: clone, or None where there was no value}).
-        self.records: dict[nn.Module, tuple[bool, dict[str, torch.Tensor | None]]] = {}
+        self.records: dict[nn.Module, _Record] = {}
 
     def capture(self, root: nn.Module) -> None:
         if root in self.records:
@@ -113,9 +160,14 @@ class _CallState:
         for module in root.modules():
             if module not in self.records:
                 buffers = {name: _clone(buf) for name, buf in module._buffers.items()}
-                self.records[module] = (module.training, buffers)
+                self.records[module] = _Record(module.training, dict(module._parameters), buffers)
 
     def on_forward_pre(self, module: nn.Module, args: Any) -> None:
+        # Under torch.compile this hook is traced into the graphs of compiled modules that run
+        # inside the region; it must neither break them (threading.get_ident would) nor record
+        # anything, since those modules run as compiled code. See NOTE [ Under torch.compile ].
+        if torch.compiler.is_compiling():
+            return
         if threading.get_ident() == self._owner:
             self.capture(module)
 
@@ -137,6 +189,7 @@ class _FirstForward:
     def __enter__(self) -> None:
         if self._root is not None:
             self._state.capture(self._root)
+            return
         self._handles.append(
             nn.modules.module.register_module_forward_pre_hook(self._state.on_forward_pre)
         )
@@ -147,7 +200,8 @@ class _FirstForward:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._handles.pop().remove()
+        if self._handles:
+            self._handles.pop().remove()
 
 
 class _Recomputation:
@@ -159,18 +213,19 @@ class _Recomputation:
 
     def __init__(self, state: _CallState) -> None:
         self._state = state
-        self._saved: list[list[tuple[nn.Module, bool, dict[str, torch.Tensor | None]]]] = []
+        self._saved: list[list[tuple[nn.Module, _Record]]] = []
 
     def __enter__(self) -> None:
         saved = []
-        for module, (training, recorded) in self._state.records.items():
-            real = dict(module._buffers)
-            saved.append((module, module.training, real))
-            module.training = training
-            for name in recorded.keys() | real.keys():
-                value = recorded.get(name)
+        for module, record in self._state.records.items():
+            real_buffers = dict(module._buffers)
+            saved.append((module, _Record(module.training, dict(module._parameters), real_buffers)))
+            module.training = record.training
+            module._parameters.update(record.parameters)
+            for name in record.buffers.keys() | real_buffers.keys():
+                value = record.buffers.get(name)
                 if value is None:
-                    value = real.get(name)
+                    value = real_buffers.get(name)
                 module._buffers[name] = None if value is None else value.clone()
         self._saved.append(saved)
 
@@ -180,10 +235,12 @@ class _Recomputation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for module, training, real in self._saved.pop():
-            module.training = training
+        for module, real in self._saved.pop():
+            module.training = real.training
+            module._parameters.clear()
+            module._parameters.update(real.parameters)
             module._buffers.clear()
-            module._buffers.update(real)
+            module._buffers.update(real.buffers)
 
 
 class _Both:
@@ -250,6 +307,20 @@ def checkpoint(
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     root = _root_module(function)
+    options: dict[str, Any] = {
+        "preserve_rng_state": preserve_rng_state,
+        "determinism_check": determinism_check,
+        "debug": debug,
+        "early_stop": early_stop,
+    }
+    if torch.compiler.is_compiling():
+        if context_fn is not None:
+            options["context_fn"] = context_fn
+        if function is root:
+            return _checkpoint_traced(root, args, kwargs, options)
+        return _torch_checkpoint.checkpoint(
+            function, *args, use_reentrant=False, **options, **kwargs
+        )
 
     def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         state = _CallState()
@@ -265,12 +336,33 @@ def checkpoint(
         *args,
         use_reentrant=False,
         context_fn=contexts,
-        preserve_rng_state=preserve_rng_state,
-        determinism_check=determinism_check,
-        debug=debug,
-        early_stop=early_stop,
+        **options,
         **kwargs,
     )
+
+
+def _checkpoint_traced(
+    root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
+) -> Any:
+    """NOTE [ Under torch.compile ]: checkpoint ``root(*args, **kwargs)`` in functional form."""
+    names, buffers = [], []
+    for name, buf in root.named_buffers():
+        names.append(name)
+        buffers.append(buf)
+    snapshot = [buf.detach().clone() for buf in buffers]
+
+    def region(*flat: Any, **region_kwargs: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        work = {name: value.clone() for name, value in zip(names, flat[: len(names)], strict=True)}
+        out = torch.func.functional_call(root, work, flat[len(names) :], region_kwargs)
+        return out, tuple(work.values())
+
+    out, updated = _torch_checkpoint.checkpoint(
+        region, *snapshot, *args, use_reentrant=False, **options, **kwargs
+    )
+    with torch.no_grad():
+        for buf, value in zip(buffers, updated, strict=True):
+            buf.copy_(value)
+    return out
 
 
 def _pack_to_cpu(tensor: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
