@@ -15,6 +15,15 @@ A standalone library module: it imports torch and the standard library only, so 
   ``auto_wrap_policy`` callables.
 - :func:`disable_checkpointing` -- fairscale's switch: wrapped modules run plainly inside it.
 
+Works under ``torch.compile`` (any backend, whole model or block by block, ``fullgraph=True``,
+no graph break added; NOTE [ Under torch.compile ]) and under ``torch.func.functional_call``
+with any parameter and buffer values (NOTE [ Parameters in the recomputation ]). Limits, shared
+with torch's own checkpoint: ``torch.func.grad``/``vjp`` reject the saved-tensor hooks every
+non-reentrant checkpoint uses; under ``torch.compile``, ``offload_to_cpu`` breaks the graph
+(dynamo cannot trace saved-tensor hooks; that part runs eagerly, still exact), and dropout in a
+region recomputes a different mask on the eager backend only (torch's op drops
+``preserve_rng_state`` there and leaves the RNG to inductor).
+
 What cannot keep the guarantee is refused with a ``ValueError`` or ``TypeError`` that says what
 to use instead: the reentrant variant (``CheckpointImpl.REENTRANT``, ``use_reentrant=True``) and
 a ``checkpoint_fn`` of one's own. See NOTE [ Buffers and the recomputation ] for the guarantee
