@@ -133,9 +133,14 @@ __all__ = [
 #   out, updated = torch checkpoint(region, snapshot, *args)
 #   buffer.copy_(updated) for each buffer (outside the region: once, whatever recomputes)
 # Recomputation, wherever it happens, starts again from the snapshot, so it computes what the
-# first forward computed and writes only throwaway clones. Parameters are inputs of the traced
-# region, so the recomputation uses the forward's (NOTE [ Parameters in the recomputation ])
-# without recording them. Training flags are read while tracing and baked into the graph.
+# first forward computed and writes only throwaway clones. The snapshot itself is taken in a
+# selective checkpoint that must save its clones: otherwise AOT's partitioner finds it cheaper
+# to save the buffer (a graph input) and clone it again in backward, and a second forward
+# before that backward has written the buffer by then (torch's autograd then fails its version
+# check; torch's own checkpoint fails so under compile whenever two forwards share a
+# backward). Parameters are inputs of the traced region, so the recomputation uses the
+# forward's (NOTE [ Parameters in the recomputation ]) without recording them. Training flags
+# are read while tracing and baked into the graph.
 # A plain function (no root module) has no buffers we can name before it runs: it gets
 # torch's op as is (buffers updated once under aot_eager and inductor; under the eager backend
 # torch's own error if the region updates buffers).
@@ -350,6 +355,23 @@ def checkpoint(
     )
 
 
+def _clones(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The snapshot of NOTE [ Under torch.compile ]."""
+    return [t.detach().clone() for t in tensors]
+
+
+def _save_clones() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    """A selective checkpoint that saves every clone: backward never takes the snapshot again
+    from a buffer a later forward may have written."""
+    # torch leaves create_selective_checkpoint_contexts unannotated.
+    contexts: tuple[AbstractContextManager[Any], AbstractContextManager[Any]] = (
+        _torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
+            [torch.ops.aten.clone.default]
+        )
+    )
+    return contexts
+
+
 def _checkpoint_traced(
     root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
 ) -> Any:
@@ -358,7 +380,9 @@ def _checkpoint_traced(
     for name, buf in root.named_buffers():
         names.append(name)
         buffers.append(buf)
-    snapshot = [buf.detach().clone() for buf in buffers]
+    snapshot = _torch_checkpoint.checkpoint(
+        _clones, *buffers, use_reentrant=False, context_fn=_save_clones
+    )
 
     def region(*flat: Any, **region_kwargs: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
         work = {name: value.clone() for name, value in zip(names, flat[: len(names)], strict=True)}
