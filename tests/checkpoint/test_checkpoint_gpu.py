@@ -8,10 +8,18 @@ import socket
 
 import pytest
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 from torch import nn
 
 from tests.checkpoint.checkpoint_harness import assert_same
+from tests.checkpoint.test_checkpoint_compile import (
+    PREPARES,
+    Prepare,
+    assert_counts_exact,
+    max_difference,
+    run_steps,
+)
 from workers.checkpoint import apply_checkpointing
 
 pytestmark = [
@@ -88,3 +96,20 @@ def test_bf16_autocast_on_cuda() -> None:
     )
     assert_same(train_steps(plain, torch.bfloat16), train_steps(wrapped, torch.bfloat16))
     assert_same(dict(plain.state_dict()), dict(wrapped.state_dict()))
+
+
+@pytest.mark.parametrize("prepare", PREPARES)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compiled_wrapper_on_cuda(prepare: Prepare, backend: str) -> None:
+    # Inductor without CUDA graphs (the default mode; CUDA graphs would replay stale buffer
+    # writes across the comparison's separate models).
+    with torch._inductor.config.patch({"triton.cudagraphs": False}):
+        plain = run_steps(prepare, wrap=False, backend=backend, device="cuda")
+        wrapped = run_steps(prepare, wrap=True, backend=backend, device="cuda")
+        assert_counts_exact(plain, 3)
+        assert_counts_exact(wrapped, 3)
+        if backend == "inductor":
+            eager = run_steps(prepare, wrap=False, backend="none", device="cuda")
+            assert max_difference(plain, wrapped) <= max_difference(eager, plain)
+        else:
+            assert_same(plain, wrapped)

@@ -1,0 +1,807 @@
+"""Activation checkpointing that keeps module buffers exactly as without checkpointing.
+
+A standalone library module: it imports torch and the standard library only, so it works after
+``pip install bnadapt`` with nothing of the service installed, and can be copied alone.
+
+- :func:`checkpoint` -- the functional form, like
+  ``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)``.
+- :func:`checkpoint_wrapper` / :class:`CheckpointWrapper` -- wraps one module. Takes both
+  fairscale's signature ``checkpoint_wrapper(module, offload_to_cpu=False)`` and
+  torch.distributed's ``checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+  checkpoint_fn=None, **checkpoint_fn_kwargs)``; ``state_dict`` keys stay those of the
+  unwrapped module.
+- :func:`apply_checkpointing` -- wraps, in place, the submodules that ``check_fn`` selects.
+- :func:`apply_activation_checkpointing` -- torch.distributed's form of the same, with its
+  ``auto_wrap_policy`` callables.
+- :func:`disable_checkpointing` -- fairscale's switch: wrapped modules run plainly inside it.
+
+Works under ``torch.compile`` (any backend, whole model or block by block, ``fullgraph=True``,
+no graph break added; NOTE [ Under torch.compile ]) and under ``torch.func.functional_call``
+with any parameter and buffer values (NOTE [ Parameters in the recomputation ]). Limits, shared
+with torch's own checkpoint: ``torch.func.grad``/``vjp`` reject the saved-tensor hooks every
+non-reentrant checkpoint uses; under ``torch.compile``, ``offload_to_cpu`` breaks the graph
+(dynamo cannot trace saved-tensor hooks; that part runs eagerly, still exact), and dropout in a
+region recomputes a different mask on the eager backend only (torch's op drops
+``preserve_rng_state`` there and leaves the RNG to inductor).
+
+What cannot keep the guarantee is refused with a ``ValueError`` or ``TypeError`` that says what
+to use instead: the reentrant variant (``CheckpointImpl.REENTRANT``, ``use_reentrant=True``) and
+a ``checkpoint_fn`` of one's own. See NOTE [ Buffers and the recomputation ] for the guarantee
+and how it is kept.
+
+Where the code lives (a decision, not an accident): this file is the library. The service's
+packages (``service``, ``workers``, ``api_schemas``) stay top-level in the same distribution
+for now; ``workers/checkpoint.py`` only re-exports this module, so old imports keep working.
+Nothing here may import them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from types import TracebackType
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
+from torch.utils import checkpoint as _torch_checkpoint
+
+__all__ = [
+    "CheckpointImpl",
+    "CheckpointWrapper",
+    "apply_activation_checkpointing",
+    "apply_checkpointing",
+    "checkpoint",
+    "checkpoint_wrapper",
+    "disable_checkpointing",
+]
+
+# NOTE [ Buffers and the recomputation ]
+#
+# The guarantee: buffers are updated by the first forward and never by the recomputation,
+# whatever the grad mode. After any sequence of calls, the outputs, the gradients and the whole
+# state_dict of a model run through this module are bitwise equal (torch.equal) to those of the
+# same model run without checkpointing. It holds for any module that changes its buffers in
+# forward: BatchNorm's running statistics and num_batches_tracked, InstanceNorm with
+# track_running_stats, spectral norm's power iteration, an EMA buffer of one's own.
+#
+# Why torch's checkpoint breaks it: the recomputation during backward runs forward a second
+# time, so every in-place buffer update happens twice. Switching updates off during the
+# recomputation (fairscale's track_running_stats trick) changes which tensors are saved, and the
+# non-reentrant checkpoint rejects that; updating only in the recomputation (fairscale) misses
+# forward-only passes such as BN adaptation under no_grad.
+#
+# How it is kept, on top of torch's non-reentrant checkpoint, through its context_fn:
+# 1. First forward (forward context): it runs on the real buffers, so they are updated exactly
+#    as without checkpointing. Before any module of the region runs, we record its training
+#    flag and a clone of each of its buffers (_CallState.capture). A wrapped module's whole
+#    tree is recorded on entry, so the guarantee covers the modules registered under it (as
+#    state_dict does); one it calls without registering it (kept in a plain list, or passed
+#    in as an argument) is not recorded. A plain function passed to checkpoint has no tree:
+#    the modules it reaches are recorded when first called, through a global forward pre-hook
+#    that is registered only while its first forward runs and ignores other threads. (Global
+#    hooks would make torch.compile warn about, and retrace, compiled modules run inside a
+#    wrapped one; that is why wrappers do without.)
+# 2. Recomputation (recompute context): every recorded module gets its recorded training flag
+#    and fresh throwaway clones of its recorded buffers in place of the real ones, so it
+#    computes exactly what the first forward computed (later calls may have moved the real
+#    buffers, or switched train/eval, in between). On exit the real buffer objects and flags
+#    are put back, whatever happened: the recomputation may stop early (torch's early_stop
+#    skips trailing ops that save nothing) or raise. Swapping objects rather than copying
+#    values matters: tensors saved for backward by the recomputation may alias those clones,
+#    and must keep the values they were computed with.
+# 3. No grad mode: nothing will be recomputed, so the function is called directly; this is the
+#    BN adaptation loop, and it costs nothing extra.
+#
+# Buffers that do not exist yet when the call starts (a Lazy module materialises them in its
+# first forward) have no recorded value: the recomputation gets clones of their current values
+# instead. They are still never updated twice; the recomputed output is exact whenever it does
+# not depend on those buffers' values, as for LazyBatchNorm in train mode.
+#
+# The records cost one clone of the region's buffers per call, freed with the autograd graph;
+# for BatchNorm that is a few floats per channel, against whole activation maps saved.
+
+# NOTE [ Parameters in the recomputation ]
+#
+# The recomputation must also see the parameters the first forward saw. They can differ from
+# the module's own by the time backward runs: torch.func.functional_call (and
+# stateless.reparametrize) puts other tensors into the module's _parameters for the duration of
+# the call only, and restores the real ones before backward. Recomputing with those would
+# compute with the wrong weights and send the gradients to them instead of to the tensors the
+# caller passed. So _CallState also records each module's _parameters entries (the tensor
+# objects themselves, not clones: they must stay the autograd leaves or nodes of the caller's
+# graph), and the recomputation swaps them in beside the buffers, and back out on exit.
+
+# NOTE [ Under torch.compile ]
+#
+# Dynamo traces torch's non-reentrant checkpoint as a higher-order op and accepts no context_fn
+# but torch's own selective-checkpoint ones, so the context managers above cannot be used when
+# torch.compiler.is_compiling(). Measured with torch 2.13, the plain op is no answer either:
+# under aot_eager and inductor the recomputation happens inside AOT's joint graph, which
+# applies buffer mutations once, but under the eager backend the op runs torch's checkpoint on
+# the traced region, whose recomputation updates the buffers again (and fails its own
+# saved-input version check). So a region whose root module is known is traced in functional
+# form instead, one that is right on every backend:
+#   snapshot = clone of each buffer of the root's tree (outside the region)
+#   region(snapshot, *args): work = clones of snapshot; out = functional_call(root, work, args)
+#                            return out, work          # its inputs are never written
+#   out, updated = torch checkpoint(region, snapshot, *args)
+#   buffer.copy_(updated) for each buffer (outside the region: once, whatever recomputes)
+# Recomputation, wherever it happens, starts again from the snapshot, so it computes what the
+# first forward computed and writes only throwaway clones. The snapshot itself is taken in a
+# selective checkpoint that must save its clones: otherwise AOT's partitioner finds it cheaper
+# to save the buffer (a graph input) and clone it again in backward, and a second forward
+# before that backward has written the buffer by then (torch's autograd then fails its version
+# check; torch's own checkpoint fails so under compile whenever two forwards share a
+# backward). Parameters are inputs of the traced region, so the recomputation uses the
+# forward's (NOTE [ Parameters in the recomputation ]) without recording them. Training flags
+# are read while tracing and baked into the graph.
+# A plain function (no root module) has no buffers we can name before it runs: it gets
+# torch's op as is (buffers updated once under aot_eager and inductor; under the eager backend
+# torch's own error if the region updates buffers).
+
+_WRAPPED_NAME = "_checkpoint_wrapped_module"
+
+
+class _Record(NamedTuple):
+    """One module as the call found it."""
+
+    training: bool
+    # The tensors in its _parameters, themselves (see NOTE [ Parameters in the recomputation ]).
+    parameters: dict[str, nn.Parameter | None]
+    # A clone of each buffer, or None where there was no value.
+    buffers: dict[str, torch.Tensor | None]
+
+
+class _CallState:
+    """The training flags, parameters and buffer values of every module of one checkpointed
+    call, as they were when the call reached that module."""
+
+    __slots__ = ("_owner", "records")
+
+    def __init__(self) -> None:
+        self._owner = threading.get_ident()
+        self.records: dict[nn.Module, _Record] = {}
+
+    def capture(self, root: nn.Module) -> None:
+        if root in self.records:
+            return  # Its whole tree was recorded when it, or an ancestor, was first seen.
+        for module in root.modules():
+            if module not in self.records:
+                buffers = {name: _clone(buf) for name, buf in module._buffers.items()}
+                self.records[module] = _Record(module.training, dict(module._parameters), buffers)
+
+    def on_forward_pre(self, module: nn.Module, args: Any) -> None:
+        # Under torch.compile this hook is traced into the graphs of compiled modules that run
+        # inside the region; it must neither break them (threading.get_ident would) nor record
+        # anything, since those modules run as compiled code. See NOTE [ Under torch.compile ].
+        if torch.compiler.is_compiling():
+            return
+        if threading.get_ident() == self._owner:
+            self.capture(module)
+
+
+def _clone(buf: torch.Tensor | None) -> torch.Tensor | None:
+    if buf is None or is_lazy(buf):
+        return None
+    return buf.detach().clone()
+
+
+class _FirstForward:
+    """Context of the first forward: records the region's modules before they run."""
+
+    def __init__(self, state: _CallState, root: nn.Module | None) -> None:
+        self._state = state
+        self._root = root
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> None:
+        if self._root is not None:
+            self._state.capture(self._root)
+            return
+        self._handles.append(
+            nn.modules.module.register_module_forward_pre_hook(self._state.on_forward_pre)
+        )
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._handles:
+            self._handles.pop().remove()
+
+
+class _Recomputation:
+    """Context of the recomputation: recorded flags and throwaway buffers in, real ones back.
+
+    Entered once per recomputation; torch may recompute the same call more than once (backward
+    with retain_graph=True), so it is a plain class, reusable, not a generator.
+    """
+
+    def __init__(self, state: _CallState) -> None:
+        self._state = state
+        self._saved: list[list[tuple[nn.Module, _Record]]] = []
+
+    def __enter__(self) -> None:
+        saved = []
+        for module, record in self._state.records.items():
+            real_buffers = dict(module._buffers)
+            saved.append((module, _Record(module.training, dict(module._parameters), real_buffers)))
+            module.training = record.training
+            module._parameters.update(record.parameters)
+            for name in record.buffers.keys() | real_buffers.keys():
+                value = record.buffers.get(name)
+                if value is None:
+                    value = real_buffers.get(name)
+                module._buffers[name] = None if value is None else value.clone()
+        self._saved.append(saved)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for module, real in self._saved.pop():
+            module.training = real.training
+            module._parameters.clear()
+            module._parameters.update(real.parameters)
+            module._buffers.clear()
+            module._buffers.update(real.buffers)
+
+
+class _Both:
+    """Two context managers entered as one (ours outside, the caller's inside)."""
+
+    def __init__(self, outer: AbstractContextManager[Any], inner: AbstractContextManager[Any]):
+        self._outer = outer
+        self._inner = inner
+
+    def __enter__(self) -> None:
+        self._outer.__enter__()
+        try:
+            self._inner.__enter__()
+        except BaseException as exc:
+            self._outer.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        try:
+            suppressed = bool(self._inner.__exit__(exc_type, exc, tb))
+        finally:
+            self._outer.__exit__(exc_type, exc, tb)
+        return suppressed
+
+
+ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
+
+
+def _root_module(function: Callable[..., Any]) -> nn.Module | None:
+    if isinstance(function, nn.Module):
+        return function
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = False,
+    context_fn: ContextFn | None = None,
+    preserve_rng_state: bool = True,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Call ``function(*args, **kwargs)`` without keeping its activations for backward.
+
+    Like ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, and keeps NOTE
+    [ Buffers and the recomputation ]: buffers change once, in this call, never when backward
+    recomputes it. ``context_fn``, if given, is entered inside ours in both passes.
+    """
+    if use_reentrant:
+        raise ValueError(
+            "bnadapt's checkpoint is non-reentrant only (the reentrant variant offers no place "
+            "to tell the recomputation apart, so buffers would be updated twice); drop "
+            "use_reentrant=True or pass use_reentrant=False"
+        )
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    root = _root_module(function)
+    options: dict[str, Any] = {
+        "preserve_rng_state": preserve_rng_state,
+        "determinism_check": determinism_check,
+        "debug": debug,
+        "early_stop": early_stop,
+    }
+    if torch.compiler.is_compiling():
+        if context_fn is not None:
+            options["context_fn"] = context_fn
+        if function is root:
+            return _checkpoint_traced(root, args, kwargs, options)
+        return _torch_checkpoint.checkpoint(
+            function, *args, use_reentrant=False, **options, **kwargs
+        )
+
+    def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        state = _CallState()
+        forward: AbstractContextManager[Any] = _FirstForward(state, root)
+        recompute: AbstractContextManager[Any] = _Recomputation(state)
+        if context_fn is not None:
+            user_forward, user_recompute = context_fn()
+            forward, recompute = _Both(forward, user_forward), _Both(recompute, user_recompute)
+        return forward, recompute
+
+    return _torch_checkpoint.checkpoint(
+        function,
+        *args,
+        use_reentrant=False,
+        context_fn=contexts,
+        **options,
+        **kwargs,
+    )
+
+
+def _clones(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The snapshot of NOTE [ Under torch.compile ]."""
+    return [t.detach().clone() for t in tensors]
+
+
+def _save_clones() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    """A selective checkpoint that saves every clone: backward never takes the snapshot again
+    from a buffer a later forward may have written."""
+    # torch leaves create_selective_checkpoint_contexts unannotated.
+    contexts: tuple[AbstractContextManager[Any], AbstractContextManager[Any]] = (
+        _torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
+            [torch.ops.aten.clone.default]
+        )
+    )
+    return contexts
+
+
+def _checkpoint_traced(
+    root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
+) -> Any:
+    """NOTE [ Under torch.compile ]: checkpoint ``root(*args, **kwargs)`` in functional form."""
+    names, buffers = [], []
+    for name, buf in root.named_buffers():
+        names.append(name)
+        buffers.append(buf)
+    snapshot = _torch_checkpoint.checkpoint(
+        _clones, *buffers, use_reentrant=False, context_fn=_save_clones
+    )
+
+    def region(*flat: Any, **region_kwargs: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        work = {name: value.clone() for name, value in zip(names, flat[: len(names)], strict=True)}
+        out = torch.func.functional_call(root, work, flat[len(names) :], region_kwargs)
+        return out, tuple(work.values())
+
+    out, updated = _torch_checkpoint.checkpoint(
+        region, *snapshot, *args, use_reentrant=False, **options, **kwargs
+    )
+    with torch.no_grad():
+        for buf, value in zip(buffers, updated, strict=True):
+            buf.copy_(value)
+    return out
+
+
+def _pack_to_cpu(tensor: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
+    if tensor.device.type == "cpu":
+        return None, tensor
+    pinned = tensor.device.type == "cuda"
+    packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pinned)
+    packed.copy_(tensor, non_blocking=pinned)
+    return tensor.device, packed
+
+
+def _unpack_from_cpu(packed: tuple[torch.device | None, torch.Tensor]) -> torch.Tensor:
+    device, tensor = packed
+    if device is None:
+        return tensor
+    return tensor.to(device, non_blocking=tensor.is_pinned())
+
+
+def _offload_saved_inputs() -> AbstractContextManager[Any]:
+    # Inside a checkpointed region torch's own saved-tensor hooks take precedence, so these see
+    # only what the checkpoint itself keeps for backward: the region's inputs.
+    return torch.autograd.graph.saved_tensors_hooks(_pack_to_cpu, _unpack_from_cpu)
+
+
+def _strip_wrapped(key: str, prefix: str) -> str | None:
+    """``prefix._checkpoint_wrapped_module.rest`` -> ``prefix.rest``; None if not wrapped."""
+    inner = prefix + _WRAPPED_NAME
+    if key == inner:
+        return prefix[:-1]
+    if key.startswith(inner + "."):
+        return prefix + key[len(inner) + 1 :]
+    return None
+
+
+def _add_wrapped(key: str, prefix: str) -> str | None:
+    """``prefix.rest`` -> ``prefix._checkpoint_wrapped_module.rest``; None if not ours."""
+    if key == prefix[:-1]:
+        return prefix + _WRAPPED_NAME
+    if key.startswith(prefix) and not key.startswith(prefix + _WRAPPED_NAME + "."):
+        return prefix + _WRAPPED_NAME + "." + key[len(prefix) :]
+    return None
+
+
+def _strip_state_dict_keys(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+) -> None:
+    # The wrapped module's entries are the last ones added, so popping and re-adding them in
+    # order keeps the order of the unwrapped model's state_dict.
+    for key in list(state_dict):
+        new_key = _strip_wrapped(key, prefix)
+        if new_key is not None:
+            state_dict[new_key] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in list(metadata):
+            new_key = _strip_wrapped(key, prefix)
+            if new_key is not None:
+                metadata[new_key] = metadata.pop(key)
+
+
+def _add_state_dict_keys(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    for key in list(state_dict):
+        new_key = _add_wrapped(key, prefix)
+        if new_key is not None:
+            state_dict[new_key] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in list(metadata):
+            new_key = _add_wrapped(key, prefix)
+            if new_key is not None and new_key not in metadata:
+                metadata[new_key] = metadata[key]
+
+
+def _strip_incompatible_keys(module: nn.Module, incompatible_keys: Any) -> None:
+    # Runs before load_state_dict formats its strict-mode error, so the missing and unexpected
+    # keys it reports are the unwrapped model's names.
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [_unwrapped_name(key) for key in keys]
+
+
+class CheckpointImpl(enum.Enum):
+    """torch.distributed's choice of checkpoint variant. Only ``NO_REENTRANT`` keeps buffers exact;
+    torch.distributed's own ``CheckpointImpl`` members are accepted too, by name."""
+
+    REENTRANT = enum.auto()
+    NO_REENTRANT = enum.auto()
+
+
+# The options of torch's non-reentrant checkpoint that the wrapper passes on to :func:`checkpoint`;
+# ``use_reentrant`` (False only) is read, not passed.
+_PASSED_OPTIONS = frozenset(
+    {"preserve_rng_state", "determinism_check", "debug", "early_stop", "context_fn"}
+)
+
+
+def _impl_name(value: object) -> str | None:
+    """``"REENTRANT"`` or ``"NO_REENTRANT"`` for a member of our CheckpointImpl or of
+    torch.distributed's (not imported here: torch.distributed may be absent); None otherwise."""
+    if isinstance(value, enum.Enum) and type(value).__name__ == "CheckpointImpl":
+        return value.name
+    return None
+
+
+def _checkpoint_options(
+    checkpoint_fn: Callable[..., Any] | None, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The options for :func:`checkpoint` out of torch.distributed's ``checkpoint_fn`` and
+    ``**checkpoint_fn_kwargs``; raises where they ask for what breaks the guarantee."""
+    options = dict(kwargs)
+    if isinstance(checkpoint_fn, functools.partial) and not checkpoint_fn.args:
+        options = {**checkpoint_fn.keywords, **options}
+        checkpoint_fn = checkpoint_fn.func
+    if checkpoint_fn is _torch_checkpoint.checkpoint:
+        # torch's own default is the reentrant variant (with a warning), so only an explicit
+        # use_reentrant=False maps onto ours.
+        if options.get("use_reentrant") is not False:
+            raise ValueError(
+                "checkpoint_fn=torch.utils.checkpoint.checkpoint runs the reentrant variant "
+                f"unless use_reentrant=False (got use_reentrant={options.get('use_reentrant')}), "
+                "and the reentrant recomputation updates buffers a second time; pass "
+                "use_reentrant=False, or drop checkpoint_fn"
+            )
+    elif checkpoint_fn is not None and checkpoint_fn is not checkpoint:
+        name = getattr(checkpoint_fn, "__qualname__", type(checkpoint_fn).__name__)
+        raise ValueError(
+            f"checkpoint_fn={name} cannot keep buffers exact: the checkpoint function decides how "
+            "the recomputation runs, and only bnadapt's keeps it from updating buffers again. "
+            "Drop checkpoint_fn (the wrapper uses bnadapt.checkpoint.checkpoint), or pass "
+            "torch.utils.checkpoint.checkpoint with use_reentrant=False"
+        )
+    if options.pop("use_reentrant", False):
+        raise ValueError(
+            "use_reentrant=True cannot keep buffers exact (the reentrant recomputation updates "
+            "them a second time); drop it, or pass checkpoint_impl=CheckpointImpl.NO_REENTRANT"
+        )
+    unknown = sorted(options.keys() - _PASSED_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"unknown checkpoint option(s) {unknown}; the wrapper passes on "
+            f"{sorted(_PASSED_OPTIONS)} and use_reentrant=False"
+        )
+    return options
+
+
+class CheckpointWrapper(nn.Module):
+    """Runs the wrapped module through :func:`checkpoint`.
+
+    Built like torch.distributed's ``CheckpointWrapper(module, checkpoint_impl, checkpoint_fn,
+    **checkpoint_fn_kwargs)`` or fairscale's ``checkpoint_wrapper(module, offload_to_cpu)``:
+    the second positional argument is a ``CheckpointImpl`` or fairscale's offload flag (read by
+    its truth value, as fairscale reads it). ``offload_to_cpu=True`` keeps the saved inputs on
+    the CPU (pinned, for CUDA tensors) until backward needs them. ``checkpoint_fn`` may only be
+    this module's :func:`checkpoint` or torch's with ``use_reentrant=False``; the keyword
+    options ``preserve_rng_state``, ``determinism_check``, ``debug``, ``early_stop`` and
+    ``context_fn`` are passed on to it.
+
+    Transparent to checkpoints: ``state_dict``, ``load_state_dict``, ``named_parameters`` and
+    ``named_buffers`` use the unwrapped module's names, so weights saved from either load into
+    the other with ``strict=True``; keys that still carry the ``_checkpoint_wrapped_module``
+    prefix (as torch.distributed's wrapper and FSDP may write them) load too. Attributes not
+    found on the wrapper are looked up on the wrapped module.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        checkpoint_impl: CheckpointImpl | bool = CheckpointImpl.NO_REENTRANT,
+        checkpoint_fn: Callable[..., Any] | None = None,
+        *,
+        offload_to_cpu: bool | None = None,
+        **checkpoint_fn_kwargs: Any,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"checkpoint_wrapper needs an nn.Module, got {type(module).__name__}")
+        impl = _impl_name(checkpoint_impl)
+        if impl == "REENTRANT":
+            raise ValueError(
+                "CheckpointImpl.REENTRANT cannot keep buffers exact (the reentrant recomputation "
+                "updates them a second time); use CheckpointImpl.NO_REENTRANT, the default"
+            )
+        if impl is None:
+            # fairscale's signature: checkpoint_wrapper(module, offload_to_cpu).
+            if isinstance(checkpoint_impl, str):
+                raise TypeError(
+                    f"checkpoint_impl={checkpoint_impl!r} is a string; pass "
+                    "CheckpointImpl.NO_REENTRANT, or a bool for fairscale's offload_to_cpu"
+                )
+            if offload_to_cpu is not None:
+                raise TypeError(
+                    "offload_to_cpu given twice: as the second positional argument (fairscale's "
+                    "signature) and as a keyword; pass it once"
+                )
+            offload_to_cpu = bool(checkpoint_impl)
+        options = _checkpoint_options(checkpoint_fn, checkpoint_fn_kwargs)
+        super().__init__()
+        self._checkpoint_wrapped_module = module
+        self.checkpoint_impl = CheckpointImpl.NO_REENTRANT
+        self.offload_to_cpu = bool(offload_to_cpu)
+        self.checkpoint_options = options
+        # torch leaves these three registration methods unannotated.
+        self.register_state_dict_post_hook(_strip_state_dict_keys)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_add_state_dict_keys)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_post_hook(_strip_incompatible_keys)  # type: ignore[no-untyped-call]
+
+    @property
+    def wrapped_module(self) -> nn.Module:
+        module = self._modules[_WRAPPED_NAME]
+        assert module is not None
+        return module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.wrapped_module
+        if not torch.is_grad_enabled() or _checkpointing_disabled():
+            return module(*args, **kwargs)
+        offload = _offload_saved_inputs() if self.offload_to_cpu else nullcontext()
+        with offload:
+            return checkpoint(module, *args, **self.checkpoint_options, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.wrapped_module, name)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.wrapped_module[key]  # type: ignore[index]
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield _unwrapped_name(name), param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield _unwrapped_name(name), buf
+
+
+def _unwrapped_name(name: str) -> str:
+    return name.replace(_WRAPPED_NAME + ".", "")
+
+
+def checkpoint_wrapper(
+    module: nn.Module,
+    checkpoint_impl: CheckpointImpl | bool = CheckpointImpl.NO_REENTRANT,
+    checkpoint_fn: Callable[..., Any] | None = None,
+    *,
+    offload_to_cpu: bool | None = None,
+    **checkpoint_fn_kwargs: Any,
+) -> CheckpointWrapper:
+    """Wrap ``module`` so its forward is checkpointed and its buffers stay exact.
+
+    Arguments as :class:`CheckpointWrapper`: fairscale's ``checkpoint_wrapper(module,
+    offload_to_cpu=False)`` and torch.distributed's ``checkpoint_wrapper(module,
+    checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=None, **checkpoint_fn_kwargs)``
+    both work.
+    """
+    return CheckpointWrapper(
+        module,
+        checkpoint_impl,
+        checkpoint_fn,
+        offload_to_cpu=offload_to_cpu,
+        **checkpoint_fn_kwargs,
+    )
+
+
+def apply_checkpointing(
+    model: nn.Module,
+    *,
+    check_fn: Callable[[nn.Module], bool],
+    offload_to_cpu: bool = False,
+) -> nn.Module:
+    """Replace, in place, every submodule of ``model`` for which ``check_fn`` is true by its
+    :func:`checkpoint_wrapper`; returns ``model``.
+
+    The root itself is never wrapped, selected modules are not searched further, and modules
+    already wrapped are left alone, so applying twice wraps nothing twice.
+    """
+    for name, child in list(model.named_children()):
+        if isinstance(child, CheckpointWrapper):
+            continue
+        if check_fn(child):
+            setattr(model, name, checkpoint_wrapper(child, offload_to_cpu=offload_to_cpu))
+        else:
+            apply_checkpointing(child, check_fn=check_fn, offload_to_cpu=offload_to_cpu)
+    return model
+
+
+class WrapPolicy(Protocol):
+    """torch.distributed's auto-wrap policy callable, e.g. ``ModuleWrapPolicy({Block})`` or
+    ``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``."""
+
+    def __call__(self, *, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool: ...
+
+
+def _by_check_fn(check_fn: Callable[[nn.Module], bool]) -> WrapPolicy:
+    def policy(*, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return recurse or bool(check_fn(module))
+
+    return policy
+
+
+def _by_targets(targets: dict[nn.Module, dict[str, Any]]) -> WrapPolicy:
+    def policy(*, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return recurse or module in targets
+
+    return policy
+
+
+# NOTE [ Auto-wrap order ]
+#
+# apply_activation_checkpointing walks the tree as torch.distributed's does: depth first, a
+# module's children before the module, and a module wrapped when the policy, asked with
+# recurse=False, says so for the parameters its wrapped children have not taken
+# (nonwrapped_numel). A policy that returns False for recurse=True stops the descent there.
+# Unlike torch.distributed's, modules that are already CheckpointWrappers are left alone
+# (neither searched nor wrapped again), so applying twice wraps nothing twice.
+
+
+def _wrap_post_order(
+    module: nn.Module,
+    policy: WrapPolicy,
+    wrap: Callable[..., nn.Module],
+    kwargs_of: Callable[[nn.Module], dict[str, Any]],
+    is_root: bool,
+) -> tuple[nn.Module, int]:
+    """NOTE [ Auto-wrap order ]: ``module``, wrapped or not, and the numel its wrappers took."""
+    numel = sum(p.numel() for p in module.parameters())
+    if isinstance(module, CheckpointWrapper) and not is_root:
+        return module, numel
+    if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+        return module, 0
+    taken = 0
+    for name, child in list(module.named_children()):
+        new_child, child_taken = _wrap_post_order(child, policy, wrap, kwargs_of, is_root=False)
+        if new_child is not child:
+            setattr(module, name, new_child)
+        taken += child_taken
+    if not is_root and policy(module=module, recurse=False, nonwrapped_numel=numel - taken):
+        return wrap(module, **kwargs_of(module)), numel
+    return module, taken
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    checkpoint_wrapper_fn: Callable[..., nn.Module] = checkpoint_wrapper,
+    check_fn: Callable[[nn.Module], bool] = lambda _: True,
+    auto_wrap_policy: WrapPolicy | Any | None = None,
+) -> None:
+    """torch.distributed's ``apply_activation_checkpointing``: wraps, in place, the submodules
+    of ``model`` that ``auto_wrap_policy`` or, without one, ``check_fn`` selects.
+
+    The order is NOTE [ Auto-wrap order ]; the root is never wrapped. ``auto_wrap_policy`` is a
+    policy callable (``ModuleWrapPolicy``, a ``functools.partial`` of
+    ``size_based_auto_wrap_policy`` or ``lambda_auto_wrap_policy``) or a policy object with
+    ``_run_policy`` (``CustomPolicy``), whose per-module keyword arguments go to
+    ``checkpoint_wrapper_fn``. ``checkpoint_wrapper_fn`` defaults to this module's
+    :func:`checkpoint_wrapper`; a function of one's own is called as given, so it is up to it
+    to keep the buffers exact.
+    """
+    kwargs_of: Callable[[nn.Module], dict[str, Any]] = lambda _: {}  # noqa: E731
+    if auto_wrap_policy is None:
+        policy = _by_check_fn(check_fn)
+    elif callable(auto_wrap_policy):
+        policy = auto_wrap_policy
+    elif callable(getattr(auto_wrap_policy, "_run_policy", None)):
+        # torch.distributed's non-callable policies (CustomPolicy) name their targets up front.
+        targets = auto_wrap_policy._run_policy(model, ignored_modules=set(), root_kwargs={})
+        policy, kwargs_of = _by_targets(targets), lambda m: targets[m]
+    else:
+        raise TypeError(
+            f"auto_wrap_policy={auto_wrap_policy!r} is neither a policy callable "
+            "(module=, recurse=, nonwrapped_numel=) nor a policy object with _run_policy; pass "
+            "e.g. ModuleWrapPolicy({Block}), or use check_fn"
+        )
+    _wrap_post_order(model, policy, checkpoint_wrapper_fn, kwargs_of, is_root=True)
+
+
+class _DisabledDepth(threading.local):
+    depth = 0
+
+
+_DISABLED = _DisabledDepth()
+
+
+def _checkpointing_disabled() -> bool:
+    return _DISABLED.depth > 0
+
+
+@contextlib.contextmanager
+def disable_checkpointing() -> Iterator[None]:
+    """Inside it, on this thread, wrapped modules run without checkpointing (fairscale's
+    ``disable_checkpointing``): activations are kept, and there is nothing to recompute."""
+    _DISABLED.depth += 1
+    try:
+        yield
+    finally:
+        _DISABLED.depth -= 1
