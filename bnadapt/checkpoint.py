@@ -33,6 +33,9 @@ Where the code lives (a decision, not an accident): this file is the library. Th
 packages (``service``, ``workers``, ``api_schemas``) stay top-level in the same distribution
 for now; ``workers/checkpoint.py`` only re-exports this module, so old imports keep working.
 Nothing here may import them.
+
+One module on purpose, like torch's own checkpoint.py: a user may take this file alone, and its
+NOTE blocks map it.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ service/settings.py, one set for both). Nothing here holds a whole array:
 - Workers (:func:`open_arrays`) memory-map ``x`` where its bytes lie uncompressed in the file
   (safetensors, stored npz members): a batch is read, and converted, when it is used. Only a
   compressed npz member is read whole; ``y`` (one label per sample) is read whole.
+
+One concept, a dataset file, from its headers to its batches; its NOTE blocks map it.
 """
 
 import json

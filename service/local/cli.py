@@ -5,6 +5,9 @@ Servers: ``up`` (everything on one machine), ``api``, ``worker``, ``keys create|
 add|list|delete``, ``jobs submit|show|list|cancel|download|report|logs|delete``
 (service/local/cli_client.py). ``demo`` runs the README's main
 job.
+
+About 400 lines on purpose: the whole command-line grammar in one place (what each command
+does lives in service/local/cli_client.py and service/local/up.py).
 """
 
 from __future__ import annotations

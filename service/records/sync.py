@@ -5,6 +5,9 @@ Each resource is a hash ``bnadapt:<kind>:<id>`` with its ``tenant_id`` and its p
 ``finished_at``, ``error``, ``result``), changed only through :meth:`Records.transition`, a
 compare-and-set in Lua. A lookup for another tenant's resource answers None, exactly like a
 missing one, so the API can only ever say 404.
+
+One class, the records in Redis; its NOTE blocks (attempts, idempotency) map the subtle
+parts.
 """
 
 from __future__ import annotations

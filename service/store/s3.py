@@ -36,6 +36,8 @@ after it waits until the delete is done and installs the object again. The marke
 after ``DELETE_MARKER_TTL_S`` should its collector die; a collection whose delete could take
 that long does not exist (one DELETE request, bounded by the client's timeouts and retries).
 An object without a recorded write is as old as its ``LastModified``, also checked.
+
+One backend in one module; its NOTE blocks (atomic commit, collection on S3) map it.
 """
 
 from __future__ import annotations

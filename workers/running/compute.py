@@ -8,6 +8,8 @@ right whatever the policy.
 What the computation reports to and asks the outside: workers/running/hooks.py. An adapt job's
 estimation step (which estimator runs, or the merge of a sharded job):
 workers/estimators/dispatch.py.
+
+One job's computation read top to bottom, from payload to report.
 """
 
 from __future__ import annotations

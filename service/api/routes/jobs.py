@@ -1,5 +1,8 @@
 """/v1/jobs: submit (checked, idempotent), list (filtered), show, cancel, delete, report,
-logs, and the live events of a job (server-sent events)."""
+logs, and the live events of a job (server-sent events).
+
+One router per resource: every /v1/jobs route is here; its NOTE blocks mark the subtle parts.
+"""
 
 from __future__ import annotations
 
