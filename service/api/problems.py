@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -24,6 +24,7 @@ __all__ = [
     "not_found",
     "problem_items",
     "problem_responses",
+    "refuse_other_methods",
 ]
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,26 @@ class ApiError(BnadaptError):
         self.detail = detail
         self.errors = list(errors) if errors is not None else None
         self.headers = headers
+
+
+_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def refuse_other_methods(router: APIRouter, path: str, allowed: str, what: str) -> None:
+    """Answers 405 (``Allow: <allowed>``) to every other method on ``path``, an action such as
+    ``/{job_id}:cancel``. Without it, ``GET /v1/jobs/abc:cancel`` would reach
+    ``GET /v1/jobs/{job_id}`` with the id ``abc:cancel`` (Starlette's path parameters match the
+    colon) and answer 422."""
+
+    def wrong_method(request: Request) -> None:
+        raise ApiError(
+            405,
+            f"{request.method} is not allowed on {what}; send {allowed}",
+            headers={"Allow": allowed},
+        )
+
+    others = [method for method in _METHODS if method != allowed]
+    router.api_route(path, methods=others, include_in_schema=False)(wrong_method)
 
 
 def not_found(kind: str, resource_id: str) -> ApiError:

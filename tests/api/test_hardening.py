@@ -56,6 +56,15 @@ def test_get_on_cancel_is_405(client: Client) -> None:
     assert response.headers["allow"] == "POST"
 
 
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_other_methods_on_an_upload_complete_are_405(client: Client, method: str) -> None:
+    # GET and DELETE exist on /v1/uploads/{id}: without its own route, ":complete" would be
+    # taken for part of an id and answer 422.
+    response = client.http.request(method, "/v1/uploads/up_abc:complete")
+    problem(response, 405, "POST")
+    assert response.headers["allow"] == "POST"
+
+
 def test_job_params_are_not_coerced(client: Client) -> None:
     model = created(client.add_model("digits_cnn", {"width": 4}))
     dataset = created(client.add_dataset(digits_npz(n=32)))

@@ -51,7 +51,7 @@ from service.api.deps import (
     StoreDep,
     TenantDep,
 )
-from service.api.problems import ApiError, not_found
+from service.api.problems import ApiError, not_found, refuse_other_methods
 from service.errors import ObjectNotFoundError
 from service.records import keys
 from service.records.aio import AsyncRecords
@@ -352,19 +352,7 @@ def list_jobs(
     )
 
 
-@router.api_route(
-    "/{job_id}:cancel",
-    methods=["GET", "PUT", "PATCH", "DELETE", "OPTIONS"],
-    include_in_schema=False,
-)
-def cancel_wrong_method(request: Request) -> None:
-    """Without this, ``GET /v1/jobs/abc:cancel`` would reach ``GET /v1/jobs/{job_id}`` with
-    the id ``abc:cancel`` (Starlette's path parameters match the colon) and answer 422."""
-    raise ApiError(
-        405,
-        f"{request.method} is not allowed on a job's :cancel; send POST to cancel the job",
-        headers={"Allow": "POST"},
-    )
+refuse_other_methods(router, "/{job_id}:cancel", "POST", "a job's :cancel (POST cancels the job)")
 
 
 @router.get("/{job_id}")

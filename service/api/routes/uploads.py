@@ -30,7 +30,7 @@ from api_schemas.datasets import (
     UploadPublic,
 )
 from service.api.deps import RecordsDep, SettingsDep, StoreDep, TenantDep
-from service.api.problems import ApiError
+from service.api.problems import ApiError, refuse_other_methods
 from service.api.routes.datasets import DATASET_BYTES_SETTING, register_dataset
 from service.api.transfers import CHUNK_BYTES, store_body, too_large
 from service.errors import ObjectNotFoundError, StoreTooLargeError
@@ -101,6 +101,11 @@ def create_upload(
     )
     response.headers["Location"] = f"/v1/uploads/{session.id}"
     return _public(session, settings)
+
+
+refuse_other_methods(
+    router, "/{upload_id}:complete", "POST", "an upload's :complete (POST completes it)"
+)
 
 
 @router.get("/{upload_id}")
