@@ -10,7 +10,7 @@ from typing import Final
 
 from fastapi import APIRouter, Response
 
-from api_schemas import DatasetPublic, new_id, utc_now
+from api_schemas import DatasetPublic, utc_now
 from api_schemas.uploads import (
     DatasetImport,
     DirectUploadComplete,
@@ -19,8 +19,8 @@ from api_schemas.uploads import (
 )
 from service.api.deps import IdPath, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError
-from service.errors import ArrayFileError, StoreError, StoreTooLargeError
-from service.formats.arrays import describe_arrays
+from service.api.routes.datasets import register_dataset
+from service.errors import StoreError, StoreTooLargeError
 from service.records import keys
 from service.records.format import text
 from service.records.sync import Records
@@ -62,27 +62,9 @@ def _register(
     name: str,
     response: Response,
 ) -> DatasetPublic:
-    try:
-        facts = describe_arrays(
-            store.local_path(sha256), max_elements=settings.max_dataset_elements
-        )
-    except ArrayFileError as exc:
-        raise ApiError(422, str(exc)) from exc
-    dataset = DatasetPublic(
-        id=new_id("ds"),
-        name=name,
-        num_samples=facts.num_samples,
-        sample_shape=list(facts.sample_shape),
-        dtype=facts.dtype,
-        has_labels=facts.has_labels,
-        label_kind=facts.label_kind,
-        num_classes=facts.num_classes,
-        sha256=sha256,
-        size_bytes=size,
-        format=facts.format,
-        created_at=utc_now(),
-    )
-    records.put_dataset(tenant, dataset)
+    """Checks and registers the installed object as an upload through POST /v1/datasets is
+    (the same rules and limits), and points ``Location`` at it."""
+    dataset = register_dataset(tenant, records, store, settings, sha256, size, name)
     response.headers["Location"] = f"/v1/datasets/{dataset.id}"
     return dataset
 
