@@ -29,8 +29,16 @@ class _ReportModel(BaseModel):
 class Timings(_ReportModel):
     """Wall-clock seconds."""
 
-    load_s: float = Field(ge=0.0)
-    compute_s: float = Field(ge=0.0)
+    load_s: float = Field(ge=0.0, description="Building the model, reading weights and data.")
+    compute_s: float = Field(
+        ge=0.0, description="The adaptation or the training alone (an auto job's choice included)."
+    )
+    measure_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Measuring the model before and after: the metrics on labelled data and "
+        "the prediction diagnostics (0 in reports written before this field existed).",
+    )
     total_s: float = Field(ge=0.0)
 
 

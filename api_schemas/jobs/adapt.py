@@ -160,7 +160,8 @@ class AdaptParams(RequestModel):
 
     ``measure_batches`` bounds the measurement of labelled data before and after (the first
     that many batches of ``batch_size``); None: as many as ``max_batches``, all when that is
-    None too. The report's ``metrics_*.num_samples`` says how many samples were measured.
+    None too. The report's ``metrics_*.num_samples`` says how many samples were measured. It
+    bounds the prediction diagnostics too (at most 10,000 held-out samples in any case).
 
     ``auto`` (see workers/estimators/auto.py) holds ``holdout`` of the job's samples out of
     estimation (default 1/4, drawn with ``seed``), estimates ``precise`` on the rest, scores the

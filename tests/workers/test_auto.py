@@ -222,6 +222,21 @@ def test_fixed_estimators_report_diagnostics(
         assert outcome.report.samples == len(x) - found.samples
     assert 0.0 < found.changed_fraction <= 1.0
     assert found.after.mean_max_probability > found.before.mean_max_probability
+    assert outcome.report.timings.measure_s > 0.0
+
+
+def test_measure_batches_bounds_the_diagnostics(store: LocalStore, digits: dict[str, Any]) -> None:
+    """The diagnostics are a measurement like the metrics: bounded by measure_batches, and
+    timed in measure_s, not in compute_s (the estimation alone)."""
+    x = (digits["split"].x_test * 0.4 + 0.1).astype(np.float32)
+    outcome = run_adapt(store, digits, x, estimator="precise", measure_batches=2)
+    report = outcome.report
+    assert report.diagnostics is not None and report.diagnostics.samples == 2 * 64
+    assert report.metrics_before is not None and report.metrics_before.num_samples == 2 * 64
+    assert report.samples == len(x)  # the estimation still saw every sample
+    timings = report.timings
+    assert timings.measure_s > 0.0
+    assert timings.load_s + timings.compute_s + timings.measure_s <= timings.total_s
 
 
 @pytest.fixture(scope="module")

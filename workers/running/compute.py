@@ -213,17 +213,21 @@ def compute(
     loaded = time.perf_counter()
     before = state_snapshot(model)
     metrics_before = measure_on_all("evaluate before")
+    # The input model's predictions for the report's diagnostics: a measurement like the one
+    # above, so outside compute_s (which times the adaptation or training alone).
+    target = None
+    if isinstance(params, AdaptParams):
+        target = _target_before(model, x, params, device, measure)
     computing = time.perf_counter()
     all_bn = [name for name, _ in _batchnorm_names(model)]
     epochs: list[EpochLog] = []
     adapted: list[str] = []
     reset = False
-    target: _Target | None = None
     auto = None
     if isinstance(params, AdaptParams):
+        assert target is not None
         adapted = select_batchnorm(model, params.include, params.exclude)
         reset = params.effective_reset()
-        target = _target_before(model, x, params, device, measure)
         given = x if params.spec.holds_out else target.split.estimation
         run = estimate or functools.partial(run_estimator, x=given, reset=reset, device=device)
         with one_sample_batch_explained(len(given), params.batch_size, params.max_batches):
@@ -270,6 +274,7 @@ def compute(
     computed = time.perf_counter()
     metrics_after = measure_on_all("evaluate after")
     found_diagnostics = None if target is None else _target_after(model, target, device)
+    measured_at = time.perf_counter()
     after = state_snapshot(model)
     report = Report(
         job_id=payload.job_id,
@@ -285,6 +290,7 @@ def compute(
         timings=Timings(
             load_s=loaded - started,
             compute_s=computed - computing,
+            measure_s=(computing - loaded) + (measured_at - computed),
             total_s=time.perf_counter() - started,
         ),
         batchnorm=[
@@ -315,6 +321,7 @@ class _Target:
 
     split: TargetSplit
     batch_size: int
+    samples: int  # how many of the held-out samples the diagnostics cover
     before: PredictionSums | None
 
 
@@ -326,11 +333,15 @@ def _target_before(
     split = split_target(
         x, params.batch_size, params.max_batches, params.effective_holdout(), params.seed
     )
+    # Bounded like the labelled measurement (measure_batches) and by MAX_DIAGNOSTIC_SAMPLES.
+    samples = min(len(split.held_out), MAX_DIAGNOSTIC_SAMPLES)
+    if params.measure_batches is not None:
+        samples = min(samples, params.measure_batches * params.batch_size)
     before = None
     if measure:
-        sample = split.held_out[:MAX_DIAGNOSTIC_SAMPLES]
+        sample = split.held_out[:samples]
         before = predict(model, sample, batch_size=params.batch_size, device=device)
-    return _Target(split, params.batch_size, before)
+    return _Target(split, params.batch_size, samples, before)
 
 
 def _target_after(
@@ -339,7 +350,7 @@ def _target_after(
     """The report's diagnostics: the output model's predictions on the same samples."""
     if target.before is None:
         return None
-    sample = target.split.held_out[:MAX_DIAGNOSTIC_SAMPLES]
+    sample = target.split.held_out[: target.samples]
     after = predict(model, sample, batch_size=target.batch_size, device=device)
     return diagnostics(target.before, after, target.split.is_held_out)
 
