@@ -63,27 +63,45 @@ StoreDep = Annotated[Store, Depends(get_store)]
 AsyncRecordsDep = Annotated[AsyncRecords, Depends(get_async_records)]
 
 
-async def get_tenant(
-    request: Request,
-    records: AsyncRecordsDep,
-    _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER_SCHEME)],
-) -> str:
+_UNAUTHORIZED: Final = {"WWW-Authenticate": "Bearer"}
+
+
+def _presented_key(request: Request) -> str | None:
+    """The key in the request's ``Authorization: Bearer`` header; raises the 401 when there
+    is no such header, None when it is not a bearer key."""
     authorization = request.headers.get("authorization")
-    unauthorized = {"WWW-Authenticate": "Bearer"}
     if authorization is None:
         raise ApiError(
             401,
             "no API key: send 'Authorization: Bearer <key>' (create one with "
             "`bnadapt keys create`)",
-            headers=unauthorized,
+            headers=_UNAUTHORIZED,
         )
     match = _BEARER.match(authorization)
-    tenant_id = await records.tenant_for_key(match.group(1)) if match else None
+    return match.group(1) if match else None
+
+
+def _known(tenant_id: str | None, request: Request) -> str:
+    """The caller's tenant, kept for the request's other dependencies; the 401 when None."""
     if tenant_id is None:
         raise ApiError(
-            401, "the API key is not valid; check it or create a new one", headers=unauthorized
+            401, "the API key is not valid; check it or create a new one", headers=_UNAUTHORIZED
         )
+    request.state.tenant = tenant_id
     return tenant_id
+
+
+async def get_tenant(
+    request: Request,
+    records: AsyncRecordsDep,
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER_SCHEME)],
+) -> str:
+    known: str | None = getattr(request.state, "tenant", None)
+    if known is not None:  # found with the job by owned_job
+        return known
+    presented = _presented_key(request)
+    tenant_id = None if presented is None else await records.tenant_for_key(presented)
+    return _known(tenant_id, request)
 
 
 TenantDep = Annotated[str, Depends(get_tenant)]
@@ -110,8 +128,23 @@ def owned_dataset(dataset_id: IdPath, tenant: TenantDep, records: RecordsDep) ->
     return dataset
 
 
-async def owned_job(job_id: IdPath, tenant: TenantDep, records: AsyncRecordsDep) -> JobPublic:
-    job = await records.get_job(tenant, job_id)
+async def owned_job(
+    request: Request,
+    job_id: IdPath,
+    records: AsyncRecordsDep,
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER_SCHEME)],
+) -> JobPublic:
+    """The caller's job: the key and the job read in one round trip when the tenant is not
+    known yet (a status poll, the API's most frequent request)."""
+    known: str | None = getattr(request.state, "tenant", None)
+    if known is not None:
+        job = await records.get_job(known, job_id)
+    else:
+        presented = _presented_key(request)
+        tenant_id, job = (
+            (None, None) if presented is None else await records.tenant_and_job(presented, job_id)
+        )
+        _known(tenant_id, request)
     if job is None:
         raise not_found("job", job_id)
     return job

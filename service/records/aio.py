@@ -45,6 +45,25 @@ class AsyncRecords:
         lines = await self.client.lrange(keys.job_logs(job_id), 0, -1)
         return [line.encode() if isinstance(line, str) else line for line in lines]
 
+    async def tenant_and_job(
+        self, presented: str, job_id: str
+    ) -> tuple[str | None, JobPublic | None]:
+        """The tenant of the API key ``presented`` (None: not a valid key) and, when it is
+        valid, that tenant's job ``job_id`` (None: missing or another tenant's), in one round
+        trip: polling a job is most of an API's traffic."""
+        parts = split_api_key(presented)
+        if parts is None:
+            return None, None
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hmget(keys.api_key(parts[0]), API_KEY_FIELDS)
+            pipe.hgetall(keys.record("job", job_id))
+            pipe.get(keys.job_progress(job_id))
+            stored, fields, progress = await pipe.execute()
+        tenant_id = verify_api_key(parts[1], cast("list[bytes | None]", stored))
+        if tenant_id is None:
+            return None, None
+        return tenant_id, job_from_fields(tenant_id, fields, progress)
+
     async def get_job(self, tenant_id: str, job_id: str) -> JobPublic | None:
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hgetall(keys.record("job", job_id))

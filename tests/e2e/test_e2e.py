@@ -317,9 +317,13 @@ def test_auth_and_tenant_isolation(stack: Stack) -> None:
         ("GET", f"/v1/jobs/{job['id']}/report"),
         ("POST", f"/v1/jobs/{job['id']}:cancel"),
     ]
+    wrong_secret = Client(stack.url, alice.http.headers["Authorization"].split()[1] + "x")
     for method, path in routes:
         problem(bob.http.request(method, path), 404)
         assert anonymous.http.request(method, path).status_code == 401
+        # A job route reads the key and the job at once: a wrong key still gets nothing.
+        problem(wrong_secret.http.request(method, path), 401, "not valid")
+        problem(Client(stack.url, "garbage").http.request(method, path), 401, "not valid")
     problem(
         bob.submit({"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"]}),
         404,
