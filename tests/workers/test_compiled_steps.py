@@ -14,6 +14,7 @@ from torch import nn
 
 from api_schemas import AdaptParams, JobPayload, TrainParams
 from api_schemas.jobs.public import JobPayloadDataset, JobPayloadModel
+from service.local.summary import report_summary
 from service.store.local import LocalStore
 from tests.e2e.test_e2e import digits
 from tests.stack import npz_bytes
@@ -77,6 +78,11 @@ def test_compiled_job_keeps_the_statistics_exact(
         assert timed.warmup_steps >= 1 and timed.steady_samples_per_s is not None
         assert timed.steady_samples < report.samples
     assert compiled.report.batches == eager.report.batches
+    assert any(
+        line.startswith("steps (compiled with aot_eager)")
+        for line in report_summary(compiled.report)
+    )
+    assert any(line.startswith("steps (eager): 1 warm-up") for line in report_summary(eager.report))
     assert list(compiled.state_dict) == list(eager.state_dict)  # unwrapped, uncompiled keys
     for layer in compiled.report.batchnorm:
         assert layer.consistent and layer.batches_run == compiled.report.batches
