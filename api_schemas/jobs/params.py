@@ -93,6 +93,11 @@ class CheckpointPolicy(RequestModel):
 # eager; it needs a C compiler on the worker. "aot_eager" traces the same graphs (forward and
 # backward through AOT autograd) and runs them with eager kernels: no compiler needed and no
 # speed-up, for checking that a model compiles or for a worker without a C compiler.
+# Compilation happens inside the first step (and any step that recompiles, such as a shorter
+# last batch): the job's heartbeat keeps beating, and a cancel takes effect at the next step.
+# The report's `steps` (StepTimings in api_schemas/reports.py) times that warm-up apart from
+# the steady steps, for compiled and eager jobs alike; the speed-up is the ratio of two jobs'
+# steady throughput, which bench/train_compile_bench.py measures.
 CompileBackend = Literal["inductor", "aot_eager"]
 
 
