@@ -15,6 +15,7 @@ __all__ = [
     "Predictions",
     "Report",
     "ShardSummary",
+    "StepTimings",
     "TensorChange",
     "Timings",
 ]
@@ -40,6 +41,54 @@ class Timings(_ReportModel):
         "the prediction diagnostics (0 in reports written before this field existed).",
     )
     total_s: float = Field(ge=0.0)
+
+
+class StepTimings(_ReportModel):
+    """The optimizer steps of a train job or a backward-pass adapt job (``entropy``), timed one
+    by one: what compilation costs and what it gives (NOTE [ Compiled jobs ] in
+    api_schemas/jobs/params.py). Given for compiled and eager jobs alike, measured the same
+    way, so that two jobs on the same data and params compare like for like.
+
+    The speed-up of ``compile`` is not in one report: it is ``steady_samples_per_s`` of a
+    compiled job over that of the same job run eagerly. The worker does not time an eager
+    reference inside a compiled job: that would cost every compiled job extra steps (on a
+    copy of the model and optimizer, since steps change them), and a few steps' timing is
+    too noisy to be worth its cost. bench/train_compile_bench.py gives the ratio.
+    """
+
+    compiled: bool = Field(description="Whether the steps ran through torch.compile.")
+    backend: str | None = Field(
+        default=None, description="The torch.compile backend; null for an eager job."
+    )
+    steps: int = Field(ge=0, description="All optimizer steps of the job.")
+    warmup_steps: int = Field(
+        ge=0,
+        description="Steps that paid a one-off cost, timed apart from the rest: the first "
+        "step (compilation of the forward and backward graphs when compiled; lazy "
+        "initialisation when eager) and every later step during which torch compiled another "
+        "graph (a recompilation, such as for a shorter last batch).",
+    )
+    warmup_s: float = Field(
+        ge=0.0,
+        description="Wall-clock seconds of the warm-up steps, compilation included: a "
+        "compiled job's compile cost is about warmup_s less warmup_steps steady steps. Lower "
+        "when torch's on-disk compile cache already holds the graphs (an earlier job of the "
+        "same model and shapes on the same worker machine).",
+    )
+    graphs_compiled: int = Field(
+        ge=0, description="Graphs torch compiled during the steps (0 for an eager job)."
+    )
+    steady_steps: int = Field(ge=0, description="steps - warmup_steps.")
+    steady_samples: int = Field(ge=0, description="Samples in the steady steps.")
+    steady_s: float = Field(ge=0.0, description="Wall-clock seconds of the steady steps.")
+    steady_samples_per_s: float | None = Field(
+        default=None,
+        ge=0.0,
+        description="steady_samples / steady_s: the throughput once nothing is compiled any "
+        "more; null without steady steps. Each step is its own forward, backward and "
+        "optimizer update (on CUDA followed by a synchronisation, in both modes, so that a "
+        "step's time is its own).",
+    )
 
 
 class BatchNormChange(_ReportModel):
@@ -203,6 +252,9 @@ class Report(_ReportModel):
     diagnostics: PredictionDiagnostics | None = None
     # The auto estimator's candidates and choice; null for other estimators.
     auto: AutoChoice | None = None
+    # Train jobs and entropy adapt jobs: the optimizer steps' timings, compiled or not; null
+    # for forward-only jobs and in reports written before this field existed.
+    steps: StepTimings | None = None
 
     def summary_lines(self) -> list[str]:
         """The diagnostics and the auto choice as lines of text (empty when there are none),

@@ -19,11 +19,13 @@ from api_schemas.jobs.params import (
     MAX_SHARDS,
     BatchSize,
     CheckpointPolicy,
+    CompileBackend,
     Device,
     JobTags,
     MaxAttempts,
     ModulePattern,
     PatternList,
+    compile_backend_fits,
 )
 from api_schemas.models import Seed
 
@@ -63,6 +65,8 @@ class EstimatorSpec:
     # is what a user who asks for shards > 1 is told.
     sharding: Pooling | None
     sequential_reason: str = ""
+    # Runs backward passes (optimizer steps); only these accept `compile` (NOTE [ Compiled
+    # jobs ] in api_schemas/jobs/params.py).
     backward: bool = False
     # The runner gets all the job's samples and holds out its share itself (split_target in
     # workers/running/reporting.py); the others get the estimation samples only.
@@ -163,6 +167,11 @@ class AdaptParams(RequestModel):
     None too. The report's ``metrics_*.num_samples`` says how many samples were measured. It
     bounds the prediction diagnostics too (at most 10,000 held-out samples in any case).
 
+    ``compile`` (``entropy``, the estimators whose row has ``backward``) runs the optimizer
+    steps through ``torch.compile`` with ``compile_backend`` (NOTE [ Compiled jobs ] in
+    api_schemas/jobs/params.py); the report's ``steps`` gives the compilation's cost and the
+    steady-state throughput.
+
     ``auto`` (see workers/estimators/auto.py) holds ``holdout`` of the job's samples out of
     estimation (default 1/4, drawn with ``seed``), estimates ``precise`` on the rest, scores the
     source statistics, ``precise``, ``prior`` mixes of the two and, with ``allow_backward``,
@@ -197,6 +206,9 @@ class AdaptParams(RequestModel):
     holdout: float | None = Field(default=None, ge=0.0, le=AUTO_MAX_HOLDOUT, allow_inf_nan=False)
     # auto: may try candidates that need backward passes (entropy).
     allow_backward: bool = False
+    # NOTE [ Compiled jobs ] in api_schemas/jobs/params.py: estimators with backward passes.
+    compile: bool = False
+    compile_backend: CompileBackend = "inductor"
 
     def measured_samples(self, num_samples: int) -> int:
         """How many of the dataset's first samples the before/after measurement covers."""
@@ -233,6 +245,19 @@ class AdaptParams(RequestModel):
                 f"so its batches cannot be split across {self.shards} workers; use shards=1, "
                 f"or estimator {choices}, whose statistics shards can collect apart"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _compile_fits_estimator(self) -> Self:
+        if self.compile and not self.spec.backward:
+            accepting = [repr(name) for name, spec in ESTIMATORS.items() if spec.backward]
+            raise ValueError(
+                f"compile is an option of estimators that run backward passes "
+                f"({', '.join(accepting)}) and of train jobs; the {self.estimator} estimator "
+                "runs each batch forward once, which cannot pay back a compilation. Drop "
+                f"compile, or use estimator {' or '.join(accepting)}"
+            )
+        compile_backend_fits(self.compile, self.compile_backend)
         return self
 
     @model_validator(mode="after")

@@ -15,11 +15,13 @@ __all__ = [
     "TAG_KEY_PATTERN",
     "BatchSize",
     "CheckpointPolicy",
+    "CompileBackend",
     "Device",
     "JobTags",
     "MaxAttempts",
     "ModulePattern",
     "PatternList",
+    "compile_backend_fits",
     "num_batches",
 ]
 
@@ -74,3 +76,36 @@ class CheckpointPolicy(RequestModel):
     modules: PatternList = Field(default_factory=list)
     types: PatternList = Field(default_factory=list)
     offload_to_cpu: bool = False
+
+
+# NOTE [ Compiled jobs ]
+# A train job, or an adapt job whose estimator runs backward passes (the rows of ESTIMATORS
+# with backward=True: entropy), may ask for `compile: true`: the worker runs its training
+# steps through `torch.compile` of the wrapped model (checkpoint wrappers inside, whose
+# statistics guarantee holds under compile: NOTE [ Under torch.compile ] in
+# bnadapt/checkpoint.py). Only the steps are compiled: the measurement before and after and a
+# train job's validation run the same model eagerly, so a job compiles the train-mode graphs
+# only (eval mode under no_grad would be a second set of graphs, paid for a few batches).
+# Forward-only estimators are refused: one pass over the data runs each batch once, which
+# cannot pay back a compilation that costs more than many eager passes.
+# The backend is `compile_backend`, "inductor" by default: it is the backend that generates
+# fused kernels (C++ on the CPU, Triton on CUDA) and so the only one that can be faster than
+# eager; it needs a C compiler on the worker. "aot_eager" traces the same graphs (forward and
+# backward through AOT autograd) and runs them with eager kernels: no compiler needed and no
+# speed-up, for checking that a model compiles or for a worker without a C compiler.
+# Compilation happens inside the first step (and any step that recompiles, such as a shorter
+# last batch): the job's heartbeat keeps beating, and a cancel takes effect at the next step.
+# The report's `steps` (StepTimings in api_schemas/reports.py) times that warm-up apart from
+# the steady steps, for compiled and eager jobs alike; the speed-up is the ratio of two jobs'
+# steady throughput, which bench/train_compile_bench.py measures.
+CompileBackend = Literal["inductor", "aot_eager"]
+
+
+def compile_backend_fits(compile: bool, backend: str) -> None:
+    """A backend other than the default without ``compile: true`` is refused (it would be
+    ignored). The default itself passes: stored params carry every field, defaults included."""
+    if backend != "inductor" and not compile:
+        raise ValueError(
+            f"compile_backend {backend!r} is an option of compiled jobs; add compile: true, "
+            "or drop compile_backend"
+        )

@@ -1,17 +1,19 @@
 """Train jobs: all parameters trained with a plain optimizer on a labelled dataset."""
 
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from api_schemas.common import RequestModel, ResourceId
 from api_schemas.jobs.params import (
     DEFAULT_MAX_ATTEMPTS,
     BatchSize,
     CheckpointPolicy,
+    CompileBackend,
     Device,
     JobTags,
     MaxAttempts,
+    compile_backend_fits,
 )
 from api_schemas.models import Seed
 
@@ -20,7 +22,11 @@ __all__ = ["TrainJobCreate", "TrainParams"]
 
 class TrainParams(RequestModel):
     """Train all parameters with a plain optimizer. ``loss=None`` picks cross-entropy for class
-    labels and MSE for float targets."""
+    labels and MSE for float targets.
+
+    ``compile``: the training steps run through ``torch.compile`` with ``compile_backend``
+    (NOTE [ Compiled jobs ] in api_schemas/jobs/params.py); the report's ``steps`` gives the
+    compilation's cost and the steady-state throughput."""
 
     epochs: int = Field(default=1, ge=1, le=1000)
     batch_size: BatchSize = 64
@@ -33,6 +39,13 @@ class TrainParams(RequestModel):
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     seed: Seed = 0
     device: Device = "auto"
+    compile: bool = False
+    compile_backend: CompileBackend = "inductor"
+
+    @model_validator(mode="after")
+    def _compile_backend_fits(self) -> Self:
+        compile_backend_fits(self.compile, self.compile_backend)
+        return self
 
 
 class TrainJobCreate(RequestModel):

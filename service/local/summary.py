@@ -52,4 +52,17 @@ def report_summary(report: Report) -> list[str]:
         consistent = all(layer.consistent for layer in report.batchnorm)
         lines.append(f"statistics consistent with the batches run: {'yes' if consistent else 'NO'}")
     lines.append(f"compute {report.timings.compute_s:.2f} s on {report.device}")
+    steps = report.steps
+    if steps is not None:
+        how = f"compiled with {steps.backend}" if steps.compiled else "eager"
+        graphs = f", {steps.graphs_compiled} graphs compiled" if steps.compiled else ""
+        rate = (
+            "no steady steps"
+            if steps.steady_samples_per_s is None
+            else f"then {steps.steady_samples_per_s:,.0f} samples/s"
+        )
+        lines.append(
+            f"steps ({how}): {steps.warmup_steps} warm-up in {steps.warmup_s:.2f} s{graphs}, "
+            f"{rate} over {steps.steady_steps} steps"
+        )
     return lines + report.summary_lines()  # prediction diagnostics, auto's candidates

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 import api_schemas
 from api_schemas import (
     ESTIMATOR_NAMES,
+    ESTIMATORS,
     MAX_BATCH_SIZE,
     AdaptJobCreate,
     AdaptParams,
@@ -453,3 +454,31 @@ def test_layerwise_is_a_precise_option_for_one_worker() -> None:
         AdaptParams(estimator="cumulative", layerwise=True)
     with pytest.raises(ValidationError, match="cannot be split into shards; use shards=1"):
         AdaptParams(estimator="precise", layerwise=True, shards=2)
+
+
+def test_compile_is_for_train_jobs_and_backward_estimators() -> None:
+    """NOTE [ Compiled jobs ]: compile where optimizer steps run, refused elsewhere with the
+    estimators that accept it named from the table."""
+    assert TrainParams(compile=True).compile_backend == "inductor"
+    assert TrainParams(compile=True, compile_backend="aot_eager").compile
+    assert AdaptParams(estimator="entropy", compile=True).compile
+    backward = [name for name, spec in ESTIMATORS.items() if spec.backward]
+    assert backward == ["entropy"]
+    for name, spec in ESTIMATORS.items():
+        if spec.backward:
+            continue
+        with pytest.raises(
+            ValidationError,
+            match=rf"compile is an option of estimators that run backward passes \('entropy'\)"
+            rf" and of train jobs; the {name} estimator",
+        ):
+            AdaptParams.model_validate({"estimator": name, "compile": True})
+    with pytest.raises(ValidationError, match="the entropy estimator is sequential"):
+        AdaptParams(estimator="entropy", compile=True, shards=2)
+    for params in (TrainParams, AdaptParams):
+        with pytest.raises(ValidationError, match="add compile: true, or drop compile_backend"):
+            params.model_validate({"compile_backend": "aot_eager"})
+        # Stored params carry every field: the default backend without compile passes.
+        assert params.model_validate(params().model_dump()).compile is False
+        with pytest.raises(ValidationError, match="compile_backend"):
+            params.model_validate({"compile": True, "compile_backend": "cudagraphs"})

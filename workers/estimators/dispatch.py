@@ -21,6 +21,7 @@ from workers import import_path
 from workers.estimators.running import AdaptStats
 from workers.running.data import Batches, Data, iter_batches, num_batches
 from workers.running.hooks import JobHooks
+from workers.running.steps import Forward, StepClock
 
 __all__ = ["Estimate", "EstimatorTask", "load_runner", "run_estimator"]
 
@@ -42,6 +43,10 @@ class EstimatorTask:
     x: Data  # (N, ...) read a batch at a time, on the CPU
     reset: bool
     device: torch.device
+    # Estimators with backward passes (the row's `backward`): what runs their steps' forward
+    # passes (None: the model; a compiled job's torch.compile of it) and what times the steps.
+    forward: Forward | None = None
+    clock: StepClock | None = None
 
     @property
     def total(self) -> int:
@@ -88,7 +93,9 @@ def run_estimator(
     x: Data,
     reset: bool,
     device: torch.device,
+    forward: Forward | None = None,
+    clock: StepClock | None = None,
 ) -> AdaptStats:
     """Runs the job's estimator on ``x`` (N, ...) on the CPU, batch by batch on ``device``."""
-    task = EstimatorTask(model, params, layers, hooks, x, reset, device)
+    task = EstimatorTask(model, params, layers, hooks, x, reset, device, forward, clock)
     return load_runner(params.spec.runner)(task)

@@ -26,6 +26,7 @@ from workers.models.modules import model_device, training_flags
 
 if TYPE_CHECKING:
     from workers.estimators.dispatch import EstimatorTask
+    from workers.running.steps import Forward, StepClock
 
 __all__ = ["SGD_MOMENTUM", "Optimizer", "entropy_adapt", "entropy_loss", "run"]
 
@@ -50,6 +51,8 @@ def entropy_adapt(
     reset: bool = False,
     progress: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    forward: Forward | None = None,
+    clock: StepClock | None = None,
 ) -> AdaptStats:
     """``steps`` optimiser steps (``None``: one per batch), each on the next of ``batches``
     ``(B, ...)``, cycling; batches are moved to the model's device. ``optimizer`` is Adam, or
@@ -58,7 +61,8 @@ def entropy_adapt(
     forward, so each selected layer's ``num_batches_tracked`` grows by exactly that.
 
     ``requires_grad`` and ``.grad`` of every parameter and all training flags are as before
-    when it returns or raises.
+    when it returns or raises. ``forward`` runs the steps' forward passes (default ``model``;
+    a compiled ``model``, workers/running/steps.py); ``clock`` times each step.
     """
     if not lr > 0:
         raise AdaptError(f"the learning rate must be > 0, got {lr}")
@@ -99,12 +103,16 @@ def entropy_adapt(
             for step in range(total):
                 if should_stop is not None and should_stop():
                     raise JobCanceled(f"entropy adaptation canceled after {step} steps")
+                if clock is not None:
+                    clock.start()
                 batch = batches[step % len(batches)].to(device)  # (B, ...)
-                logits = model(batch)  # (B, K)
+                logits = (forward or model)(batch)  # (B, K)
                 loss = entropy_loss(_checked_logits(logits))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()  # type: ignore[no-untyped-call]
                 opt.step()
+                if clock is not None:
+                    clock.stop(batch.shape[0])
                 samples += batch.shape[0]
                 if progress is not None:
                     progress(step + 1)
@@ -146,4 +154,6 @@ def run(task: EstimatorTask) -> AdaptStats:
         reset=task.reset,
         progress=task.hooks.report,
         should_stop=task.hooks.should_stop,
+        forward=task.forward,
+        clock=task.clock,
     )

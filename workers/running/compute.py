@@ -67,6 +67,7 @@ from workers.running.reporting import (
     state_snapshot,
     tensor_changes,
 )
+from workers.running.steps import StepClock, step_forward
 from workers.running.training import train_model
 
 __all__ = [
@@ -224,12 +225,22 @@ def compute(
     adapted: list[str] = []
     reset = False
     auto = None
+    # NOTE [ Compiled jobs ] (api_schemas/jobs/params.py): train jobs and backward-pass
+    # estimators time their steps, and with `compile` run them through torch.compile.
+    assert not isinstance(params, EvaluateParams), "evaluate jobs run compute_evaluation"
+    backend = params.compile_backend if params.compile else None
+    clock = None
+    if isinstance(params, TrainParams) or params.spec.backward:
+        clock = StepClock(device, backend)
+    forward = step_forward(model, backend)
     if isinstance(params, AdaptParams):
         assert target is not None
         adapted = select_batchnorm(model, params.include, params.exclude)
         reset = params.effective_reset()
         given = x if params.spec.holds_out else target.split.estimation
-        run = estimate or functools.partial(run_estimator, x=given, reset=reset, device=device)
+        run = estimate or functools.partial(
+            run_estimator, x=given, reset=reset, device=device, forward=forward, clock=clock
+        )
         with one_sample_batch_explained(len(given), params.batch_size, params.max_batches):
             stats = run(model, params, adapted, hooks)
         _check_statistics_finite(model, adapted)
@@ -266,6 +277,8 @@ def compute(
                 device=device,
                 progress=progress,
                 should_stop=hooks.should_stop,
+                forward=forward,
+                clock=clock,
             )
         epochs = [EpochLog(**asdict(e)) for e in trained.epochs]
         batches, samples, estimator = trained.steps, trained.samples, None
@@ -303,6 +316,7 @@ def compute(
         epochs=epochs,
         diagnostics=found_diagnostics,
         auto=auto,
+        steps=None if clock is None or clock.steps == 0 else clock.timings(),
     )
     kwargs = resolve_kwargs(payload.model.architecture, payload.model.kwargs)
     return JobOutcome(

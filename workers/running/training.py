@@ -25,6 +25,7 @@ from workers.running.evaluation import (
     compute_loss,
     evaluate_sums,
 )
+from workers.running.steps import Forward, StepClock
 
 __all__ = ["EpochLog", "Optimizer", "TrainStats", "batch_bounds", "split_indices", "train_model"]
 
@@ -98,6 +99,8 @@ def train_model(
     device: torch.device | str,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    forward: Forward | None = None,
+    clock: StepClock | None = None,
 ) -> TrainStats:
     """Train ``model`` in place on ``x`` (N, ...) and ``y`` (N,) class labels or (N, ...)
     targets; the model is moved to ``device``, the data goes there batch by batch.
@@ -105,6 +108,10 @@ def train_model(
     ``progress(steps_done, total_steps)`` after each step; ``should_stop()`` before each,
     raising :class:`JobCanceled` when it answers True. Every module's training flag is
     restored at the end.
+
+    ``forward`` runs the train steps' forward passes (default ``model``; a compiled
+    ``model``, workers/running/steps.py); validation runs ``model`` itself. ``clock`` times
+    each step, from reading its batch to the optimizer's update.
     """
     if epochs < 1 or batch_size < 1:
         raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
@@ -142,15 +149,19 @@ def train_model(
             for start, stop in bounds:
                 if should_stop is not None and should_stop():
                     raise JobCanceled(f"training canceled after {steps} of {total_steps} steps")
+                if clock is not None:
+                    clock.start()
                 idx = order[start:stop]
                 xb, yb = load_rows(x, idx).to(target), y[idx].to(target)  # (B, ...), (B, ...)
-                outputs = model(xb)  # (B, num_classes) or (B, ...)
+                outputs = (forward or model)(xb)  # (B, num_classes) or (B, ...)
                 if steps == 0:
                     check_targets(outputs, y, loss)
                 batch_loss = compute_loss(outputs, yb, loss, "mean")
                 opt.zero_grad(set_to_none=True)
                 torch.autograd.backward(batch_loss)
                 opt.step()
+                if clock is not None:
+                    clock.stop(stop - start)
                 loss_sum += batch_loss.detach().double() * (stop - start)
                 epoch_samples += stop - start
                 steps += 1
