@@ -112,6 +112,9 @@ return 0
 
 _session_lock = threading.Lock()
 _sessions: dict[int, Any] = {}
+# Clients warm_up made for forked children: (endpoint URL, parts in flight) -> (maker's pid,
+# client). Never used in the process that made them.
+_forkable: dict[tuple[str, int], tuple[int, Any]] = {}
 
 
 def _session() -> Any:
@@ -125,12 +128,45 @@ def _session() -> Any:
         return session
 
 
-def warm_up() -> None:
-    """Loads the S3 service model into this process's session without a request: an RQ
-    worker calls it before forking jobs, so each job makes its client in milliseconds."""
+def _client_config(parts_in_flight: int) -> Config:
+    return Config(
+        # SigV4 everywhere: botocore would presign with the legacy SigV2, which AWS regions
+        # opened since 2014 refuse and SeaweedFS refuses with response parameters.
+        signature_version="s3v4",
+        retries={"max_attempts": 5, "mode": "standard"},
+        max_pool_connections=max(10, 2 * parts_in_flight),
+        connect_timeout=10,
+        read_timeout=60,
+    )
+
+
+def _new_client(endpoint_url: str | None, parts_in_flight: int) -> Any:
+    """A client for this process: one warm_up made before the fork if there is one (tens of
+    milliseconds saved per job), else a new one."""
+    name = endpoint_url or ""
+    with _session_lock:
+        made = _forkable.pop((name, parts_in_flight), None)
+        if made is not None and made[0] != os.getpid():
+            return made[1]
+        if made is not None:
+            _forkable[(name, parts_in_flight)] = made  # the maker's: kept for its children
+    session = _session()
+    with _session_lock:  # a session is not thread-safe
+        return session.client(
+            "s3", endpoint_url=endpoint_url, config=_client_config(parts_in_flight)
+        )
+
+
+def warm_up(parts_in_flight: int = 4) -> None:
+    """Loads the S3 service model into this process's session and makes the client a job
+    will use, without a request: an RQ worker calls it before forking jobs, so each job has
+    its client at once. The client is never used in this process, so it holds no connection
+    a child could inherit; each forked child takes its own copy of it."""
     session = _session()
     with _session_lock:
-        session.client("s3", config=Config(signature_version="s3v4"))
+        # No endpoint_url: like S3Store's own client, it reads AWS_ENDPOINT_URL itself.
+        client = session.client("s3", config=_client_config(parts_in_flight))
+        _forkable[("", parts_in_flight)] = (os.getpid(), client)
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -362,20 +398,7 @@ class S3Store:
         name = endpoint_url or ""
         client = self._clients.get(name)
         if client is None:
-            config = Config(
-                # SigV4 everywhere: botocore would presign with the legacy SigV2, which AWS
-                # regions opened since 2014 refuse and SeaweedFS refuses with response
-                # parameters.
-                signature_version="s3v4",
-                retries={"max_attempts": 5, "mode": "standard"},
-                max_pool_connections=max(10, 2 * self.parts_in_flight),
-                connect_timeout=10,
-                read_timeout=60,
-            )
-            session = _session()
-            with _session_lock:  # a session is not thread-safe
-                client = session.client("s3", endpoint_url=endpoint_url, config=config)
-            self._clients[name] = client
+            client = self._clients[name] = _new_client(endpoint_url, self.parts_in_flight)
         return client
 
     @property
