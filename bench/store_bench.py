@@ -2,7 +2,8 @@
 
 1. Throughput of one object of ``--mib`` MiB, against boto3's own managed transfers
    (``upload_fileobj`` / ``download_file``) of the same bytes to the same server in the same
-   run. Ratio: service throughput / boto3 throughput.
+   run, each service write right after a boto3 upload of the same file (the pair sees the same
+   load). Ratio: service throughput / boto3 throughput.
    - write, digest announced: ``S3Store.writer(sha256=...)`` in 1 MiB chunks, what the
      dataset upload route does when the client sends ``X-Content-SHA256`` (the CLI and the
      Python client do) and what a worker's ``put_bytes`` does: parts go straight to the
@@ -15,9 +16,10 @@
 2. The second job on the same inputs: GetObject requests and bytes a second ``local_path`` of
    the same object sends to the bucket (a botocore event counts them).
 3. Per-job overhead: a whole small adapt job (one CPU worker, the API over HTTP) on the S3
-   store against the local store, ``--jobs`` jobs each after a warm-up job (the local stack
-   first, then the S3 one). A job's time is the service's own, from its record: created to
-   finished (the client's poll interval would otherwise round every job up).
+   store against the local store, ``--jobs`` jobs each after a warm-up job, both stacks
+   running and jobs submitted in turn (the same load on both). A job's time is the
+   service's own, from its record: created to finished (the client's poll interval would
+   otherwise round every job up).
 
     .venv/bin/python bench/store_bench.py [--mib 1024] [--jobs 8] [--http-mib 1024]
 """
@@ -59,10 +61,8 @@ def throughput(server: S3Server, root: Path, mib: int) -> dict[str, float]:
         size = mib * MIB
         boto = server.client()
 
-        start = time.perf_counter()
         with source.open("rb") as file:
             boto.upload_fileobj(file, bucket, "plain/object.bin")
-        boto_up = size / (time.perf_counter() - start)
         start = time.perf_counter()
         boto.download_file(bucket, "plain/object.bin", str(root / "plain.bin"))
         boto_down = size / (time.perf_counter() - start)
@@ -74,7 +74,14 @@ def throughput(server: S3Server, root: Path, mib: int) -> dict[str, float]:
                 digest.update(chunk)
         sha256 = digest.hexdigest()
 
+        def boto_upload(key: str) -> float:
+            start = time.perf_counter()
+            with source.open("rb") as file:
+                boto.upload_fileobj(file, bucket, key)
+            return size / (time.perf_counter() - start)
+
         unknown = S3Store(bucket, "unknown/", ObjectCache(root / "u", 0), client)
+        boto_up_unknown = boto_upload("plain/unknown.bin")
         start = time.perf_counter()
         with unknown.writer() as writer, source.open("rb") as file:
             while chunk := file.read(MIB):
@@ -83,6 +90,7 @@ def throughput(server: S3Server, root: Path, mib: int) -> dict[str, float]:
         unknown.cache.discard(writer.sha256)
 
         writer_machine = S3Store(bucket, "svc/", ObjectCache(root / "a", 0), client)
+        boto_up = boto_upload("plain/announced.bin")
         start = time.perf_counter()
         with writer_machine.writer(sha256=sha256) as writer, source.open("rb") as file:
             while chunk := file.read(MIB):
@@ -111,6 +119,7 @@ def throughput(server: S3Server, root: Path, mib: int) -> dict[str, float]:
             "boto_down": boto_down,
             "service_up": service_up,
             "service_up_unknown": service_up_unknown,
+            "boto_up_unknown": boto_up_unknown,
             "service_down": service_down,
             "first_gets": first_gets,
             "first_bytes": first_bytes,
@@ -127,31 +136,40 @@ def _stamp(record: dict[str, Any], field: str) -> float:
 
 
 def job_seconds(
-    root: Path, env: dict[str, str], jobs: int, http_mib: int = 0, boto: Any = None
-) -> tuple[list[float], dict[str, float]]:
-    """Seconds from created to finished of ``jobs`` small adapt jobs; with ``http_mib``, also
-    a dataset of that size uploaded through the API against boto3 (``boto``, bucket in
-    ``env``) in the same run."""
-    with running_stack(root, {**env, "BNADAPT_WORKER_THREADS": "1"}) as stack:
-        client: Client = stack.client("bench")
+    root: Path, s3_env: dict[str, str], jobs: int, http_mib: int, boto: Any
+) -> tuple[list[float], list[float], dict[str, float]]:
+    """Seconds from created to finished of ``jobs`` small adapt jobs on a local-store stack
+    and on an S3 stack, both running, submitted in turn (local, S3, local, ...) so that both
+    see the same load; with ``http_mib``, also a file of that size uploaded through the S3
+    stack's API against boto3 (``boto``) in the same run."""
+    single = {"BNADAPT_WORKER_THREADS": "1"}
+    with (
+        running_stack(root / "local", single) as local_stack,
+        running_stack(root / "s3stack", {**s3_env, **single}) as s3_stack,
+    ):
         transfer: dict[str, float] = {}
         if http_mib:
-            transfer = http_upload(root, client, boto, env, http_mib)
-        model = client.add_model("digits_cnn", {"width": 8}).json()
-        dataset = client.add_dataset(digits_npz(n=512)).json()
-        body: dict[str, Any] = {
-            "kind": "adapt",
-            "model_id": model["id"],
-            "dataset_id": dataset["id"],
-            "params": {"batch_size": 128},
-        }
-        times = []
-        for _ in range(jobs + 1):  # the first one warms the worker and its cache
-            job = client.submit(body).json()
-            record = client.wait(job["id"], timeout_s=300)
-            assert record["status"] == "succeeded", record
-            times.append(_stamp(record, "finished_at") - _stamp(record, "created_at"))
-        return times[1:], transfer
+            transfer = http_upload(root, s3_stack.client("bench"), boto, s3_env, http_mib)
+        runs = []
+        for stack in (local_stack, s3_stack):
+            client: Client = stack.client("bench")
+            model = client.add_model("digits_cnn", {"width": 8}).json()
+            dataset = client.add_dataset(digits_npz(n=512)).json()
+            body: dict[str, Any] = {
+                "kind": "adapt",
+                "model_id": model["id"],
+                "dataset_id": dataset["id"],
+                "params": {"batch_size": 128},
+            }
+            runs.append((client, body, []))
+        for round_ in range(jobs + 1):  # the first round warms the workers and their caches
+            for client, body, times in runs:
+                job = client.submit(body).json()
+                record = client.wait(job["id"], timeout_s=300)
+                assert record["status"] == "succeeded", record
+                if round_:
+                    times.append(_stamp(record, "finished_at") - _stamp(record, "created_at"))
+        return runs[0][2], runs[1][2], transfer
 
 
 def http_upload(
@@ -199,7 +217,7 @@ def report_throughput(result: dict[str, float], mib: int) -> None:
     print(f"object of {mib} MiB")
     for label, way, base in (
         ("write, digest announced", "service_up", "boto_up"),
-        ("write, digest unknown", "service_up_unknown", "boto_up"),
+        ("write, digest unknown", "service_up_unknown", "boto_up_unknown"),
         ("read, empty cache", "service_down", "boto_down"),
     ):
         service, boto = result[way], result[base]
@@ -230,9 +248,8 @@ def main() -> None:
             if args.jobs or args.http_mib:
                 bucket = server.new_bucket()
                 s3_env = {**server.env, "BNADAPT_STORE_URL": f"s3://{bucket}/bench"}
-                local, _ = job_seconds(root / "local", {}, args.jobs)
-                s3, up = job_seconds(
-                    root / "s3stack", s3_env, args.jobs, args.http_mib, server.client()
+                local, s3, up = job_seconds(
+                    root / "stacks", s3_env, args.jobs, args.http_mib, server.client()
                 )
                 if up:
                     print(

@@ -32,6 +32,7 @@ from service.store.base import SHA256_RE, ObjectWriter, Store
 __all__ = [
     "CHUNK_BYTES",
     "SHA256_HEADER",
+    "SHA256_HEADER_PARAMETER",
     "StreamedUpload",
     "store_body",
     "store_multipart",
@@ -44,6 +45,17 @@ CHUNK_BYTES: Final = 1024 * 1024
 # The file's sha256 (64 lowercase hex digits), sent by a client that knows it: an S3 store
 # then writes the upload straight to its content key (NOTE [ Atomic commit on S3 ]).
 SHA256_HEADER: Final = "X-Content-SHA256"
+# Its OpenAPI description, for the routes that read it (their `openapi_extra`).
+SHA256_HEADER_PARAMETER: Final[dict[str, object]] = {
+    "name": SHA256_HEADER,
+    "in": "header",
+    "required": False,
+    "description": (
+        "The file's sha256, if the client knows it: an S3 store then writes the file straight "
+        "to its content key; a file whose bytes hash otherwise is refused (422)."
+    ),
+    "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+}
 _PIECE_BYTES: Final = 4 * 1024 * 1024  # written to the store in one call from a thread
 _MAX_FIELD_BYTES: Final = 4096  # a form field other than the file (a name)
 _MULTIPART_SLACK: Final = 64 * 1024  # boundaries and part headers around the file

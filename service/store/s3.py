@@ -232,7 +232,8 @@ class _S3Writer(HashingWriter):
         self._buffer += chunk
         part_bytes = self._store.part_bytes
         while len(self._buffer) >= part_bytes and not self.already_there:
-            part = bytes(self._buffer[:part_bytes])
+            with memoryview(self._buffer) as view:
+                part = bytes(view[:part_bytes])  # one copy (a slice of the bytearray is two)
             del self._buffer[:part_bytes]
             self._send(part)
 

@@ -32,7 +32,7 @@ from api_schemas.datasets import (
 from service.api.deps import RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError, refuse_other_methods
 from service.api.routes.datasets import DATASET_BYTES_SETTING, register_dataset
-from service.api.transfers import CHUNK_BYTES, store_body, too_large
+from service.api.transfers import CHUNK_BYTES, SHA256_HEADER_PARAMETER, store_body, too_large
 from service.errors import ObjectNotFoundError, StoreTooLargeError
 from service.records.sync import Records
 from service.records.uploads import UploadRecords, UploadSession
@@ -47,10 +47,11 @@ UploadId = Annotated[str, Path(pattern=ID_PATTERN)]
 PartNumber = Annotated[int, Path(ge=1, le=MAX_UPLOAD_PARTS)]
 _PART_SETTING: Final = "BNADAPT_MAX_UPLOAD_PART_BYTES"
 _PART_BODY: Final = {
+    "parameters": [SHA256_HEADER_PARAMETER],
     "requestBody": {
         "required": True,
         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-    }
+    },
 }
 
 
