@@ -15,7 +15,8 @@ A content key is only ever written whole, and only with bytes that hash to it:
 - an object that fits in one part is PUT under its key once its sha256 is known (the part is
   in memory anyway);
 - a larger one whose sha256 was announced before the write (``writer(sha256=...)``: a
-  worker's ``put_bytes``, an upload whose client sent ``X-Content-SHA256``) is uploaded in
+  worker's ``put_bytes``, an upload whose client sent ``X-Content-SHA256``, a resumable
+  upload completed with its ``sha256``) is uploaded in
   parts straight to its content key while it is hashed. A multipart upload is invisible
   until it is completed, and it is completed only if the bytes hashed to the announced
   digest; otherwise it is aborted and nothing appears. If the object is there already, the

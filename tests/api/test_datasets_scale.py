@@ -315,5 +315,11 @@ def test_an_announced_digest_is_checked(stack: Stack) -> None:
         "X-Content-SHA256",
     )
     assert ok(client.get(f"/v1/uploads/{upload['id']}"))["parts"] == []
+    ok(client.put(f"/v1/uploads/{upload['id']}/parts/1", content=content, headers=raw))
+    complete = f"/v1/uploads/{upload['id']}:complete"
+    problem(client.post(complete, json={"sha256": wrong}), 422, "field sha256", digest)
+    joined = ok(client.post(complete, json={"sha256": digest}), 201)
+    assert joined["sha256"] == digest
     listed = ok(client.get("/v1/datasets"))
-    assert sorted(d["id"] for d in listed["items"]) == sorted([right["id"], form["id"]])
+    expected = sorted([right["id"], form["id"], joined["id"]])
+    assert sorted(d["id"] for d in listed["items"]) == expected
