@@ -96,3 +96,11 @@ class UploadComplete(RequestModel):
     the upload's name)."""
 
     name: str | None = Field(default=None, min_length=1, max_length=256)
+    sha256: Sha256Hex | None = Field(
+        default=None,
+        description=(
+            "The whole file's sha256, if the client knows it: an S3 store then writes the joined "
+            "file straight to its content key; parts that join into other bytes are refused "
+            "(422) and the upload stays."
+        ),
+    )

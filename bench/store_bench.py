@@ -1,27 +1,39 @@
 """The S3 store against boto3 alone and against the local store, on one SeaweedFS server.
 
-1. Throughput of one object of ``--mib`` MiB: written through ``S3Store.writer`` in 1 MiB
-   chunks (what the API's upload route does), and read through ``S3Store.local_path`` on a
-   machine with an empty cache (what a worker does), against boto3's own managed transfers
+1. Throughput of one object of ``--mib`` MiB, against boto3's own managed transfers
    (``upload_fileobj`` / ``download_file``) of the same bytes to the same server in the same
-   run. Ratio: service throughput / boto3 throughput.
+   run, each service write right after a boto3 upload of the same file (the pair sees the same
+   load). Ratio: service throughput / boto3 throughput.
+   - write, digest announced: ``S3Store.writer(sha256=...)`` in 1 MiB chunks, what the
+     dataset upload route does when the client sends ``X-Content-SHA256`` (the CLI and the
+     Python client do) and what a worker's ``put_bytes`` does: parts go straight to the
+     content key;
+   - write, digest unknown: ``S3Store.writer()`` (temp key, then a server-side copy);
+   - write through the API: ``--http-mib`` MiB as one part of a resumable upload, raw body
+     with ``X-Content-SHA256``, on the S3 stack of part 3 (the API's streamed upload and the
+     store write; the dataset checks of a registration are not part of it);
+   - read: ``S3Store.local_path`` on a machine with an empty cache (what a worker does).
 2. The second job on the same inputs: GetObject requests and bytes a second ``local_path`` of
    the same object sends to the bucket (a botocore event counts them).
-3. Per-job overhead: a whole small adapt job (submit to succeeded, one CPU worker, the API
-   over HTTP) on the S3 store against the local store, ``--jobs`` jobs each after a warm-up
-   job (the local stack first, then the S3 one).
+3. Per-job overhead: a whole small adapt job (one CPU worker, the API over HTTP) on the S3
+   store against the local store, ``--jobs`` jobs each after a warm-up job, both stacks
+   running and jobs submitted in turn (the same load on both). A job's time is the
+   service's own, from its record: created to finished (the client's poll interval would
+   otherwise round every job up).
 
-    .venv/bin/python bench/store_bench.py [--mib 1024] [--jobs 8]
+    .venv/bin/python bench/store_bench.py [--mib 1024] [--jobs 8] [--http-mib 1024]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +61,38 @@ def throughput(server: S3Server, root: Path, mib: int) -> dict[str, float]:
         size = mib * MIB
         boto = server.client()
 
-        start = time.perf_counter()
         with source.open("rb") as file:
             boto.upload_fileobj(file, bucket, "plain/object.bin")
-        boto_up = size / (time.perf_counter() - start)
         start = time.perf_counter()
         boto.download_file(bucket, "plain/object.bin", str(root / "plain.bin"))
         boto_down = size / (time.perf_counter() - start)
         (root / "plain.bin").unlink()
 
-        writer_machine = S3Store(bucket, "svc/", ObjectCache(root / "a", 0), client)
+        digest = hashlib.sha256()
+        with source.open("rb") as file:
+            while chunk := file.read(MIB):
+                digest.update(chunk)
+        sha256 = digest.hexdigest()
+
+        def boto_upload(key: str) -> float:
+            start = time.perf_counter()
+            with source.open("rb") as file:
+                boto.upload_fileobj(file, bucket, key)
+            return size / (time.perf_counter() - start)
+
+        unknown = S3Store(bucket, "unknown/", ObjectCache(root / "u", 0), client)
+        boto_up_unknown = boto_upload("plain/unknown.bin")
         start = time.perf_counter()
-        with writer_machine.writer() as writer, source.open("rb") as file:
+        with unknown.writer() as writer, source.open("rb") as file:
+            while chunk := file.read(MIB):
+                writer.write(chunk)
+        service_up_unknown = size / (time.perf_counter() - start)
+        unknown.cache.discard(writer.sha256)
+
+        writer_machine = S3Store(bucket, "svc/", ObjectCache(root / "a", 0), client)
+        boto_up = boto_upload("plain/announced.bin")
+        start = time.perf_counter()
+        with writer_machine.writer(sha256=sha256) as writer, source.open("rb") as file:
             while chunk := file.read(MIB):
                 writer.write(chunk)
         service_up = size / (time.perf_counter() - start)
@@ -86,6 +118,8 @@ def throughput(server: S3Server, root: Path, mib: int) -> dict[str, float]:
             "boto_up": boto_up,
             "boto_down": boto_down,
             "service_up": service_up,
+            "service_up_unknown": service_up_unknown,
+            "boto_up_unknown": boto_up_unknown,
             "service_down": service_down,
             "first_gets": first_gets,
             "first_bytes": first_bytes,
@@ -97,33 +131,98 @@ def throughput(server: S3Server, root: Path, mib: int) -> dict[str, float]:
         redis.stop()
 
 
-def job_seconds(root: Path, env: dict[str, str], jobs: int) -> list[float]:
-    with running_stack(root, {**env, "BNADAPT_WORKER_THREADS": "1"}) as stack:
-        client: Client = stack.client("bench")
-        model = client.add_model("digits_cnn", {"width": 8}).json()
-        dataset = client.add_dataset(digits_npz(n=512)).json()
-        body: dict[str, Any] = {
-            "kind": "adapt",
-            "model_id": model["id"],
-            "dataset_id": dataset["id"],
-            "params": {"batch_size": 128},
-        }
-        times = []
-        for _ in range(jobs + 1):  # the first one warms the worker and its cache
-            start = time.perf_counter()
-            job = client.submit(body).json()
-            assert client.wait(job["id"], timeout_s=300)["status"] == "succeeded"
-            times.append(time.perf_counter() - start)
-        return times[1:]
+def _stamp(record: dict[str, Any], field: str) -> float:
+    return datetime.fromisoformat(str(record[field]).replace("Z", "+00:00")).timestamp()
+
+
+def job_seconds(
+    root: Path, s3_env: dict[str, str], jobs: int, http_mib: int, boto: Any
+) -> tuple[list[float], list[float], dict[str, float]]:
+    """Seconds from created to finished of ``jobs`` small adapt jobs on a local-store stack
+    and on an S3 stack, both running, submitted in turn (local, S3, local, ...) so that both
+    see the same load; with ``http_mib``, also a file of that size uploaded through the S3
+    stack's API against boto3 (``boto``) in the same run."""
+    single = {"BNADAPT_WORKER_THREADS": "1"}
+    with (
+        running_stack(root / "local", single) as local_stack,
+        running_stack(root / "s3stack", {**s3_env, **single}) as s3_stack,
+    ):
+        transfer: dict[str, float] = {}
+        if http_mib:
+            transfer = http_upload(root, s3_stack.client("bench"), boto, s3_env, http_mib)
+        runs = []
+        for stack in (local_stack, s3_stack):
+            client: Client = stack.client("bench")
+            model = client.add_model("digits_cnn", {"width": 8}).json()
+            dataset = client.add_dataset(digits_npz(n=512)).json()
+            body: dict[str, Any] = {
+                "kind": "adapt",
+                "model_id": model["id"],
+                "dataset_id": dataset["id"],
+                "params": {"batch_size": 128},
+            }
+            runs.append((client, body, []))
+        for round_ in range(jobs + 1):  # the first round warms the workers and their caches
+            for client, body, times in runs:
+                job = client.submit(body).json()
+                record = client.wait(job["id"], timeout_s=300)
+                assert record["status"] == "succeeded", record
+                if round_:
+                    times.append(_stamp(record, "finished_at") - _stamp(record, "created_at"))
+        return runs[0][2], runs[1][2], transfer
+
+
+def http_upload(
+    root: Path, client: Client, boto: Any, env: dict[str, str], mib: int
+) -> dict[str, float]:
+    """``mib`` MiB of random bytes sent as one part of a resumable upload (``PUT
+    /v1/uploads/{id}/parts/1``, raw body, with ``X-Content-SHA256``: the API's streamed upload
+    and the store write, no dataset checks), against boto3's ``upload_fileobj`` of the same
+    file to the same bucket."""
+    path = root / "big.bin"
+    with path.open("wb") as file:
+        for _ in range(mib):
+            file.write(os.urandom(MIB))
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(MIB):
+            digest.update(chunk)
+    bucket = env["BNADAPT_STORE_URL"].removeprefix("s3://").partition("/")[0]
+    start = time.perf_counter()
+    with path.open("rb") as file:
+        boto.upload_fileobj(file, bucket, "plain/big.bin")
+    boto_s = time.perf_counter() - start
+    upload = client.http.post("/v1/uploads", json={"name": "big", "size_bytes": size}).json()
+    start = time.perf_counter()
+    with path.open("rb") as file:
+        response = client.http.put(
+            f"/v1/uploads/{upload['id']}/parts/1",
+            content=file,
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Content-Length": str(size),
+                "X-Content-SHA256": digest.hexdigest(),
+            },
+            timeout=3600,
+        )
+    api_s = time.perf_counter() - start
+    assert response.status_code < 300, response.text
+    path.unlink()
+    return {"http_up": size / api_s, "http_boto_up": size / boto_s, "http_bytes": size}
 
 
 def report_throughput(result: dict[str, float], mib: int) -> None:
     mb = 1e6
     print(f"object of {mib} MiB")
-    for way in ("up", "down"):
-        service, boto = result[f"service_{way}"], result[f"boto_{way}"]
+    for label, way, base in (
+        ("write, digest announced", "service_up", "boto_up"),
+        ("write, digest unknown", "service_up_unknown", "boto_up_unknown"),
+        ("read, empty cache", "service_down", "boto_down"),
+    ):
+        service, boto = result[way], result[base]
         print(
-            f"  {way:>4}: service {service / mb:7.1f} MB/s, boto3 {boto / mb:7.1f} MB/s, "
+            f"  {label}: service {service / mb:7.1f} MB/s, boto3 {boto / mb:7.1f} MB/s, "
             f"ratio {service / boto:.2f}"
         )
     print(
@@ -137,6 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--jobs", type=int, default=8)
+    parser.add_argument("--http-mib", type=int, default=1024)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -145,16 +245,25 @@ def main() -> None:
             os.environ.update(server.env)
             if args.mib:
                 report_throughput(throughput(server, root / "throughput", args.mib), args.mib)
-            if args.jobs:
+            if args.jobs or args.http_mib:
                 bucket = server.new_bucket()
                 s3_env = {**server.env, "BNADAPT_STORE_URL": f"s3://{bucket}/bench"}
-                local = job_seconds(root / "local", {}, args.jobs)
-                s3 = job_seconds(root / "s3stack", s3_env, args.jobs)
-                local_s, s3_s = statistics.median(local), statistics.median(s3)
-                print(
-                    f"adapt job, submit to succeeded, median of {args.jobs}: local store "
-                    f"{local_s:.3f} s, S3 store {s3_s:.3f} s, ratio {s3_s / local_s:.2f}"
+                local, s3, up = job_seconds(
+                    root / "stacks", s3_env, args.jobs, args.http_mib, server.client()
                 )
+                if up:
+                    print(
+                        f"  dataset of {up['http_bytes'] / MIB:.0f} MiB through the API "
+                        f"(an upload part, X-Content-SHA256): {up['http_up'] / 1e6:.1f} MB/s, "
+                        f"boto3 {up['http_boto_up'] / 1e6:.1f} MB/s, ratio "
+                        f"{up['http_up'] / up['http_boto_up']:.2f}"
+                    )
+                if args.jobs:
+                    local_s, s3_s = statistics.median(local), statistics.median(s3)
+                    print(
+                        f"adapt job, created to finished, median of {args.jobs}: local store "
+                        f"{local_s:.3f} s, S3 store {s3_s:.3f} s, ratio {s3_s / local_s:.2f}"
+                    )
         finally:
             server.stop()
 

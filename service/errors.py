@@ -28,6 +28,7 @@ __all__ = [
     "ObjectNotFoundError",
     "ServerBinaryNotFoundError",
     "ServerStartError",
+    "StoreDigestMismatchError",
     "StoreError",
     "StoreTooLargeError",
     "WeightsFileError",
@@ -44,6 +45,10 @@ class StoreError(BnadaptError):
 
 class StoreTooLargeError(StoreError):
     """An object went over the size limit while being written; nothing was stored."""
+
+
+class StoreDigestMismatchError(StoreError):
+    """The bytes written did not hash to the digest announced for them; nothing was stored."""
 
 
 class ObjectNotFoundError(StoreError):

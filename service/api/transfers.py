@@ -7,7 +7,11 @@ fly by python-multipart's push parser, never spooled by Starlette), gathered int
 most ``_PIECE_BYTES`` and written, in a worker thread, into a store writer that hashes it. So
 the API's memory during an upload is a few pieces whatever the file's size, the body limit is
 the settings' (checked against Content-Length first, then byte by byte), and a refused or
-dropped upload leaves nothing in the store (the writer discards its temp file).
+dropped upload leaves nothing in the store (the writer discards its temp file). A client that
+sends the file's sha256 in ``X-Content-SHA256`` lets an S3 store write it straight to its
+content key, without the server-side copy an unknown digest costs (NOTE [ Atomic commit on
+S3 ] in service/store/s3.py); bytes that hash otherwise are refused with 422 and leave
+nothing.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from python_multipart.multipart import parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from service.api.problems import ApiError
-from service.errors import StoreTooLargeError
-from service.store.base import ObjectWriter, Store
+from service.errors import StoreDigestMismatchError, StoreTooLargeError
+from service.store.base import SHA256_RE, ObjectWriter, Store
 
 __all__ = [
     "CHUNK_BYTES",
+    "SHA256_HEADER",
+    "SHA256_HEADER_PARAMETER",
     "StreamedUpload",
     "store_body",
     "store_multipart",
@@ -36,6 +42,20 @@ __all__ = [
 ]
 
 CHUNK_BYTES: Final = 1024 * 1024
+# The file's sha256 (64 lowercase hex digits), sent by a client that knows it: an S3 store
+# then writes the upload straight to its content key (NOTE [ Atomic commit on S3 ]).
+SHA256_HEADER: Final = "X-Content-SHA256"
+# Its OpenAPI description, for the routes that read it (their `openapi_extra`).
+SHA256_HEADER_PARAMETER: Final[dict[str, object]] = {
+    "name": SHA256_HEADER,
+    "in": "header",
+    "required": False,
+    "description": (
+        "The file's sha256, if the client knows it: an S3 store then writes the file straight "
+        "to its content key; a file whose bytes hash otherwise is refused (422)."
+    ),
+    "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+}
 _PIECE_BYTES: Final = 4 * 1024 * 1024  # written to the store in one call from a thread
 _MAX_FIELD_BYTES: Final = 4096  # a form field other than the file (a name)
 _MULTIPART_SLACK: Final = 64 * 1024  # boundaries and part headers around the file
@@ -71,8 +91,10 @@ def store_upload(store: Store, file: BinaryIO, max_bytes: int, what: str) -> tup
 class _StoreSink:
     """A store writer fed from the event loop: pieces are written from a worker thread."""
 
-    def __init__(self, store: Store, max_bytes: int, what: str, setting: str) -> None:
-        self._context = store.writer(max_bytes=max_bytes)
+    def __init__(
+        self, store: Store, max_bytes: int, what: str, setting: str, sha256: str | None
+    ) -> None:
+        self._context = store.writer(max_bytes=max_bytes, sha256=sha256)
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._limit = (what, max_bytes, setting)
@@ -93,6 +115,8 @@ class _StoreSink:
                 )
         except StoreTooLargeError as error:
             raise too_large(*self._limit) from error
+        except StoreDigestMismatchError as error:
+            raise ApiError(422, f"{error} (header {SHA256_HEADER})") from error
 
     async def add(self, data: bytes) -> None:
         self._pending.append(data)
@@ -120,6 +144,20 @@ class _StoreSink:
     def size(self) -> int:
         assert self.writer is not None
         return self.writer.size
+
+
+def announced_sha256(request: Request) -> str | None:
+    """The file's digest from the ``X-Content-SHA256`` header, if sent; 422 if malformed."""
+    value = request.headers.get(SHA256_HEADER)
+    if value is None:
+        return None
+    if SHA256_RE.fullmatch(value) is None:
+        raise ApiError(
+            422,
+            f"header {SHA256_HEADER} must be the file's sha256 as 64 lowercase hexadecimal "
+            f"digits, got {value[:80]!r}; send it so or leave it out",
+        )
+    return value
 
 
 def _check_length(request: Request, max_bytes: int, what: str, setting: str) -> None:
@@ -152,7 +190,8 @@ async def store_body(
 ) -> StreamedUpload:
     """Stores the raw request body (NOTE [ Streamed uploads ]); over ``max_bytes``: 413."""
     _check_length(request, max_bytes, what, setting)
-    async with _StoreSink(store, max_bytes, what, setting) as sink:
+    sha256 = announced_sha256(request)
+    async with _StoreSink(store, max_bytes, what, setting, sha256) as sink:
         async for chunk in _chunks(request):
             await sink.add(chunk)
     return StreamedUpload(sink.sha256, sink.size)
@@ -235,7 +274,8 @@ async def store_multipart(
         )
     }
     parser = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
-    async with _StoreSink(store, max_bytes, what, setting) as sink:
+    sha256 = announced_sha256(request)
+    async with _StoreSink(store, max_bytes, what, setting, sha256) as sink:
         async for chunk in _chunks(request):
             try:
                 parser.write(chunk)

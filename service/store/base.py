@@ -5,18 +5,21 @@ picks the backend from the settings; the API and the workers only ever see this 
 """
 
 import contextlib
+import hashlib
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Final, NamedTuple, Protocol, runtime_checkable
 
 from api_schemas.common import SHA256_PATTERN
+from service.errors import StoreDigestMismatchError, StoreTooLargeError
 
 __all__ = [
     "DEFAULT_TMP_MAX_AGE_S",
     "SHA256_RE",
     "DirectTransfers",
     "DirectUpload",
+    "HashingWriter",
     "ObjectWriter",
     "Store",
     "StoredObject",
@@ -66,14 +69,83 @@ class ObjectWriter(Protocol):
         ...
 
 
+class HashingWriter:
+    """The part of every backend's writer that is the same: the size limit, the sha256 and
+    the check against a digest announced before the write. A backend subclasses it and puts
+    each accepted chunk where it belongs in :meth:`_put`; its ``writer`` calls :meth:`finish`
+    on a clean exit of the ``with`` block, before it commits anything."""
+
+    def __init__(self, max_bytes: int | None, expected_sha256: str | None = None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
+        self.expected_sha256 = None if expected_sha256 is None else check_sha256(expected_sha256)
+        self._max_bytes = max_bytes
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self._digest: str | None = None
+        self._open = True
+        # Kept so that a caller who catches the error inside the `with` block still cannot
+        # commit the truncated object: finish() raises it again.
+        self._too_large: StoreTooLargeError | None = None
+
+    def _put(self, chunk: bytes) -> None:
+        """Where the backend sends an accepted chunk (already counted and hashed)."""
+        raise NotImplementedError
+
+    def write(self, chunk: bytes) -> None:
+        if not self._open:
+            raise ValueError("write to a store writer after its `with` block ended")
+        if self._too_large is not None:
+            raise self._too_large
+        new_size = self._size + len(chunk)
+        if self._max_bytes is not None and new_size > self._max_bytes:
+            self._too_large = StoreTooLargeError(
+                f"object is larger than the limit of {self._max_bytes} bytes (reached at least "
+                f"{new_size} bytes); nothing was stored: send a smaller file"
+            )
+            raise self._too_large
+        self._hash.update(chunk)
+        self._size = new_size
+        self._put(chunk)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def sha256(self) -> str:
+        if self._digest is None:
+            raise RuntimeError("the sha256 is known only after the `with` block ends cleanly")
+        return self._digest
+
+    def finish(self) -> str:
+        """Closes the writer and returns the digest; raises what makes the write fail (over
+        the limit, or bytes that do not hash to the announced digest)."""
+        self._open = False
+        if self._too_large is not None:
+            raise self._too_large
+        digest = self._hash.hexdigest()
+        if self.expected_sha256 is not None and digest != self.expected_sha256:
+            raise StoreDigestMismatchError(
+                f"the bytes written hash to sha256 {digest}, not the {self.expected_sha256} "
+                "announced for them; nothing was stored: send the file again, with its own "
+                "digest"
+            )
+        self._digest = digest
+        return digest
+
+
 class Store(Protocol):
     """A content-addressed store. See NOTE [ Atomic commit ] for the guarantees."""
 
     def writer(
-        self, max_bytes: int | None = None
+        self, max_bytes: int | None = None, sha256: str | None = None
     ) -> contextlib.AbstractContextManager[ObjectWriter]:
         """A context manager that commits what was written on a clean exit and discards it
-        on an exception. Over ``max_bytes`` the write raises ``StoreTooLargeError``."""
+        on an exception. Over ``max_bytes`` the write raises ``StoreTooLargeError``. With
+        ``sha256`` (the digest the bytes are announced to have) a backend may write straight
+        to the object's final place; bytes that hash otherwise raise
+        ``StoreDigestMismatchError`` and store nothing."""
         ...
 
     def put_bytes(self, data: bytes) -> str:

@@ -18,7 +18,6 @@ object's mtime instead, which tells the garbage collector that someone is about 
 """
 
 import contextlib
-import hashlib
 import os
 import secrets
 import time
@@ -26,10 +25,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Final
 
-from service.errors import ObjectNotFoundError, StoreTooLargeError
+from service.errors import ObjectNotFoundError
 from service.store.base import (
     DEFAULT_TMP_MAX_AGE_S,
     SHA256_RE,
+    HashingWriter,
     ObjectWriter,
     StoredObject,
     check_sha256,
@@ -40,51 +40,15 @@ __all__ = ["LocalStore"]
 _TMP_SUFFIX: Final = ".part"
 
 
-class _LocalWriter:
+class _LocalWriter(HashingWriter):
     """Hashes and counts chunks on their way into one temp file."""
 
-    def __init__(self, file: BinaryIO, max_bytes: int | None) -> None:
+    def __init__(self, file: BinaryIO, max_bytes: int | None, sha256: str | None) -> None:
+        super().__init__(max_bytes, sha256)
         self._file = file
-        self._max_bytes = max_bytes
-        self._hash = hashlib.sha256()
-        self._size = 0
-        self._digest: str | None = None
-        self._open = True
-        # Kept so that a caller who catches the error inside the `with` block still cannot
-        # commit the truncated object: the commit raises it again.
-        self._too_large: StoreTooLargeError | None = None
 
-    def write(self, chunk: bytes) -> None:
-        if not self._open:
-            raise ValueError("write to a store writer after its `with` block ended")
-        if self._too_large is not None:
-            raise self._too_large
-        new_size = self._size + len(chunk)
-        if self._max_bytes is not None and new_size > self._max_bytes:
-            self._too_large = StoreTooLargeError(
-                f"object is larger than the limit of {self._max_bytes} bytes (reached at least "
-                f"{new_size} bytes); nothing was stored: send a smaller file"
-            )
-            raise self._too_large
+    def _put(self, chunk: bytes) -> None:
         self._file.write(chunk)
-        self._hash.update(chunk)
-        self._size = new_size
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def sha256(self) -> str:
-        if self._digest is None:
-            raise RuntimeError("the sha256 is known only after the `with` block ends cleanly")
-        return self._digest
-
-    def _finish(self) -> None:
-        self._open = False
-        if self._too_large is not None:
-            raise self._too_large
-        self._digest = self._hash.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -115,9 +79,9 @@ class LocalStore:
         return self._objects / sha256[:2] / sha256
 
     @contextlib.contextmanager
-    def writer(self, max_bytes: int | None = None) -> Iterator[ObjectWriter]:
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
+    def writer(
+        self, max_bytes: int | None = None, sha256: str | None = None
+    ) -> Iterator[ObjectWriter]:
         self._tmp.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp / f"{secrets.token_hex(16)}{_TMP_SUFFIX}"
         # O_EXCL: never share a temp file; mode 0o644 (less the umask) so workers running as
@@ -126,9 +90,9 @@ class LocalStore:
         committed = False
         try:
             with os.fdopen(fd, "wb") as file:
-                writer = _LocalWriter(file, max_bytes)
+                writer = _LocalWriter(file, max_bytes, sha256)
                 yield writer
-                writer._finish()
+                writer.finish()
                 file.flush()
                 os.fsync(file.fileno())
             self._commit(tmp, writer.sha256)

@@ -11,14 +11,24 @@ lives in Redis, never in the bucket. boto3 is imported only when this module is,
 store starts without it.
 
 # NOTE [ Atomic commit on S3 ]
-A content key is only ever written whole: an object that fits in one part is PUT under its
-key once its sha256 is known (the part is in memory anyway); a larger one is uploaded in
-parts to a temp key while it is hashed, completed there, and copied server-side to its
-content key, then the temp key is deleted. A reader never sees a partial object under a
-content key, and a writer that dies leaves only a temp key or an unfinished multipart upload,
-which :meth:`S3Store.cleanup_tmp` removes. Each write is also kept in this machine's cache
-(NOTE [ Object cache ] in service/store/cache.py), so whoever wrote an object reads it back
-without downloading it.
+A content key is only ever written whole, and only with bytes that hash to it:
+- an object that fits in one part is PUT under its key once its sha256 is known (the part is
+  in memory anyway);
+- a larger one whose sha256 was announced before the write (``writer(sha256=...)``: a
+  worker's ``put_bytes``, an upload whose client sent ``X-Content-SHA256``, a resumable
+  upload completed with its ``sha256``) is uploaded in
+  parts straight to its content key while it is hashed. A multipart upload is invisible
+  until it is completed, and it is completed only if the bytes hashed to the announced
+  digest; otherwise it is aborted and nothing appears. If the object is there already, the
+  parts are not sent at all;
+- a larger one whose sha256 is not known beforehand is uploaded in parts to a temp key while
+  it is hashed, completed there, and copied server-side to its content key, then the temp key
+  is deleted. The copy moves the bytes a second time on the server: the price of not knowing
+  the digest (bench/RESULTS.md, "S3 store").
+A reader never sees a partial object under a content key, and a writer that dies leaves only
+a temp key or an unfinished multipart upload, which :meth:`S3Store.cleanup_tmp` removes. Each
+write is also kept in this machine's cache (NOTE [ Object cache ] in service/store/cache.py),
+so whoever wrote an object reads it back without downloading it.
 
 # NOTE [ Collecting an S3 store ]
 The local store protects a write racing a collection with mtimes and a rename out of reach
@@ -68,6 +78,7 @@ from service.store.base import (
     DEFAULT_TMP_MAX_AGE_S,
     SHA256_RE,
     DirectUpload,
+    HashingWriter,
     ObjectWriter,
     StoredObject,
     check_sha256,
@@ -102,6 +113,9 @@ return 0
 
 _session_lock = threading.Lock()
 _sessions: dict[int, Any] = {}
+# Clients warm_up made for forked children: (endpoint URL, parts in flight) -> (maker's pid,
+# client). Never used in the process that made them.
+_forkable: dict[tuple[str, int], tuple[int, Any]] = {}
 
 
 def _session() -> Any:
@@ -115,12 +129,45 @@ def _session() -> Any:
         return session
 
 
-def warm_up() -> None:
-    """Loads the S3 service model into this process's session without a request: an RQ
-    worker calls it before forking jobs, so each job makes its client in milliseconds."""
+def _client_config(parts_in_flight: int) -> Config:
+    return Config(
+        # SigV4 everywhere: botocore would presign with the legacy SigV2, which AWS regions
+        # opened since 2014 refuse and SeaweedFS refuses with response parameters.
+        signature_version="s3v4",
+        retries={"max_attempts": 5, "mode": "standard"},
+        max_pool_connections=max(10, 2 * parts_in_flight),
+        connect_timeout=10,
+        read_timeout=60,
+    )
+
+
+def _new_client(endpoint_url: str | None, parts_in_flight: int) -> Any:
+    """A client for this process: one warm_up made before the fork if there is one (tens of
+    milliseconds saved per job), else a new one."""
+    name = endpoint_url or ""
+    with _session_lock:
+        made = _forkable.pop((name, parts_in_flight), None)
+        if made is not None and made[0] != os.getpid():
+            return made[1]
+        if made is not None:
+            _forkable[(name, parts_in_flight)] = made  # the maker's: kept for its children
+    session = _session()
+    with _session_lock:  # a session is not thread-safe
+        return session.client(
+            "s3", endpoint_url=endpoint_url, config=_client_config(parts_in_flight)
+        )
+
+
+def warm_up(parts_in_flight: int = 4) -> None:
+    """Loads the S3 service model into this process's session and makes the client a job
+    will use, without a request: an RQ worker calls it before forking jobs, so each job has
+    its client at once. The client is never used in this process, so it holds no connection
+    a child could inherit; each forked child takes its own copy of it."""
     session = _session()
     with _session_lock:
-        session.client("s3", config=Config(signature_version="s3v4"))
+        # No endpoint_url: like S3Store's own client, it reads AWS_ENDPOINT_URL itself.
+        client = session.client("s3", config=_client_config(parts_in_flight))
+        _forkable[("", parts_in_flight)] = (os.getpid(), client)
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -160,64 +207,67 @@ class _BodyReader(io.RawIOBase):
         super().close()
 
 
-class _S3Writer:
-    """Hashes, counts and copies chunks to the cache while it uploads them in parts."""
+class _S3Writer(HashingWriter):
+    """Copies chunks to the cache while it uploads them in parts: to the object's content key
+    when its digest was announced (a multipart upload is invisible until completed, and is
+    completed only once the bytes hashed to that key), else to a temp key."""
 
-    def __init__(self, store: S3Store, max_bytes: int | None, cache_file: BinaryIO) -> None:
+    def __init__(
+        self, store: S3Store, max_bytes: int | None, sha256: str | None, cache_file: BinaryIO
+    ) -> None:
+        super().__init__(max_bytes, sha256)
         self._store = store
-        self._max_bytes = max_bytes
         self._cache_file = cache_file
-        self._hash = hashlib.sha256()
-        self._size = 0
-        self._digest: str | None = None
-        self._open = True
-        self._too_large: StoreTooLargeError | None = None
         self._buffer = bytearray()
         self._upload_id: str | None = None
-        self.temp_key = ""
+        self.upload_key = ""  # where the parts go, once the first part is sent
+        self.completed_temp = False  # a temp key holds the whole object (to copy, then delete)
+        self.already_there = False  # the announced object exists: nothing is uploaded
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def write(self, chunk: bytes) -> None:
-        if not self._open:
-            raise ValueError("write to a store writer after its `with` block ended")
-        if self._too_large is not None:
-            raise self._too_large
-        new_size = self._size + len(chunk)
-        if self._max_bytes is not None and new_size > self._max_bytes:
-            self._too_large = StoreTooLargeError(
-                f"object is larger than the limit of {self._max_bytes} bytes (reached at least "
-                f"{new_size} bytes); nothing was stored: send a smaller file"
-            )
-            raise self._too_large
-        self._hash.update(chunk)
+    def _put(self, chunk: bytes) -> None:
         self._cache_file.write(chunk)
-        self._size = new_size
+        if self.already_there:
+            return
         self._buffer += chunk
         part_bytes = self._store.part_bytes
-        while len(self._buffer) >= part_bytes:
-            part = bytes(self._buffer[:part_bytes])
+        while len(self._buffer) >= part_bytes and not self.already_there:
+            with memoryview(self._buffer) as view:
+                part = bytes(view[:part_bytes])  # one copy (a slice of the bytearray is two)
             del self._buffer[:part_bytes]
             self._send(part)
 
     @property
-    def size(self) -> int:
-        return self._size
+    def multipart(self) -> bool:
+        return self._pool is not None
 
-    @property
-    def sha256(self) -> str:
-        if self._digest is None:
-            raise RuntimeError("the sha256 is known only after the `with` block ends cleanly")
-        return self._digest
+    def _start(self) -> None:
+        """Opens the multipart upload, at the first full part (an object of one part is one
+        PUT, and asks nothing before)."""
+        store = self._store
+        if self.expected_sha256 is not None:
+            # Recorded before looking, so that a collection cannot take the object between
+            # the look and the end of this write (NOTE [ Collecting an S3 store ]).
+            store._record_write(self.expected_sha256)
+            if store._exists_remote(self.expected_sha256):
+                self.already_there = True
+                self._buffer.clear()
+                return
+            self.upload_key = store.key(self.expected_sha256)
+        else:
+            self.upload_key = store.new_temp_key()
+        self._upload_id = store.client.create_multipart_upload(
+            Bucket=store.bucket, Key=self.upload_key
+        )["UploadId"]
+        self._pool = concurrent.futures.ThreadPoolExecutor(store.parts_in_flight)
 
     def _send(self, part: bytes) -> None:
         store = self._store
         if self._pool is None:
-            self.temp_key = store.new_temp_key()
-            self._upload_id = store.client.create_multipart_upload(
-                Bucket=store.bucket, Key=self.temp_key
-            )["UploadId"]
-            self._pool = concurrent.futures.ThreadPoolExecutor(store.parts_in_flight)
+            self._start()
+            if self._pool is None:
+                return  # already there
         if len(self._parts) >= _MAX_PARTS:
             raise StoreError(
                 f"object needs more than {_MAX_PARTS} parts of {store.part_bytes} bytes; raise "
@@ -231,35 +281,41 @@ class _S3Writer:
             if future.done():
                 future.result()  # an upload that failed fails the write now
         number = len(self._parts) + 1
+        assert self._pool is not None
         self._parts.append(self._pool.submit(self._upload_part, number, part))
 
     def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
         store = self._store
         reply = store.client.upload_part(
             Bucket=store.bucket,
-            Key=self.temp_key,
+            Key=self.upload_key,
             UploadId=self._upload_id,
             PartNumber=number,
             Body=part,
         )
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
-    def finish(self) -> None:
-        """Ends the write: the sha256 is known and, past one part, the temp key complete."""
-        self._open = False
-        if self._too_large is not None:
-            raise self._too_large
-        self._digest = self._hash.hexdigest()
+    def finish(self) -> str:
+        """Ends the write: the sha256 is known and checked; past one part, every part is
+        uploaded, and a temp key is completed (an upload to the content key is completed by
+        :meth:`complete`, once the write is recorded)."""
+        digest = super().finish()
         if self._pool is None:
-            return  # one part: still in self._buffer
+            return digest  # one part (still in self._buffer), or already there
         if self._buffer:
             self._send(bytes(self._buffer))
             self._buffer.clear()
+        if self.expected_sha256 is None:
+            self.complete()
+            self.completed_temp = True
+        return digest
+
+    def complete(self) -> None:
         parts = [future.result() for future in self._parts]
         store = self._store
         store.client.complete_multipart_upload(
             Bucket=store.bucket,
-            Key=self.temp_key,
+            Key=self.upload_key,
             UploadId=self._upload_id,
             MultipartUpload={"Parts": parts},
         )
@@ -268,7 +324,7 @@ class _S3Writer:
     @property
     def single_part(self) -> bytes | None:
         """The whole object, if it fits in one part."""
-        return bytes(self._buffer) if self._pool is None else None
+        return bytes(self._buffer) if self._pool is None and not self.already_there else None
 
     def abort(self) -> None:
         store = self._store
@@ -279,8 +335,11 @@ class _S3Writer:
         if self._upload_id is not None:
             with contextlib.suppress(ClientError):
                 store.client.abort_multipart_upload(
-                    Bucket=store.bucket, Key=self.temp_key, UploadId=self._upload_id
+                    Bucket=store.bucket, Key=self.upload_key, UploadId=self._upload_id
                 )
+        if self.completed_temp:
+            with contextlib.suppress(ClientError):
+                store.client.delete_object(Bucket=store.bucket, Key=self.upload_key)
 
     def close_pool(self) -> None:
         if self._pool is not None:
@@ -341,20 +400,7 @@ class S3Store:
         name = endpoint_url or ""
         client = self._clients.get(name)
         if client is None:
-            config = Config(
-                # SigV4 everywhere: botocore would presign with the legacy SigV2, which AWS
-                # regions opened since 2014 refuse and SeaweedFS refuses with response
-                # parameters.
-                signature_version="s3v4",
-                retries={"max_attempts": 5, "mode": "standard"},
-                max_pool_connections=max(10, 2 * self.parts_in_flight),
-                connect_timeout=10,
-                read_timeout=60,
-            )
-            session = _session()
-            with _session_lock:  # a session is not thread-safe
-                client = session.client("s3", endpoint_url=endpoint_url, config=config)
-            self._clients[name] = client
+            client = self._clients[name] = _new_client(endpoint_url, self.parts_in_flight)
         return client
 
     @property
@@ -371,27 +417,29 @@ class S3Store:
     # -- writing
 
     @contextlib.contextmanager
-    def writer(self, max_bytes: int | None = None) -> Iterator[ObjectWriter]:
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
+    def writer(
+        self, max_bytes: int | None = None, sha256: str | None = None
+    ) -> Iterator[ObjectWriter]:
         with self.cache.new_file() as (cache_tmp, cache_file):
-            writer = _S3Writer(self, max_bytes, cache_file)
+            writer = _S3Writer(self, max_bytes, sha256, cache_file)
             try:
                 yield writer
                 writer.finish()
+                writer.close_pool()
+                cache_file.close()
+                data = writer.single_part
+                if data is not None:
+                    self._install_bytes(data, writer.sha256)
+                elif writer.already_there:
+                    self._keep_existing(cache_tmp, writer.sha256)
+                elif writer.completed_temp:
+                    self._install_temp(writer.upload_key, writer.sha256)
+                else:
+                    self._record_write(writer.sha256)
+                    writer.complete()
             except BaseException:
                 writer.abort()
-                with contextlib.suppress(ClientError):
-                    if writer.temp_key:
-                        self.client.delete_object(Bucket=self.bucket, Key=writer.temp_key)
                 raise
-            writer.close_pool()
-            cache_file.close()
-            data = writer.single_part
-            if data is not None:
-                self._install_bytes(data, writer.sha256)
-            else:
-                self._install_temp(writer.temp_key, writer.sha256)
             self.cache.install(cache_tmp, writer.sha256)
 
     def _record_write(self, sha256: str) -> None:
@@ -417,6 +465,17 @@ class S3Store:
         self._record_write(sha256)
         self.client.put_object(Bucket=self.bucket, Key=self.key(sha256), Body=data)
 
+    def _keep_existing(self, cache_tmp: Path, sha256: str) -> None:
+        """A write whose object was already under its content key: record the write again
+        (it keeps the object for the grace period), and should a collection have taken the
+        object meanwhile (a write longer than the grace period), upload it from the cache
+        copy."""
+        self._record_write(sha256)
+        if not self._exists_remote(sha256):
+            self.client.upload_file(
+                str(cache_tmp), self.bucket, self.key(sha256), Config=self._download
+            )
+
     def _install_temp(self, temp_key: str, sha256: str) -> None:
         """Copies a complete temp object to its content key (unless it is there) and deletes
         the temp key."""
@@ -434,7 +493,9 @@ class S3Store:
                 self.client.delete_object(Bucket=self.bucket, Key=temp_key)
 
     def put_bytes(self, data: bytes) -> str:
-        with self.writer() as writer:
+        # The digest first: an object of several parts then goes straight to its content key.
+        digest = hashlib.sha256(data).hexdigest() if len(data) > self.part_bytes else None
+        with self.writer(sha256=digest) as writer:
             writer.write(data)
         return writer.sha256
 
@@ -652,7 +713,8 @@ class S3Store:
         return 0
 
     def cleanup_tmp(self, older_than_s: float = DEFAULT_TMP_MAX_AGE_S) -> int:
-        """Deletes temp keys and aborts multipart uploads older than ``older_than_s``."""
+        """Deletes temp keys and aborts unfinished multipart uploads older than
+        ``older_than_s``."""
         if older_than_s < 0:
             raise ValueError(f"older_than_s must be >= 0, got {older_than_s}")
         cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
@@ -666,12 +728,15 @@ class S3Store:
                 if entry["LastModified"] < cutoff:
                     self.client.delete_object(Bucket=self.bucket, Key=entry["Key"])
                     removed += 1
+        # Unfinished uploads under tmp/ and under objects/ (a write whose digest was
+        # announced uploads to its content key; unfinished, it is invisible there).
         uploads = self.client.get_paginator("list_multipart_uploads").paginate(
-            Bucket=self.bucket, Prefix=tmp_prefix
+            Bucket=self.bucket, Prefix=self.prefix
         )
+        ours = (tmp_prefix, f"{self.prefix}objects/")
         for page in uploads:
             for upload in page.get("Uploads", ()):
-                if upload["Initiated"] < cutoff:
+                if upload["Key"].startswith(ours) and upload["Initiated"] < cutoff:
                     with contextlib.suppress(ClientError):
                         self.client.abort_multipart_upload(
                             Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]

@@ -262,3 +262,64 @@ def test_cli_resumes_an_interrupted_upload(stack: Stack, tmp_path: Path) -> None
         check=True,
     )
     assert json.loads(again.stdout)["sha256"] == dataset["sha256"]
+
+
+def test_an_announced_digest_is_checked(stack: Stack) -> None:
+    """``X-Content-SHA256``: the file's digest, which lets an S3 store write straight to the
+    content key; a file that hashes otherwise is refused and registers nothing."""
+    client = http(stack, "digest")
+    x, y = images(24, seed=3)
+    content = npz_bytes(x=x, y=y)
+    digest = hashlib.sha256(content).hexdigest()
+    raw = {"Content-Type": "application/octet-stream"}
+    right = ok(
+        client.post(
+            "/v1/datasets?name=d", content=content, headers={**raw, "X-Content-SHA256": digest}
+        ),
+        201,
+    )
+    assert right["sha256"] == digest
+    form = ok(
+        client.post(
+            "/v1/datasets",
+            files={"file": ("a.npz", content)},
+            headers={"X-Content-SHA256": digest},
+        ),
+        201,
+    )
+    assert form["sha256"] == digest
+    wrong = hashlib.sha256(b"another file").hexdigest()
+    problem(
+        client.post(
+            "/v1/datasets?name=w", content=content, headers={**raw, "X-Content-SHA256": wrong}
+        ),
+        422,
+        "X-Content-SHA256",
+        digest,
+    )
+    problem(
+        client.post(
+            "/v1/datasets?name=w", content=content, headers={**raw, "X-Content-SHA256": "abc"}
+        ),
+        422,
+        "64 lowercase hexadecimal",
+    )
+    upload = ok(client.post("/v1/uploads", json={"name": "p"}), 201)
+    problem(
+        client.put(
+            f"/v1/uploads/{upload['id']}/parts/1",
+            content=b"part bytes",
+            headers={**raw, "X-Content-SHA256": wrong},
+        ),
+        422,
+        "X-Content-SHA256",
+    )
+    assert ok(client.get(f"/v1/uploads/{upload['id']}"))["parts"] == []
+    ok(client.put(f"/v1/uploads/{upload['id']}/parts/1", content=content, headers=raw))
+    complete = f"/v1/uploads/{upload['id']}:complete"
+    problem(client.post(complete, json={"sha256": wrong}), 422, "field sha256", digest)
+    joined = ok(client.post(complete, json={"sha256": digest}), 201)
+    assert joined["sha256"] == digest
+    listed = ok(client.get("/v1/datasets"))
+    expected = sorted([right["id"], form["id"], joined["id"]])
+    assert sorted(d["id"] for d in listed["items"]) == expected

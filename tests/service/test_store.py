@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from service.errors import BnadaptError, ObjectNotFoundError, StoreError, StoreTooLargeError
+from service.errors import (
+    BnadaptError,
+    ObjectNotFoundError,
+    StoreDigestMismatchError,
+    StoreError,
+    StoreTooLargeError,
+)
 from service.store.base import Store, check_sha256
 from service.store.local import LocalStore
 
@@ -145,6 +151,24 @@ def test_size_limit_error_caught_in_block_still_fails(store: LocalStore) -> None
         swallow_error()
     assert not store.exists(sha(b"abc"))
     assert files_under(store.root) == []
+
+
+def test_an_announced_digest_is_checked(store: LocalStore) -> None:
+    with store.writer(sha256=sha(b"right")) as writer:
+        writer.write(b"right")
+    assert store.exists(sha(b"right"))
+    with pytest.raises(StoreDigestMismatchError, match=sha(b"wrong")):
+        write_chunks_announced(store, b"wrong", sha(b"other"))
+    assert not store.exists(sha(b"wrong"))
+    assert not store.exists(sha(b"other"))
+    assert files_under(store.root / "tmp") == []
+    with pytest.raises(ValueError, match="not a sha256"):
+        write_chunks_announced(store, b"x", "ABC")
+
+
+def write_chunks_announced(store: Store, data: bytes, sha256: str) -> None:
+    with store.writer(sha256=sha256) as writer:
+        writer.write(data)
 
 
 def test_negative_limit(store: LocalStore) -> None:

@@ -18,7 +18,12 @@ import httpx
 import pytest
 import redis
 
-from service.errors import ObjectNotFoundError, StoreError, StoreTooLargeError
+from service.errors import (
+    ObjectNotFoundError,
+    StoreDigestMismatchError,
+    StoreError,
+    StoreTooLargeError,
+)
 from service.local.embedded import RedisServer
 from service.records import keys
 from service.records.connection import redis_client
@@ -136,6 +141,81 @@ def test_large_object_streams_in_parts_and_leaves_no_temp(
     assert pending_uploads(s3_server, s3_bucket) == []
     body = s3_server.client().get_object(Bucket=s3_bucket, Key=f"pre/objects/{sha(data)}")
     assert sha(body["Body"].read()) == sha(data)
+
+
+def count_calls(store: S3Store, operation: str) -> list[str]:
+    """A list that gets one entry per ``operation`` request ``store``'s client sends."""
+    calls: list[str] = []
+    store.client.meta.events.register(
+        f"before-parameter-build.s3.{operation}",
+        lambda params, **_: calls.append(str(params.get("Key"))),
+    )
+    return calls
+
+
+def write_announced(store: S3Store, data: bytes, sha256: str) -> str:
+    with store.writer(sha256=sha256) as writer:
+        for start in range(0, len(data), MIB):
+            writer.write(data[start : start + MIB])
+    return writer.sha256
+
+
+def test_an_announced_digest_goes_straight_to_its_content_key(
+    store: S3Store, s3_server: S3Server, s3_bucket: str
+) -> None:
+    data = os.urandom(12 * MIB + 5)
+    uploads = count_calls(store, "CreateMultipartUpload")
+    copies = count_calls(store, "CopyObject") + count_calls(store, "UploadPartCopy")
+    assert write_announced(store, data, sha(data)) == sha(data)
+    assert len(uploads) == 1 and uploads[0] == f"pre/objects/{sha(data)}"
+    assert copies == []
+    assert bucket_keys(s3_server, s3_bucket) == [f"pre/objects/{sha(data)}"]
+    assert pending_uploads(s3_server, s3_bucket) == []
+    body = s3_server.client().get_object(Bucket=s3_bucket, Key=f"pre/objects/{sha(data)}")
+    assert sha(body["Body"].read()) == sha(data)
+    assert store.cache.get(sha(data)) is not None  # the writer's machine keeps a copy
+
+
+def test_an_announced_digest_that_is_wrong_leaves_nothing(
+    store: S3Store, s3_server: S3Server, s3_bucket: str
+) -> None:
+    data = os.urandom(12 * MIB)
+    claimed = sha(b"something else")
+    with pytest.raises(StoreDigestMismatchError, match=sha(data)):
+        write_announced(store, data, claimed)
+    assert bucket_keys(s3_server, s3_bucket) == []
+    assert pending_uploads(s3_server, s3_bucket) == []
+    assert not store.exists(claimed)
+    assert store.cache.size_bytes() == 0
+
+
+def test_an_announced_object_already_there_is_not_sent_again(
+    store: S3Store, s3_server: S3Server, s3_bucket: str
+) -> None:
+    data = os.urandom(11 * MIB)
+    store.put_bytes(data)  # several parts: put_bytes announces its digest
+    store.cache.discard(sha(data))
+    parts = count_calls(store, "UploadPart")
+    assert write_announced(store, data, sha(data)) == sha(data)
+    assert parts == []
+    assert bucket_keys(s3_server, s3_bucket) == [f"pre/objects/{sha(data)}"]
+    assert store.cache.get(sha(data)) is not None
+
+
+def test_a_dead_writer_of_an_announced_digest_leaves_an_invisible_upload(
+    store: S3Store, s3_server: S3Server, s3_bucket: str
+) -> None:
+    data = os.urandom(6 * MIB)
+    writer = store.writer(sha256=sha(data))  # kept: dropping it would close the write
+    handle = writer.__enter__()
+    handle.write(data)  # one part sent, to the content key; never completed
+    wait_for(lambda: pending_uploads(s3_server, s3_bucket), what="the multipart upload")
+    assert pending_uploads(s3_server, s3_bucket) == [f"pre/objects/{sha(data)}"]
+    assert bucket_keys(s3_server, s3_bucket) == []  # invisible until completed
+    assert not store.exists(sha(data))
+    assert store.cleanup_tmp(older_than_s=3600) == 0
+    assert store.cleanup_tmp(older_than_s=0) == 1
+    assert pending_uploads(s3_server, s3_bucket) == []
 
 
 def test_an_exception_mid_write_leaves_nothing(

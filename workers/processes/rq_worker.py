@@ -115,7 +115,8 @@ def main() -> None:
     if settings.store_url is not None and settings.store_url.startswith("s3://"):
         from service.store.s3 import warm_up
 
-        warm_up()  # likewise boto3's S3 model: no request, no connection to inherit
+        # Likewise boto3's S3 model and the job's client: no request, no connection to inherit.
+        warm_up(settings.s3_parts_in_flight)
     # NOTE [ Queues by device ] in service/settings.py: first the jobs that need this class,
     # then those that run anywhere.
     device_class = args.device_class or args.device.partition(":")[0]

@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from api_schemas import DatasetPublic, Page, new_id, utc_now
 from service.api.deps import DatasetDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError
-from service.api.transfers import store_body, store_multipart
+from service.api.transfers import SHA256_HEADER_PARAMETER, store_body, store_multipart
 from service.errors import ArrayFileError, ArrayLimitError
 from service.formats.arrays import describe_arrays
 from service.records.sync import Records
@@ -28,6 +28,7 @@ _NAME_MAX: Final = 256
 # The body is read by the route itself (NOTE [ Streamed uploads ] in service/api/transfers.py),
 # so OpenAPI learns its two forms here.
 _UPLOAD_BODY: Final[dict[str, Any]] = {
+    "parameters": [SHA256_HEADER_PARAMETER],
     "requestBody": {
         "required": True,
         "content": {
@@ -43,7 +44,7 @@ _UPLOAD_BODY: Final[dict[str, Any]] = {
             },
             "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
         },
-    }
+    },
 }
 
 

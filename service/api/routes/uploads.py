@@ -32,8 +32,8 @@ from api_schemas.datasets import (
 from service.api.deps import RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError, refuse_other_methods
 from service.api.routes.datasets import DATASET_BYTES_SETTING, register_dataset
-from service.api.transfers import CHUNK_BYTES, store_body, too_large
-from service.errors import ObjectNotFoundError, StoreTooLargeError
+from service.api.transfers import CHUNK_BYTES, SHA256_HEADER_PARAMETER, store_body, too_large
+from service.errors import ObjectNotFoundError, StoreDigestMismatchError, StoreTooLargeError
 from service.records.sync import Records
 from service.records.uploads import UploadRecords, UploadSession
 from service.settings import Settings
@@ -47,10 +47,11 @@ UploadId = Annotated[str, Path(pattern=ID_PATTERN)]
 PartNumber = Annotated[int, Path(ge=1, le=MAX_UPLOAD_PARTS)]
 _PART_SETTING: Final = "BNADAPT_MAX_UPLOAD_PART_BYTES"
 _PART_BODY: Final = {
+    "parameters": [SHA256_HEADER_PARAMETER],
     "requestBody": {
         "required": True,
         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-    }
+    },
 }
 
 
@@ -147,7 +148,9 @@ async def put_part(
     return UploadPart(number=number, sha256=part.sha256, size_bytes=part.size)
 
 
-def _join(store: Store, session: UploadSession, max_bytes: int) -> tuple[str, int]:
+def _join(
+    store: Store, session: UploadSession, max_bytes: int, sha256: str | None
+) -> tuple[str, int]:
     """Parts 1..n joined, in order, into one store object."""
     numbers = list(session.parts)
     if not numbers:
@@ -168,7 +171,7 @@ def _join(store: Store, session: UploadSession, max_bytes: int) -> tuple[str, in
             "complete it",
         )
     try:
-        with store.writer(max_bytes=max_bytes) as writer:
+        with store.writer(max_bytes=max_bytes, sha256=sha256) as writer:
             for number in numbers:
                 with store.open(session.parts[number][0]) as part:
                     while chunk := part.read(CHUNK_BYTES):
@@ -179,6 +182,10 @@ def _join(store: Store, session: UploadSession, max_bytes: int) -> tuple[str, in
         ) from exc
     except StoreTooLargeError as exc:
         raise too_large("dataset file", max_bytes, DATASET_BYTES_SETTING) from exc
+    except StoreDigestMismatchError as exc:
+        raise ApiError(
+            422, f"upload {session.id}: {exc} (field sha256); GET the upload to compare parts"
+        ) from exc
     return writer.sha256, writer.size
 
 
@@ -189,10 +196,11 @@ def _complete(
     tenant: str,
     upload_id: str,
     name: str | None,
+    announced: str | None,
 ) -> DatasetPublic:
     uploads = _uploads(records, settings)
     session = _session(uploads, tenant, upload_id)
-    sha256, size = _join(store, session, settings.max_dataset_bytes)
+    sha256, size = _join(store, session, settings.max_dataset_bytes, announced)
     dataset = register_dataset(
         tenant, records, store, settings, sha256, size, name or session.name or "dataset"
     )
@@ -213,7 +221,7 @@ async def complete_upload(
     """Joins parts 1..n into the dataset file, checks it like ``POST /v1/datasets`` and
     registers it; the upload ends. Refused (422, 413): the upload stays, to be fixed."""
     dataset = await run_in_threadpool(
-        _complete, store, records, settings, tenant, upload_id, request.name
+        _complete, store, records, settings, tenant, upload_id, request.name, request.sha256
     )
     response.headers["Location"] = f"/v1/datasets/{dataset.id}"
     return dataset
