@@ -142,7 +142,25 @@ def _add_problem_schema(app: FastAPI) -> None:
             for name, schema in job_create.pop("$defs", {}).items():
                 schemas.setdefault(name, schema)
             schemas.setdefault("JobCreate", job_create)
+            _mark_binary_files(schemas)
             app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _mark_binary_files(node: Any) -> None:
+    """Adds ``format: binary`` beside ``contentMediaType: application/octet-stream`` (how
+    FastAPI describes an ``UploadFile`` form field under OpenAPI 3.1): generators that read the
+    3.0 spelling only (openapi-python-client among them) otherwise take the field for text and
+    send a file's bytes as a string. Both spellings are valid 3.1."""
+    if isinstance(node, dict):
+        if node.get("contentMediaType") == "application/octet-stream" and node.get("type") == (
+            "string"
+        ):
+            node.setdefault("format", "binary")
+        for value in node.values():
+            _mark_binary_files(value)
+    elif isinstance(node, list):
+        for value in node:
+            _mark_binary_files(value)
