@@ -5,6 +5,7 @@ Run it with ``uvicorn --factory service.api.app:create_app`` or ``bnadapt api``.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import signal
 from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ from service.api.routes import (
     models,
     uploads,
 )
+from service.log_format import configure_logging
 from service.records.aio import AsyncRecords, async_redis_client
 from service.records.connection import redis_client
 from service.records.sync import Records
@@ -53,6 +55,10 @@ UI_DIR: Final = Path(__file__).resolve().parent / "ui"
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    if settings.log_format == "json":
+        # uvicorn configured its loggers before it called this factory (in each of its
+        # processes): they now write JSON too. Text mode keeps uvicorn's lines as they are.
+        configure_logging("api", "json", logging.WARNING)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Final
 
+from service.log_format import job_context
 from service.records.sync import Records
 
 __all__ = ["job_logging"]
@@ -59,7 +60,8 @@ def job_logging(records: Records, job_id: str) -> Iterator[None]:
     root.addHandler(handler)
     logging.captureWarnings(True)
     try:
-        yield
+        with job_context(job_id):  # JSON logs name the job (NOTE [ JSON logs ])
+            yield
     finally:
         logging.captureWarnings(False)
         root.removeHandler(handler)
