@@ -238,7 +238,9 @@ async function jobPage(jobId) {
   }, controller.signal).catch((error) => { if (error.name !== "AbortError") fail(error); });
 }
 
-const logLine = (entry) => `${new Date(entry.at).toLocaleTimeString()} ${entry.level.padEnd(7)} ${entry.message}`;
+// A sharded job's parts (shards, merge, evaluations, finish) log to its log, labelled.
+const logLine = (entry) =>
+  `${new Date(entry.at).toLocaleTimeString()} ${entry.level.padEnd(7)} ${entry.part ? `[${entry.part}] ` : ""}${entry.message}`;
 
 // --- plots -----------------------------------------------------------------------------------
 
