@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -105,6 +105,10 @@ class Settings(BaseSettings):
     # Ended jobs (their records, logs and reports) are deleted this long after they ended, by
     # housekeeping (service/upkeep/retention.py); None keeps them until deleted by hand.
     job_retention_s: float | None = Field(default=None, gt=0)
+
+    # How every process writes its log lines: `text`, or `json`, one object per line
+    # (NOTE [ JSON logs ] in service/log_format.py).
+    log_format: Literal["text", "json"] = "text"
 
     @property
     def store_path(self) -> Path:

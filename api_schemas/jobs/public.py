@@ -150,13 +150,15 @@ class JobPayload(RequestModel):
 class JobLogEntry(BaseModel):
     """One line a job's process logged (a warning, the traceback of a failure, a phase).
     ``seq`` counts the job's entries from 1 over its whole life; only the latest few hundred
-    are kept."""
+    are kept. ``part``: which part of a sharded adapt job logged it (``shard-0``, ``merge``,
+    ``eval-0``, ``finish``...; NOTE [ Sharded adaptation ]); null for the job's own process."""
 
     seq: int = Field(ge=1)
     at: UtcDatetime
     level: str
     logger: str
     message: str
+    part: str | None = None
 
 
 class JobLogPage(BaseModel):

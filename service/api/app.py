@@ -5,6 +5,7 @@ Run it with ``uvicorn --factory service.api.app:create_app`` or ``bnadapt api``.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import signal
 from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ from service.api.routes import (
     models,
     uploads,
 )
+from service.log_format import configure_logging
 from service.records.aio import AsyncRecords, async_redis_client
 from service.records.connection import redis_client
 from service.records.sync import Records
@@ -53,6 +55,10 @@ UI_DIR: Final = Path(__file__).resolve().parent / "ui"
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    if settings.log_format == "json":
+        # uvicorn configured its loggers before it called this factory (in each of its
+        # processes): they now write JSON too. Text mode keeps uvicorn's lines as they are.
+        configure_logging("api", "json", logging.WARNING)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -142,7 +148,25 @@ def _add_problem_schema(app: FastAPI) -> None:
             for name, schema in job_create.pop("$defs", {}).items():
                 schemas.setdefault(name, schema)
             schemas.setdefault("JobCreate", job_create)
+            _mark_binary_files(schemas)
             app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _mark_binary_files(node: Any) -> None:
+    """Adds ``format: binary`` beside ``contentMediaType: application/octet-stream`` (how
+    FastAPI describes an ``UploadFile`` form field under OpenAPI 3.1): generators that read the
+    3.0 spelling only (openapi-python-client among them) otherwise take the field for text and
+    send a file's bytes as a string. Both spellings are valid 3.1."""
+    if isinstance(node, dict):
+        if node.get("contentMediaType") == "application/octet-stream" and node.get("type") == (
+            "string"
+        ):
+            node.setdefault("format", "binary")
+        for value in node.values():
+            _mark_binary_files(value)
+    elif isinstance(node, list):
+        for value in node:
+            _mark_binary_files(value)

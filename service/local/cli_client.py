@@ -274,7 +274,8 @@ def cmd_jobs_report(args: argparse.Namespace) -> int:
 
 
 def _log_line(entry: JobLogEntry) -> str:
-    return f"{entry.at:%H:%M:%S} {entry.level:7} {entry.message}"
+    part = f"[{entry.part}] " if entry.part else ""  # a part of a sharded job
+    return f"{entry.at:%H:%M:%S} {entry.level:7} {part}{entry.message}"
 
 
 def cmd_jobs_logs(args: argparse.Namespace) -> int:

@@ -416,16 +416,26 @@ class Records:
                 found.append((job_id, text(tenant_id)))
         return found
 
-    def append_job_logs(self, job_id: str, entries: Iterable[tuple[str, str, str, str]]) -> None:
+    def append_job_logs(
+        self,
+        job_id: str,
+        entries: Iterable[tuple[str, str, str, str]],
+        part: str | None = None,
+    ) -> None:
         """Appends (at, level, logger, message) entries, keeping the latest
-        :data:`JOB_LOG_MAX_ENTRIES`."""
+        :data:`JOB_LOG_MAX_ENTRIES`; ``part`` labels them with the part of a sharded job that
+        logged them."""
         entries = list(entries)
         if not entries:
             return
         last = int(self.client.incrby(keys.job_log_seq(job_id), len(entries)))
         first = last - len(entries) + 1
+        labelled = {} if part is None else {"part": part}
         lines = [
-            json.dumps({"seq": first + i, "at": at, "level": level, "logger": name, "message": msg})
+            json.dumps(
+                {"seq": first + i, "at": at, "level": level, "logger": name, "message": msg}
+                | labelled
+            )
             for i, (at, level, name, msg) in enumerate(entries)
         ]
         pipe = self.client.pipeline(transaction=False)

@@ -103,7 +103,13 @@ def reap_stale_jobs(records: Records, heartbeat_timeout_s: float) -> list[str]:
             if verdict is not None:
                 status, error = verdict
                 if records.mark_finished(job_id, status, error=error):
-                    log.warning("sharded job %s %s: %s", job_id, status.value, error)
+                    log.warning(
+                        "sharded job %s %s: %s",
+                        job_id,
+                        status.value,
+                        error,
+                        extra={"job_id": job_id},
+                    )
                     reaped.append(job_id)
                 shard_records.discard(job_id)
             continue
@@ -119,7 +125,7 @@ def reap_stale_jobs(records: Records, heartbeat_timeout_s: float) -> list[str]:
         )
         now = records.interrupt(job_id, (JobStatus.RUNNING,), error)
         if now in (JobStatus.QUEUED, JobStatus.FAILED):
-            log.warning("job %s lost its heartbeat: now %s", job_id, now)
+            log.warning("job %s lost its heartbeat: now %s", job_id, now, extra={"job_id": job_id})
             reaped.append(job_id)
     return reaped
 
@@ -186,7 +192,7 @@ def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
             what = f"its queue entry ended {rq_status.value} before the job started"
         status = records.interrupt(job_id, (JobStatus.QUEUED,), what)
         if status in (JobStatus.QUEUED, JobStatus.FAILED):
-            log.warning("queued job %s: %s; now %s", job_id, what, status)
+            log.warning("queued job %s: %s; now %s", job_id, what, status, extra={"job_id": job_id})
             changed.append(job_id)
     return changed
 
@@ -239,7 +245,7 @@ def _enqueue_retry(
     with contextlib.suppress(DuplicateJobError):  # another sweep enqueued it a moment ago
         enqueue_run(queue, fields, rq_id, settings.job_timeout_s, f"{job_id} (retry)")
     records.mark_enqueued(job_id, rq_id)
-    log.info("job %s: attempt %s queued", job_id, rq_id)
+    log.info("job %s: attempt %s queued", job_id, rq_id, extra={"job_id": job_id})
 
 
 def judge_sharded(

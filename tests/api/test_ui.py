@@ -1,8 +1,9 @@
 """The web UI and /docs in a real headless browser (Debian's chromium through chromedriver,
 driven by selenium), against the real API and worker: sign in, a job submitted from the CLI
 watched live, its report's plots, a download, keyboard use, a phone-width screen, and Swagger
-UI served offline with an Authorize button. Screenshots are kept under the test's tmp dir (the
-path is printed); with BNADAPT_UPDATE_UI_SCREENSHOT=1 the wide one replaces docs/ui.png."""
+UI served offline with an Authorize button; an auto adapt job's diagnostics and candidates.
+Screenshots are kept under the test's tmp dir (the path is printed); with
+BNADAPT_UPDATE_UI_SCREENSHOT=1 the wide ones replace docs/ui.png and docs/ui-auto.png."""
 
 from __future__ import annotations
 
@@ -190,6 +191,79 @@ def test_ui_sign_in_watch_a_cli_job_live_and_read_its_report(
     )
     assert overflow <= 0, f"the page is {overflow} px wider than a 375 px screen"
     shot(driver, tmp_path, "job-375")
+
+
+def ui_number(value: float, digits: int = 4) -> str:
+    """A number as the UI's ``fmt`` writes it (service/api/ui/app.js)."""
+    if float(value).is_integer():
+        return str(int(value))
+    if abs(value) >= 1e4 or abs(value) < 1e-3:
+        mantissa, exponent = f"{value:.2e}".split("e")
+        return f"{mantissa}e{int(exponent):+d}"
+    return f"{value:.{digits}f}"
+
+
+def test_ui_draws_the_diagnostics_and_the_auto_choice(
+    stack: Stack, browser: tuple[WebDriver, Path], tmp_path: Path
+) -> None:
+    driver, _ = browser
+    client = stack.client("ui-auto")
+    key = str(client.http.headers["authorization"]).split(" ", 1)[1]
+    model = created(client.add_model("digits_cnn", {"width": 8}, seed=0))
+    dataset = created(client.add_dataset(digits_npz(shifted=True, n=600)))
+    body = {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"],
+            "params": {"estimator": "auto", "batch_size": 50}}  # fmt: skip
+    job = client.wait(created(client.submit(body), 202)["id"], timeout_s=240)
+    assert job["status"] == "succeeded", job
+    report = client.http.get(f"/v1/jobs/{job['id']}/report").json()
+    diagnostics, auto = report["diagnostics"], report["auto"]
+    assert diagnostics is not None and auto is not None
+
+    sign_in(driver, stack, key)
+    driver.get(f"{stack.url}/ui/#/jobs/{job['id']}")
+    table = wait_css(driver, "#diagnostics-table")
+    rows = {
+        row.find_element(By.TAG_NAME, "th").text: [
+            cell.text for cell in row.find_elements(By.TAG_NAME, "td")
+        ]
+        for row in table.find_elements(By.CSS_SELECTOR, "tbody tr")
+    }
+    for label, field in (
+        ("mean entropy (nats)", "mean_entropy"),
+        ("mean max probability", "mean_max_probability"),
+        ("marginal entropy (nats)", "marginal_entropy"),
+    ):
+        assert rows[label] == [
+            ui_number(diagnostics["before"][field]),
+            ui_number(diagnostics["after"][field]),
+        ], rows
+    assert rows["predictions changed"] == [f"{100 * diagnostics['changed_fraction']:.1f}%"]
+    assert f"{diagnostics['samples']} held-out samples" in table.text
+    assert driver.find_elements(By.CSS_SELECTOR, "#plot-entropy rect")
+
+    # The candidates, one row each in the report's order, the chosen one marked, and the choice.
+    candidates = driver.find_elements(By.CSS_SELECTOR, "#auto-candidates tbody tr")
+    assert len(candidates) == len(auto["candidates"])
+    for row, candidate in zip(candidates, auto["candidates"], strict=True):
+        cells = [cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
+        assert cells[0].startswith(candidate["name"]), cells
+        assert cells[4] == ui_number(candidate["score"]), cells
+        assert cells[6] == ("yes" if candidate["eligible"] else "no"), cells
+    chosen = driver.find_elements(By.CSS_SELECTOR, "#auto-candidates tr.chosen")
+    assert len(chosen) == 1 and chosen[0] == candidates[auto["chosen_index"]]
+    choice = driver.find_element(By.CSS_SELECTOR, "#auto-choice").text
+    expected = (
+        "auto kept the source model unchanged"
+        if auto["kept_source"]
+        else f"auto chose {auto['chosen']}"
+    )
+    assert choice == expected
+    bars = driver.find_elements(By.CSS_SELECTOR, "#plot-auto-scores rect")
+    assert len(bars) == len(auto["candidates"])
+    driver.set_window_size(1280, 2200)
+    wide = shot(driver, tmp_path, "auto-job-1280")
+    if os.environ.get("BNADAPT_UPDATE_UI_SCREENSHOT") == "1":
+        shutil.copy(wide, REPO / "docs" / "ui-auto.png")
 
 
 def created_id(stdout: str) -> str:

@@ -134,6 +134,35 @@ def test_a_failed_shard_fails_its_job_with_the_shards_message(stack: Stack) -> N
     assert children["shard-1"] == "failed"
     assert children[MERGE] == "canceled"
     assert registered_by_jobs(client) == []
+    # The failure, with its traceback, is in the job's log, labelled by the part that failed.
+    logged = client.http.get(f"/v1/jobs/{sharded['id']}/logs").json()["items"]
+    failed = [e for e in logged if e["part"] == "shard-1" and e["level"] == "ERROR"]
+    assert failed, logged
+    assert "shard 2 of 2 (batches 3 to 4) failed" in failed[0]["message"]
+    assert "Traceback" in failed[0]["message"]
+
+
+def test_a_sharded_jobs_parts_keep_their_logs_with_it(stack: Stack) -> None:
+    client = stack.client("part-logs")
+    model = created(client.add_model("digits_cnn", {"width": 4}))
+    dataset = created(client.add_dataset(digits_npz(n=400)))
+    body = adapt(model, dataset, estimator="precise", batch_size=100, shards=2)
+    job = client.wait(created(client.submit(body), 202)["id"])
+    assert job["status"] == "succeeded", job
+    page = client.http.get(f"/v1/jobs/{job['id']}/logs").json()
+    entries = page["items"]
+    assert [e["seq"] for e in entries] == list(range(1, len(entries) + 1))
+    by_part: dict[str | None, list[str]] = {}
+    for entry in entries:
+        by_part.setdefault(entry["part"], []).append(entry["message"])
+    # The job's own process (it planned and queued the parts), then each part, from its own
+    # process (perhaps on the other worker), each saying where it started and how it ended.
+    assert set(by_part) == {None, "shard-0", "shard-1", MERGE, "eval-0", "eval-1", FINISH}
+    assert any("2 shards queued" in m for m in by_part[None]), by_part[None]
+    for part in ("shard-0", "shard-1", MERGE, "eval-0", "eval-1", FINISH):
+        assert any(" started on " in m for m in by_part[part]), (part, by_part[part])
+        assert any(m.endswith("ended done") for m in by_part[part]), (part, by_part[part])
+    assert any("batches 2 to 3" in m for m in by_part["shard-1"]), by_part["shard-1"]
 
 
 def long_sharded_job(client: Client, shards: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,3 +139,51 @@ def test_process_counts_are_checked(tmp_path: Path, args: list[str]) -> None:
     result = run_cli(tmp_path, *args)
     assert result.returncode == 2
     assert "expected 1 or more" in result.stderr or "expected a whole number" in result.stderr
+
+
+SERVICE_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (supervisor|worker|inspector) ")
+
+
+def test_up_keeps_the_terminal_for_the_user_and_logs_to_a_file(tmp_path: Path) -> None:
+    """`bnadapt up` writes the API's and the worker's logs to logs/service.log under the data
+    directory: while a job runs, its terminal shows only `up`'s own lines."""
+    data_dir = tmp_path / "data"
+    port = free_port()
+    terminal = tmp_path / "terminal.txt"
+    with terminal.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service.local.cli", "--data-dir", str(data_dir), "up",
+             *up_args(port)],
+            cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_for(
+            lambda: b"Ctrl-C" in terminal.read_bytes() or process.poll() is not None,
+            timeout_s=120,
+            what="bnadapt up to be ready",
+        )
+        assert process.poll() is None, terminal.read_text()
+        x, y = digits(shifted=True, n=100)
+        (tmp_path / "shifted.npz").write_bytes(npz_bytes(x=x, y=y))
+        model = json.loads(cli(data_dir, "models", "add", "digits_cnn", "--kwargs", '{"width": 4}'))
+        dataset = json.loads(cli(data_dir, "datasets", "add", str(tmp_path / "shifted.npz")))
+        waited = cli(
+            data_dir, "jobs", "submit", "adapt", "--model", model["id"], "--dataset",
+            dataset["id"], "--params", '{"batch_size": 50}', "--wait",
+        )  # fmt: skip
+        job = json.loads("{" + waited.partition("\n{")[2])
+    finally:
+        stop_up(process)
+    shown = terminal.read_text()
+    logged = (data_dir / "logs" / "service.log").read_text()
+    # The service's processes wrote their lines to the file, the job's among them ...
+    assert {m.group(1) for line in logged.splitlines() if (m := SERVICE_LINE.match(line))} >= {
+        "supervisor",
+        "worker",
+    }, logged
+    assert job["id"] in logged
+    # ... and none of them to the terminal, which kept `up`'s banner.
+    assert "Ctrl-C" in shown
+    assert not [line for line in shown.splitlines() if SERVICE_LINE.match(line)], shown
+    assert job["id"] not in shown, shown
+    assert "Traceback" not in shown, shown

@@ -25,6 +25,7 @@ from api_schemas import ArchitecturePublic, BatchNormLayer, ProblemItem
 from api_schemas.inspection import InspectFailure, InspectRequest, InspectSuccess
 from service.errors import ObjectNotFoundError, WeightsFileError
 from service.formats.weights import read_weights_header
+from service.log_format import configure_logging
 from service.records import keys
 from service.records.connection import redis_client
 from service.settings import Settings, get_settings
@@ -262,8 +263,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Answer model inspection requests.")
     parser.parse_args()
     die_with_supervisor()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s inspector %(message)s")
-    serve(get_settings())
+    settings = get_settings()
+    configure_logging("inspector", settings.log_format)
+    serve(settings)
 
 
 if __name__ == "__main__":

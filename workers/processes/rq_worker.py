@@ -20,6 +20,7 @@ from rq import Queue, Worker
 from rq.job import Job
 
 from api_schemas import JobStatus
+from service.log_format import configure_logging
 from service.records.connection import redis_client
 from service.records.sync import Records
 from service.settings import DEVICE_CLASSES, get_settings
@@ -87,8 +88,8 @@ def main() -> None:
     args = parser.parse_args()
     die_with_supervisor()  # `bnadapt worker` killed: finish the job at hand, then exit
     os.environ[WORKER_DEVICE_ENV] = args.device
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(message)s")
     settings = get_settings()
+    configure_logging("worker", settings.log_format)
     client = redis_client(settings.redis_url)
     records = Records(client)
 

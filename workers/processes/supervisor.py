@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
+from service.log_format import configure_logging
 from service.records.connection import redis_client
 from service.records.sync import Records
 from service.settings import get_settings
@@ -161,7 +162,7 @@ def main() -> None:
         help="auto (CUDA when present), cpu, or cuda:N (one worker per GPU)",
     )
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(message)s")
+    configure_logging("supervisor", get_settings().log_format)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

@@ -7,7 +7,10 @@ warnings included, through ``logging.captureWarnings``), to the job's log list
 (``keys.job_logs``, the latest ``JOB_LOG_MAX_ENTRIES`` kept, each with a sequence number). A
 failure's traceback is logged there by ``run_job``. Writes are best effort: a log line that
 cannot reach Redis is dropped, never the job. The API serves the list, tenant-scoped, at
-GET /v1/jobs/{id}/logs and follows it in GET /v1/jobs/{id}/events?logs=true.
+GET /v1/jobs/{id}/logs and follows it in GET /v1/jobs/{id}/events?logs=true. The parts of a
+sharded adapt job (its shards, merge, evaluations and finish, each a process of its own,
+perhaps on other machines) log to their parent job's list, each entry labelled with its
+``part`` (``shard-0``, ``merge``...), so the job's log holds them all.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Final
 
+from service.log_format import job_context
 from service.records.sync import Records
 
 __all__ = ["job_logging"]
@@ -27,10 +31,11 @@ _OWN_LOGGERS: Final = ("workers", "service", "api_schemas")
 
 
 class _JobLogHandler(logging.Handler):
-    def __init__(self, records: Records, job_id: str) -> None:
+    def __init__(self, records: Records, job_id: str, part: str | None) -> None:
         super().__init__(logging.INFO)
         self._records = records
         self._job_id = job_id
+        self._part = part
         self.setFormatter(logging.Formatter("%(message)s"))
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -42,24 +47,26 @@ class _JobLogHandler(logging.Handler):
             message = self.format(record)[:MAX_MESSAGE_CHARS]
             at = datetime.fromtimestamp(record.created, UTC).isoformat()
             self._records.append_job_logs(
-                self._job_id, [(at, record.levelname, record.name, message)]
+                self._job_id, [(at, record.levelname, record.name, message)], self._part
             )
         except Exception:  # noqa: BLE001 - a lost log line must never fail the job
             return
 
 
 @contextmanager
-def job_logging(records: Records, job_id: str) -> Iterator[None]:
-    """Keeps what this process logs, while the block runs, in job ``job_id``'s log."""
+def job_logging(records: Records, job_id: str, part: str | None = None) -> Iterator[None]:
+    """Keeps what this process logs, while the block runs, in job ``job_id``'s log; ``part``
+    labels the entries of one part of a sharded job."""
     root = logging.getLogger()
-    handler = _JobLogHandler(records, job_id)
+    handler = _JobLogHandler(records, job_id, part)
     previous_level = root.level
     if root.level > logging.INFO or root.level == logging.NOTSET:
         root.setLevel(logging.INFO)
     root.addHandler(handler)
     logging.captureWarnings(True)
     try:
-        yield
+        with job_context(job_id):  # JSON logs name the job (NOTE [ JSON logs ])
+            yield
     finally:
         logging.captureWarnings(False)
         root.removeHandler(handler)

@@ -31,6 +31,7 @@ from service.settings import get_settings
 from service.store import open_store
 from service.store.base import Store
 from workers.errors import JobCanceled
+from workers.running.logs import job_logging
 from workers.running.runtime import JobRuntime
 from workers.running.saving import error_message
 from workers.sharding.compute import ShardedJob
@@ -117,6 +118,25 @@ def run_child(
     if is_shard(child):
         shard = sharded.plan[int(child.removeprefix("shard-"))]
         what += f" (batches {shard.first_batch} to {shard.first_batch + shard.batches - 1})"
+    with job_logging(records, parent_id, part=child):  # NOTE [ Job logs ]
+        log.info("%s of job %s started on %s", what, parent_id, process_name())
+        answer = _run_claimed(sharded, child, what, records, shard_records, work, finish)
+        log.info("%s of job %s ended %s", what, parent_id, answer["status"])
+        return answer
+
+
+def _run_claimed(
+    sharded: ShardedJob,
+    child: str,
+    what: str,
+    records: Records,
+    shard_records: ShardRecords,
+    work: Callable[[ChildRun], R],
+    finish: Callable[[ChildRun, R], None],
+) -> dict[str, str]:
+    settings = get_settings()
+    parent_id = sharded.payload.job_id
+    answer = {"job_id": parent_id, "child": child}
     try:
         with ChildRuntime(
             records, shard_records, parent_id, child, settings.heartbeat_timeout_s
@@ -136,6 +156,7 @@ def run_child(
         return answer | {"status": ChildState.STOPPED.value}
     except Exception as exc:
         error = f"{what} failed: {error_message(exc)}"
+        log.exception("%s", error)  # kept in the job's log, labelled by part
         end_parent(records, shard_records, parent_id, JobStatus.FAILED, error)
         shard_records.finish(parent_id, child, ChildState.FAILED)
         raise

@@ -36,6 +36,7 @@ from api_schemas import (
     ModelPublic,
     Page,
     Progress,
+    Report,
     new_id,
     parse_job_create,
     utc_now,
@@ -490,7 +491,11 @@ async def job_events(
     )
 
 
-@router.get("/{job_id}/report")
+@router.get(
+    "/{job_id}/report",
+    # The route streams the stored JSON as it is; the schema is for clients and generators.
+    responses={200: {"model": Report, "description": "the job's report"}},
+)
 def get_report(job: JobDep, records: RecordsDep, store: StoreDep) -> Response:
     """What the job changed: BatchNorm statistics, tensors, metrics, timings (JSON)."""
     job_id = job.id

@@ -238,7 +238,9 @@ async function jobPage(jobId) {
   }, controller.signal).catch((error) => { if (error.name !== "AbortError") fail(error); });
 }
 
-const logLine = (entry) => `${new Date(entry.at).toLocaleTimeString()} ${entry.level.padEnd(7)} ${entry.message}`;
+// A sharded job's parts (shards, merge, evaluations, finish) log to its log, labelled.
+const logLine = (entry) =>
+  `${new Date(entry.at).toLocaleTimeString()} ${entry.level.padEnd(7)} ${entry.part ? `[${entry.part}] ` : ""}${entry.message}`;
 
 // --- plots -----------------------------------------------------------------------------------
 
@@ -321,6 +323,8 @@ function reportView(report) {
     charts.push(barChart("Shards: compute seconds", report.shards.map((s) => ({ label: `shard ${s.index} (${s.batches} batches)`, value: s.compute_s })), { id: "plot-shards" }));
   }
   parts.push(el("div", { class: "cards" }, charts));
+  if (report.diagnostics) parts.push(diagnosticsView(report.diagnostics));
+  if (report.auto) parts.push(autoView(report.auto));
   if (report.tensors.length) {
     parts.push(el("details", { class: "card" }, el("summary", {}, `Tensors (${report.tensors.filter((t) => t.changed).length} of ${report.tensors.length} changed)`),
       el("div", { class: "scroll" }, el("table", {},
@@ -332,6 +336,56 @@ function reportView(report) {
           el("td", {}, t.before === null || t.before === undefined ? "" : `${fmt(t.before)} → ${fmt(t.after)}`))))))));
   }
   return el("div", {}, parts);
+}
+
+const pct = (fraction) => `${(100 * fraction).toFixed(1)}%`;
+
+// An adapt job's unsupervised diagnostics: the input and output models' predictions on the
+// same target samples (held out of estimation, or the estimation samples themselves).
+function diagnosticsView(d) {
+  const where = d.held_out ? "held-out" : "estimation";
+  const row = (label, key) => el("tr", {}, el("th", { scope: "row" }, label),
+    el("td", { class: "num" }, fmt(d.before[key])), el("td", { class: "num" }, fmt(d.after[key])));
+  const table = el("table", { id: "diagnostics-table" },
+    el("caption", { class: "muted" }, `predictions on ${d.samples} ${where} samples, without labels`),
+    el("thead", {}, el("tr", {}, ["", "before", "after"].map((h) => el("th", { scope: "col" }, h)))),
+    el("tbody", {},
+      row("mean entropy (nats)", "mean_entropy"),
+      row("mean max probability", "mean_max_probability"),
+      row("marginal entropy (nats)", "marginal_entropy"),
+      el("tr", {}, el("th", { scope: "row" }, "predictions changed"),
+        el("td", { class: "num", colspan: 2, id: "changed-fraction" }, pct(d.changed_fraction)))));
+  const chart = barChart("Mean entropy before / after (nats)", [
+    { label: "before", value: d.before.mean_entropy, color: "#57606a" },
+    { label: "after", value: d.after.mean_entropy, color: "#1a7f37" }], { id: "plot-entropy" });
+  return el("section", { class: "cards", id: "diagnostics", "aria-label": "diagnostics" },
+    el("div", { class: "card" }, el("h3", {}, "Diagnostics"), el("div", { class: "scroll" }, table)), chart);
+}
+
+// The auto estimator's candidates, their scores on the held-out samples, and its choice.
+function autoView(auto) {
+  const choice = auto.kept_source ? "auto kept the source model unchanged" : `auto chose ${auto.chosen}`;
+  const label = (c) => (c.source_weight === null || c.source_weight === undefined
+    ? c.name : `${c.name} (source weight ${fmt(c.source_weight, 3)})`);
+  const table = el("table", { id: "auto-candidates" },
+    el("thead", {}, el("tr", {}, ["candidate", "prior strength", "mean entropy", "marginal entropy", "score",
+      "changed", "eligible", ""].map((h) => el("th", { scope: "col" }, h)))),
+    el("tbody", {}, auto.candidates.map((c, i) => el("tr", { class: i === auto.chosen_index ? "chosen" : null },
+      el("td", {}, el("code", { class: "nowrap" }, label(c))), el("td", { class: "num" }, fmt(c.prior_strength, 1)),
+      el("td", { class: "num" }, fmt(c.predictions.mean_entropy)), el("td", { class: "num" }, fmt(c.predictions.marginal_entropy)),
+      el("td", { class: "num" }, fmt(c.score)), el("td", { class: "num" }, pct(c.changed_fraction)),
+      el("td", {}, c.eligible ? "yes" : "no"), el("td", {}, i === auto.chosen_index ? "chosen" : "")))));
+  const chart = barChart("auto: candidates' scores (higher is better)", auto.candidates.map((c, i) => ({
+    label: c.source_weight === null || c.source_weight === undefined ? c.name : `${c.name} w=${fmt(c.source_weight, 2)}`,
+    value: c.score, color: i === auto.chosen_index ? "#1a7f37" : (c.eligible ? "#0b5cad" : "#8c959f") })),
+    { id: "plot-auto-scores" });
+  return el("section", { class: "cards", id: "auto", "aria-label": "auto estimator" },
+    el("div", { class: "card span-all" }, el("h3", {}, "auto estimator"),
+      el("p", { id: "auto-choice" }, el("strong", {}, choice)),
+      el("p", { class: "muted" }, `${auto.candidates.length} candidates estimated on ${auto.estimation_samples} samples, ` +
+        `scored on ${auto.held_out_samples} held out; the rule: ${auto.criterion}`),
+      el("div", { class: "scroll" }, table)),
+    chart);
 }
 
 // --- models and datasets ---------------------------------------------------------------------
