@@ -3,6 +3,7 @@
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_schemas.common import ResourceId
+from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.kinds import JobKind
 
 __all__ = [
@@ -203,6 +204,9 @@ class Report(_ReportModel):
     diagnostics: PredictionDiagnostics | None = None
     # The auto estimator's candidates and choice; null for other estimators.
     auto: AutoChoice | None = None
+    # How the dataset's images became inputs (its preprocessing spec); null for arrays
+    # registered without one.
+    preprocessing: Preprocessing | None = None
 
     def summary_lines(self) -> list[str]:
         """The diagnostics and the auto choice as lines of text (empty when there are none),

@@ -268,6 +268,8 @@ def create_job(
             dtype=dataset.dtype,
             has_labels=dataset.has_labels,
             label_kind=dataset.label_kind,
+            num_classes=dataset.num_classes,
+            preprocessing=dataset.preprocessing,
         ),
         params=job_request.params,
     )
