@@ -11,7 +11,6 @@ import struct
 import tarfile
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
