@@ -104,6 +104,9 @@ class DatasetPublic(BaseModel):
     # Set for tars of images (always) and for uint8 arrays registered with one; sample_shape
     # is then the shape after preprocessing.
     preprocessing: Preprocessing | None = None
+    # [height, width] of the images as stored, when they all have one size (tars) or of a
+    # uint8 (N, C, H, W) array: what a job's own preprocessing spec starts from.
+    image_size: ImageSize | None = None
     created_at: UtcDatetime
 
     @model_validator(mode="after")

@@ -5,6 +5,7 @@ from typing import Literal
 from pydantic import Field
 
 from api_schemas.common import RequestModel, ResourceId
+from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.params import (
     DEFAULT_MAX_ATTEMPTS,
     BatchSize,
@@ -33,6 +34,8 @@ class TrainParams(RequestModel):
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     seed: Seed = 0
     device: Device = "auto"
+    # A preprocessing spec for this job's images, in place of the dataset's (docs/datasets.md).
+    preprocessing: Preprocessing | None = None
 
 
 class TrainJobCreate(RequestModel):

@@ -70,6 +70,7 @@ class TarFacts:
     sample_shape: tuple[int, ...]  # after preprocessing: (C, H, W)
     has_labels: bool
     num_classes: int | None
+    image_size: tuple[int, int] | None  # (height, width) when all images have it
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ def describe_tar(
     images: dict[str, tuple[int, int]] = {}  # key -> (height, width)
     labels: dict[str, int] = {}
     first_size: tuple[str, tuple[int, int]] | None = None
+    one_size = True
     with _members(path) as archive:
         try:
             for info in archive:
@@ -200,10 +202,11 @@ def describe_tar(
                     file = archive.extractfile(info)
                     assert file is not None
                     size = _image_size(file, key, max_pixels)
-                    if preprocessing.resize is None:
-                        if first_size is None:
-                            first_size = key, size
-                        elif size != first_size[1]:
+                    if first_size is None:
+                        first_size = key, size
+                    elif size != first_size[1]:
+                        one_size = False
+                        if preprocessing.resize is None:
                             raise ArrayFileError(
                                 f"sample {key!r} is {size[1]} x {size[0]} pixels but sample "
                                 f"{first_size[0]!r} is {first_size[1][1]} x {first_size[1][0]}; "
@@ -254,6 +257,7 @@ def describe_tar(
         sample_shape=shape,
         has_labels=bool(labels),
         num_classes=max(labels.values()) + 1 if labels else None,
+        image_size=(height, width) if one_size else None,
     )
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.stack import Stack, npz_bytes, running_stack
+from tests.stack import Stack, job_payload, npz_bytes, running_stack
 
 pytestmark = pytest.mark.slow
 
@@ -149,6 +149,41 @@ def test_tar_and_uint8_array_give_the_same_inputs(stack: Stack) -> None:
         reports.append(ok(client.get(f"/v1/jobs/{job['id']}/report")))
     assert reports[0]["metrics_before"] == reports[1]["metrics_before"]
     assert reports[0]["preprocessing"] == reports[1]["preprocessing"] == from_tar["preprocessing"]
+    assert from_tar["image_size"] == from_npz["image_size"] == [8, 8]
+
+    # A job's own spec replaces the dataset's, for that job: the same on both, and reported.
+    own = {"resize": [6, 6], "scale": False}
+    reports = []
+    for dataset in (from_tar, from_npz):
+        job = run(client, model, dataset["id"], "evaluate", preprocessing=own)
+        assert job["status"] == "succeeded", job
+        assert job_payload(stack, job["id"]).dataset.sample_shape == [3, 6, 6]
+        reports.append(ok(client.get(f"/v1/jobs/{job['id']}/report")))
+        assert reports[-1]["preprocessing"]["resize"] == [6, 6]
+        assert reports[-1]["preprocessing"]["scale"] is False
+    # Pillow's and torch's bilinear resize differ a little: close, not equal.
+    before = [r["metrics_before"]["loss"] for r in reports]
+    assert before[0] == pytest.approx(before[1], rel=0.05)
+    # A job spec that cannot apply: gray for RGB arrays, any spec on float arrays.
+    body = {"kind": "evaluate", "model_id": model, "dataset_id": from_npz["id"]}
+    gray = {**body, "params": {"preprocessing": {"channels": "gray"}}}
+    response = client.post("/v1/jobs", json=gray)
+    assert response.status_code == 422 and "uint8 images" in response.json()["detail"]
+    floats = ok(
+        client.post(
+            "/v1/datasets",
+            files={
+                "file": (
+                    "f.npz",
+                    npz_bytes(x=np.zeros((4, 3, 8, 8), np.float32), y=np.zeros(4, np.int64)),
+                )
+            },
+        ),
+        201,
+    )
+    body = {**body, "dataset_id": floats["id"], "params": {"preprocessing": own}}
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 422 and "holds no images" in response.json()["detail"]
 
 
 def test_shards_joined_by_a_resumable_upload_adapt_with_resize_and_crop(stack: Stack) -> None:
@@ -168,8 +203,12 @@ def test_shards_joined_by_a_resumable_upload_adapt_with_resize_and_crop(stack: S
         client.post(f"/v1/uploads/{upload['id']}:complete", json={"preprocessing": spec}), 201
     )
     assert dataset["num_samples"] == 40 and dataset["sample_shape"] == [3, 8, 8]
-    assert dataset["num_classes"] == 3
+    assert dataset["num_classes"] == 3 and dataset["image_size"] is None
     model = resnet(client)
+    # Mixed sizes: a job's own spec must resize.
+    body = {"kind": "adapt", "model_id": model, "dataset_id": dataset["id"]}
+    response = client.post("/v1/jobs", json={**body, "params": {"preprocessing": {}}})
+    assert response.status_code == 422 and "resize" in response.json()["detail"]
     for shards in (1, 2):
         job = run(client, model, dataset["id"], "adapt", shards=shards)
         assert job["status"] == "succeeded", job

@@ -22,7 +22,7 @@ from service.records.sync import Records
 from service.settings import Settings
 from service.store.base import Store
 
-__all__ = ["DATASET_BYTES_SETTING", "register_dataset", "router"]
+__all__ = ["DATASET_BYTES_SETTING", "register_dataset", "router", "with_job_spec"]
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -86,6 +86,7 @@ def register_dataset(
     except ArrayFileError as exc:
         raise ApiError(422, str(exc)) from exc
     shape = list(facts.sample_shape)
+    image = facts.dtype == "uint8" and len(shape) == 3  # (C, H, W)
     if preprocessing is not None:
         shape = _preprocessed_shape(facts.dtype, shape, preprocessing)
     dataset = DatasetPublic(
@@ -101,6 +102,7 @@ def register_dataset(
         size_bytes=size,
         format=facts.format,
         preprocessing=preprocessing,
+        image_size=list(facts.sample_shape[1:]) if image else None,
         created_at=utc_now(),
     )
     return _register(tenant, records, sha256, size, name, dataset)
@@ -130,8 +132,48 @@ def _describe_images(
         size_bytes=0,
         format="tar",
         preprocessing=spec,
+        image_size=None if facts.image_size is None else list(facts.image_size),
         created_at=utc_now(),
     )
+
+
+def with_job_spec(dataset: DatasetPublic, spec: Preprocessing | None) -> DatasetPublic:
+    """The dataset as a job with its own preprocessing ``spec`` sees it: that spec, and the
+    sample shape after it; 422 when the spec cannot apply to the dataset."""
+    if spec is None:
+        return dataset
+    if dataset.image_size is None or (dataset.format != "tar" and dataset.dtype != "uint8"):
+        if dataset.format != "tar":
+            raise ApiError(
+                422,
+                f"dataset {dataset.id} holds no images (uint8 arrays of shape (N, C, H, W)); "
+                "send the job without a preprocessing spec",
+            )
+        if spec.resize is None:
+            raise ApiError(
+                422,
+                f"dataset {dataset.id} holds images of several sizes; a job's preprocessing "
+                'spec needs a "resize": [height, width]',
+            )
+        return dataset.model_copy(
+            update={"preprocessing": spec, "sample_shape": spec.output_shape(1, 1)}
+        )
+    height, width = dataset.image_size
+    if dataset.format == "tar":
+        crop = spec.center_crop
+        if crop is not None and spec.resize is None and (crop[0] > height or crop[1] > width):
+            raise ApiError(
+                422,
+                f"center_crop {crop} is larger than the images of dataset {dataset.id} ({height} "
+                f"x {width} pixels); crop less, or resize first",
+            )
+        shape = spec.output_shape(height, width)
+    else:
+        # The array's own channels: the registered spec's, or the first dimension of x's samples.
+        spec_before = dataset.preprocessing
+        channels = dataset.sample_shape[0] if spec_before is None else spec_before.num_channels
+        shape = _preprocessed_shape("uint8", [channels, height, width], spec)
+    return dataset.model_copy(update={"preprocessing": spec, "sample_shape": shape})
 
 
 def _preprocessed_shape(dtype: str, shape: list[int], spec: Preprocessing) -> list[int]:
