@@ -216,6 +216,10 @@ def test_shards_joined_by_a_resumable_upload_adapt_with_resize_and_crop(stack: S
         assert report["samples"] == 40
         assert report["preprocessing"]["resize"] == [10, 10]
         assert report["preprocessing"]["center_crop"] == [8, 8]
+    # Training reads shuffled batches, decoded in the job's process.
+    job = run(client, model, dataset["id"], "train", epochs=1)
+    assert job["status"] == "succeeded", job
+    assert ok(client.get(f"/v1/jobs/{job['id']}/report"))["preprocessing"]["resize"] == [10, 10]
 
 
 def png_header_only(width: int, height: int) -> bytes:
