@@ -24,7 +24,13 @@ from api_schemas.common import (
     new_id,
     utc_now,
 )
-from api_schemas.datasets import ArrayFormat, DatasetPublic, LabelKind, SampleDtype
+from api_schemas.datasets import (
+    ArrayFormat,
+    DatasetPublic,
+    LabelKind,
+    Preprocessing,
+    SampleDtype,
+)
 from api_schemas.jobs import (
     DEVICE_PATTERN,
     ESTIMATOR_NAMES,
@@ -112,6 +118,7 @@ __all__ = [
     "ModulePattern",
     "Page",
     "ParamType",
+    "Preprocessing",
     "Problem",
     "ProblemItem",
     "Progress",

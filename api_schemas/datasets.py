@@ -1,4 +1,5 @@
-"""Datasets: an uploaded array file with ``x`` and optional ``y``."""
+"""Datasets: an uploaded array file with ``x`` and optional ``y``, or a tar of images
+(docs/datasets.md), and the preprocessing spec that turns images into model inputs."""
 
 from typing import Annotated, Final, Literal, Self
 
@@ -7,10 +8,13 @@ from pydantic import BaseModel, Field, model_validator
 from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
 
 __all__ = [
+    "MAX_IMAGE_SIDE",
     "MAX_UPLOAD_PARTS",
     "ArrayFormat",
     "DatasetPublic",
+    "ImageSize",
     "LabelKind",
+    "Preprocessing",
     "SampleDtype",
     "UploadComplete",
     "UploadCreate",
@@ -21,10 +25,66 @@ __all__ = [
 # Parts of one resumable upload are numbered 1..MAX_UPLOAD_PARTS.
 MAX_UPLOAD_PARTS: Final = 10_000
 
-ArrayFormat = Literal["npz", "safetensors"]
+# "tar": WebDataset-style shards of images (docs/datasets.md), one or several joined end to end.
+ArrayFormat = Literal["npz", "safetensors", "tar"]
 SampleDtype = Literal["float32", "uint8"]
 # "class": integer labels 0..num_classes-1; "target": float regression targets.
 LabelKind = Literal["class", "target"]
+
+
+MAX_IMAGE_SIDE: Final = 16384
+# [height, width] in pixels.
+ImageSize = Annotated[
+    list[Annotated[int, Field(ge=1, le=MAX_IMAGE_SIDE)]], Field(min_length=2, max_length=2)
+]
+_CHANNELS: Final = {"rgb": 3, "bgr": 3, "gray": 1}
+
+
+class Preprocessing(RequestModel):
+    """How a uint8 image becomes a model input, in this order: decoded in ``channels`` order
+    (``gray``: one channel), resized to ``resize`` [height, width] (bilinear), cropped to
+    ``center_crop`` [height, width] around its centre, laid out channels first (C, H, W),
+    divided by 255 to [0, 1] when ``scale``, then ``(value - mean) / std`` per channel. Given
+    with a tar of images or a uint8 array dataset of shape (N, C, H, W) when it is registered,
+    kept with the dataset and reported by every job on it."""
+
+    resize: ImageSize | None = None
+    center_crop: ImageSize | None = None
+    scale: bool = True
+    mean: list[float] | None = Field(default=None, min_length=1, max_length=3)
+    std: list[Annotated[float, Field(gt=0)]] | None = Field(
+        default=None, min_length=1, max_length=3
+    )
+    channels: Literal["rgb", "bgr", "gray"] = "rgb"
+
+    @property
+    def num_channels(self) -> int:
+        return _CHANNELS[self.channels]
+
+    def output_shape(self, height: int, width: int) -> list[int]:
+        """The (C, H, W) of a preprocessed image of ``height`` x ``width`` pixels."""
+        if self.resize is not None:
+            height, width = self.resize
+        if self.center_crop is not None:
+            height, width = self.center_crop
+        return [self.num_channels, height, width]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("give mean and std together (one value per channel), or neither")
+        for name, values in (("mean", self.mean), ("std", self.std)):
+            if values is not None and len(values) != self.num_channels:
+                raise ValueError(
+                    f"{name} has {len(values)} values but channels {self.channels!r} gives "
+                    f"{self.num_channels}: give one value per channel"
+                )
+        crop, resize = self.center_crop, self.resize
+        if crop and resize and any(c > r for c, r in zip(crop, resize, strict=True)):
+            raise ValueError(
+                f"center_crop {crop} is larger than resize {resize}: crop at most the resized size"
+            )
+        return self
 
 
 class DatasetPublic(BaseModel):
@@ -41,6 +101,12 @@ class DatasetPublic(BaseModel):
     sha256: Sha256Hex
     size_bytes: int = Field(ge=0)
     format: ArrayFormat
+    # Set for tars of images (always) and for uint8 arrays registered with one; sample_shape
+    # is then the shape after preprocessing.
+    preprocessing: Preprocessing | None = None
+    # [height, width] of the images as stored, when they all have one size (tars) or of a
+    # uint8 (N, C, H, W) array: what a job's own preprocessing spec starts from.
+    image_size: ImageSize | None = None
     created_at: UtcDatetime
 
     @model_validator(mode="after")
@@ -93,7 +159,7 @@ class UploadPublic(BaseModel):
 
 class UploadComplete(RequestModel):
     """Ends an upload: its parts, joined in order, become a dataset named ``name`` (default:
-    the upload's name)."""
+    the upload's name), preprocessed by ``preprocessing`` (default: the upload's)."""
 
     name: str | None = Field(default=None, min_length=1, max_length=256)
     sha256: Sha256Hex | None = Field(
@@ -104,3 +170,4 @@ class UploadComplete(RequestModel):
             "(422) and the upload stays."
         ),
     )
+    preprocessing: Preprocessing | None = None

@@ -3,6 +3,7 @@
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_schemas.common import ResourceId
+from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.kinds import JobKind
 
 __all__ = [
@@ -255,6 +256,9 @@ class Report(_ReportModel):
     # Train jobs and entropy adapt jobs: the optimizer steps' timings, compiled or not; null
     # for forward-only jobs and in reports written before this field existed.
     steps: StepTimings | None = None
+    # How the dataset's images became inputs (its preprocessing spec); null for arrays
+    # registered without one.
+    preprocessing: Preprocessing | None = None
 
     def summary_lines(self) -> list[str]:
         """The diagnostics and the auto choice as lines of text (empty when there are none),

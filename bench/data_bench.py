@@ -4,6 +4,13 @@ bare loop over the same data in memory.
 
     python bench/data_bench.py                      # 2 GiB and 7.5 GB uint8 sets
     python bench/data_bench.py --samples 2000       # one small set, for a quick look
+    python bench/data_bench.py --passes             # only the two throughput ratios below
+
+``--passes`` runs without the service (a local store, payloads built here, each pass in a
+fresh process): (1) a full adapt pass through ``compute()`` on a memory-mapped uint8 npz of
+(N, 3, 64, 64) against a bare loop over the same array in memory; (2) a full adapt pass on a
+tar of JPEGs (resize, centre crop, normalise) with 0, 1 and 2 loader processes against a bare
+``DataLoader`` that decodes the same way (Pillow, per sample) with as many processes.
 
 Each set is (N, 3, 224, 224) uint8 images with int64 labels, written as an uncompressed npz
 (what np.savez writes) without holding it in memory. The whole service runs as processes
@@ -198,20 +205,18 @@ print(json.dumps({'compute_s': time.perf_counter() - start, 'samples': len(x)}))
 
 
 def run_child(code: str, payload: Any, stack: Stack, threads: int, *extra: str) -> dict:
+    return run_in(code, payload, stack.data_dir / "store", stack.env, threads, *extra)
+
+
+def run_in(
+    code: str, payload: Any, store: Path, env: dict[str, str], threads: int, *extra: str
+) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
         file.write(payload.model_dump_json())
     try:
         done = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                code,
-                file.name,
-                str(stack.data_dir / "store"),
-                str(threads),
-                *extra,
-            ],
-            env=stack.env,
+            [sys.executable, "-c", code, file.name, str(store), str(threads), *extra],
+            env=env,
             capture_output=True,
             text=True,
             check=True,
@@ -235,13 +240,217 @@ def submit(client: httpx.Client, model_id: str, dataset_id: str, params: dict) -
         time.sleep(0.5)
 
 
+PASS = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[3]))
+from api_schemas import JobPayload
+from service.store.local import LocalStore
+from workers.running.compute import compute
+payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
+class Hooks:
+    def start_phase(self, phase, total, unit, per): pass
+    def report(self, done): pass
+    def should_stop(self): return False
+out = compute(payload, LocalStore(sys.argv[2]), Hooks(), measure=False)
+print(json.dumps({'compute_s': out.report.timings.compute_s, 'samples': out.report.samples}))
+"""
+
+# The bare loops run the model as the job's pass does (train mode, no_grad) over the same
+# number of samples (the job's report says how many it adapted on).
+BARE_ARRAY = r"""
+import json, sys, time
+import numpy as np, torch
+torch.set_num_threads(int(sys.argv[3]))
+from api_schemas import JobPayload
+from service.formats.arrays import open_arrays
+from service.store.local import LocalStore
+from workers.running.compute import load_model
+payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
+store = LocalStore(sys.argv[2])
+n = int(sys.argv[4])
+x = np.array(open_arrays(store.local_path(payload.dataset.sha256)).x[:n])  # in memory
+model = load_model(payload, store).train()
+b = payload.params.batch_size
+start = time.perf_counter()
+with torch.no_grad():
+    for i in range(0, len(x), b):
+        model(torch.from_numpy(x[i:i + b]).to(torch.float32).div_(255))
+print(json.dumps({'compute_s': time.perf_counter() - start, 'samples': len(x)}))
+"""
+
+BARE_IMAGES = r"""
+import io, json, sys, tarfile, time
+import numpy as np, torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+torch.set_num_threads(int(sys.argv[3]))
+from api_schemas import JobPayload
+from service.store.local import LocalStore
+from workers.running.compute import load_model
+payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
+store = LocalStore(sys.argv[2])
+n, workers = int(sys.argv[4]), int(sys.argv[5])
+spec = payload.dataset.preprocessing
+path = store.local_path(payload.dataset.sha256)
+with tarfile.open(path) as archive:
+    where = [(m.offset_data, m.size) for m in archive if m.name.endswith('.jpg')][:n]
+mean = torch.tensor(spec.mean).view(3, 1, 1)
+std = torch.tensor(spec.std).view(3, 1, 1)
+class Images(Dataset):
+    def __len__(self): return len(where)
+    def __getitem__(self, i):
+        with open(path, 'rb') as f:
+            f.seek(where[i][0]); data = f.read(where[i][1])
+        image = Image.open(io.BytesIO(data)).convert('RGB')
+        image = image.resize(tuple(spec.resize[::-1]), Image.Resampling.BILINEAR)
+        h, w = spec.center_crop
+        left, top = (image.width - w) // 2, (image.height - h) // 2
+        image = image.crop((left, top, left + w, top + h))
+        x = torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float().div_(255)
+        return x.sub_(mean).div_(std)
+model = load_model(payload, store).train()
+loader = DataLoader(Images(), batch_size=payload.params.batch_size, num_workers=workers)
+start = time.perf_counter()
+with torch.no_grad():
+    for xb in loader:
+        model(xb)
+print(json.dumps({'compute_s': time.perf_counter() - start, 'samples': len(where)}))
+"""
+
+
+def write_image_tar(path: Path, samples: int, size: tuple[int, int] = (96, 128)) -> None:
+    """``samples`` JPEGs of ``size`` (height, width): smooth random images (noise decodes
+    slower than photographs), labels 0..9."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    with tarfile.open(path, "w") as archive:
+        for i in range(samples):
+            small = rng.integers(0, 256, size=(size[0] // 8, size[1] // 8, 3), dtype=np.uint8)
+            image = Image.fromarray(small).resize(size[::-1], Image.Resampling.BILINEAR)
+            out = io.BytesIO()
+            image.save(out, format="JPEG", quality=90)
+            for name, data in (
+                (f"{i:06d}.jpg", out.getvalue()),
+                (f"{i:06d}.cls", b"%d" % (i % 10)),
+            ):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+
+
+def passes(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """NOTE in the module docstring: the two throughput ratios, without the service."""
+    from api_schemas import JobPayload, Preprocessing
+    from service.formats.images import describe_tar
+    from service.store.local import LocalStore
+
+    store_dir = work / "store"
+    store = LocalStore(store_dir)
+    model = {"architecture": "resnet", "kwargs": {"depth": 2, "width": 8}}
+    import safetensors.torch
+
+    from workers.models.architectures import build_model
+
+    net = build_model("resnet", model["kwargs"])
+    weights = store.put_bytes(safetensors.torch.save(dict(net.state_dict())))
+    env = dict(os.environ, PYTHONPATH=str(REPO), BNADAPT_WORKER_THREADS=str(args.threads))
+    results: dict[str, Any] = {}
+
+    def payload(sha: str, fmt: str, n: int, shape: list[int], spec: Any) -> JobPayload:
+        return JobPayload.model_validate(
+            {
+                "job_id": "job_bench",
+                "tenant_id": "bench",
+                "kind": "adapt",
+                "model": {
+                    "id": "m_bench",
+                    "architecture": "resnet",
+                    "kwargs": model["kwargs"],
+                    "weights_sha256": weights,
+                },
+                "dataset": {
+                    "id": "ds_bench",
+                    "sha256": sha,
+                    "format": fmt,
+                    "num_samples": n,
+                    "sample_shape": shape,
+                    "dtype": "uint8",
+                    "has_labels": True,
+                    "label_kind": "class",
+                    "num_classes": 10,
+                    "preprocessing": spec,
+                },
+                "params": {"batch_size": 32, "device": "cpu", "holdout": 0},
+            }
+        )
+
+    def ratio(job_code: str, bare_code: str, job: JobPayload, env: dict, *bare_args: str) -> dict:
+        job_s, bare_s, samples = [], [], 0
+        for _ in range(args.repeats):  # alternated, best of each
+            found = run_in(job_code, job, store_dir, env, args.threads)
+            samples = found["samples"]
+            job_s.append(found["compute_s"])
+            bare = run_in(bare_code, job, store_dir, env, args.threads, str(samples), *bare_args)
+            bare_s.append(bare["compute_s"])
+        row = {
+            "samples": samples,
+            "job_samples_per_s": samples / min(job_s),
+            "bare_samples_per_s": samples / min(bare_s),
+            "ratio": min(bare_s) / min(job_s),
+            "job_s": job_s,
+            "bare_s": bare_s,
+        }
+        print(json.dumps(row), flush=True)
+        return row
+
+    n = args.pass_samples
+    x = np.random.default_rng(1).integers(0, 256, size=(n, 3, 64, 64), dtype=np.uint8)
+    array_path = work / "arrays.npz"
+    np.savez(array_path, x=x, y=(np.arange(n) % 10).astype(np.int64))
+    sha = store.put_bytes(array_path.read_bytes())
+    print("full pass, mmap'd uint8 (N, 3, 64, 64)", flush=True)
+    results["mmap_uint8"] = ratio(PASS, BARE_ARRAY, payload(sha, "npz", n, [3, 64, 64], None), env)
+
+    tar_path = work / "images.tar"
+    write_image_tar(tar_path, args.image_samples)
+    spec = Preprocessing(
+        resize=[64, 64], center_crop=[56, 56], mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]
+    )
+    facts = describe_tar(tar_path, spec, max_pixels=1 << 26, max_classes=10, max_elements=1 << 40)
+    sha = store.put_bytes(tar_path.read_bytes())
+    job = payload(sha, "tar", facts.num_samples, list(facts.sample_shape), spec.model_dump())
+    results["image_tar"] = {}
+    for loaders in args.loaders:
+        print(f"full pass, JPEG tar, {loaders} loader processes", flush=True)
+        loader_env = dict(env, BNADAPT_LOADER_PROCESSES=str(loaders))
+        results["image_tar"][loaders] = ratio(PASS, BARE_IMAGES, job, loader_env, str(loaders))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, nargs="*", default=[14266, 50000])
     parser.add_argument("--full-pass-samples", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--passes", action="store_true", help="only the throughput ratios")
+    parser.add_argument("--pass-samples", type=int, default=4000)
+    parser.add_argument("--image-samples", type=int, default=2000)
+    parser.add_argument("--loaders", type=int, nargs="*", default=[0, 1, 2])
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if args.passes:
+        work = Path(tempfile.mkdtemp(prefix="data_bench_", dir=args.dir))
+        try:
+            print(json.dumps(passes(args, work), indent=2))
+        finally:
+            subprocess.run(["rm", "-rf", str(work)], check=False)
+        return
     results: dict[str, Any] = {"uploads": [], "jobs": [], "full_pass": None}
     work = Path(tempfile.mkdtemp(prefix="data_bench_", dir=args.dir))
     env = {

@@ -13,6 +13,7 @@ __all__ = [
     "DEFAULT_MAX_CLASSES",
     "DEFAULT_MAX_DATASET_BYTES",
     "DEFAULT_MAX_DATASET_ELEMENTS",
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "DEFAULT_MAX_NPZ_RATIO",
     "DEFAULT_MAX_WEIGHTS_BYTES",
     "DEVICE_CLASSES",
@@ -33,6 +34,9 @@ DEFAULT_MAX_DATASET_ELEMENTS: Final = 64 * GIB  # x and y together; a uint8 x of
 DEFAULT_MAX_CLASSES: Final = 100_000
 # numpy.savez_compressed shrinks real image data 2-20 times; zeros shrink ~1000 times.
 DEFAULT_MAX_NPZ_RATIO: Final = 100.0
+# An image's pixels (width x height), checked from its header before it is decoded: a
+# decompression bomb (a small PNG that declares 100000 x 100000 pixels) is refused unread.
+DEFAULT_MAX_IMAGE_PIXELS: Final = 64 * 1024 * 1024
 # NOTE [ Queues by device ]
 # A job that asks for `auto` waits in the queue `<queue>`, which every worker serves; one that
 # asks for a device class waits in `<queue>-<class>` (`cuda:1` -> `<queue>-cuda`), served only
@@ -80,6 +84,10 @@ class Settings(BaseSettings):
     # An uploaded npz member may hold at most this many times its compressed size: reading
     # it allocates the uncompressed size (service/formats/arrays.py).
     max_npz_ratio: float = Field(default=DEFAULT_MAX_NPZ_RATIO, ge=1)
+    # Image datasets (docs/datasets.md): the pixels of one image, and the processes that
+    # decode a job's images (0: the job's own process decodes them).
+    max_image_pixels: int = Field(default=DEFAULT_MAX_IMAGE_PIXELS, ge=1)
+    loader_processes: int = Field(default=2, ge=0, le=64)
     # How long an Idempotency-Key stays reserved for a POST /v1/jobs that has not written its
     # job yet (NOTE [ Idempotency lease ] in service/api/routes/jobs.py).
     idempotency_lease_s: float = Field(default=10.0, gt=0)

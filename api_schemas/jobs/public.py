@@ -7,7 +7,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 
 from api_schemas.architectures import ArchitectureKwargs, ArchitectureName
 from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
-from api_schemas.datasets import ArrayFormat, LabelKind, SampleDtype
+from api_schemas.datasets import ArrayFormat, LabelKind, Preprocessing, SampleDtype
 from api_schemas.jobs.kinds import JobKind, JobParams, params_for_kind
 from api_schemas.jobs.params import JobTags, MaxAttempts
 
@@ -128,6 +128,8 @@ class JobPayloadDataset(RequestModel):
     dtype: SampleDtype | None = None
     has_labels: bool | None = None
     label_kind: LabelKind | None = None
+    num_classes: int | None = Field(default=None, ge=1)
+    preprocessing: Preprocessing | None = None
 
 
 class JobPayload(RequestModel):

@@ -4,22 +4,27 @@ shared by dataset and weights files."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from service.errors import BnadaptError
 
 __all__ = ["FileKind", "check_safetensors_header", "safetensors_specs", "sniff", "what_it_is"]
 
-FileKind = Literal["zip", "safetensors", "pickle", "npy", "empty", "unknown"]
+FileKind = Literal["zip", "safetensors", "tar", "pickle", "npy", "empty", "unknown"]
+_TAR_MAGIC_AT: Final = 257  # "ustar" in a POSIX or GNU tar header
 
 
 def sniff(path: Path) -> tuple[FileKind, bytes]:
     with path.open("rb") as file:
         head = file.read(9)
+        file.seek(_TAR_MAGIC_AT)
+        magic = file.read(5)
     if not head:
         return "empty", head
     if head.startswith(b"PK\x03\x04"):
         return "zip", head
+    if magic == b"ustar":
+        return "tar", head
     if head.startswith(b"\x93NUMPY"):
         return "npy", head
     # safetensors: u64 little-endian header length, then a JSON object. Tested before pickle:
@@ -35,6 +40,7 @@ def what_it_is(kind: FileKind, head: bytes) -> str:
     return {
         "zip": "a zip file, such as a PyTorch checkpoint from torch.save",
         "safetensors": "a safetensors file",
+        "tar": "a tar file",
         "pickle": "a Python pickle (pickle.dump, or torch.save's legacy format), refused because "
         "loading a pickle can run code",
         "npy": "a single numpy .npy array",

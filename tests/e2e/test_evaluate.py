@@ -97,7 +97,12 @@ def test_evaluate_job_reports_what_evaluate_computes(stack: Stack) -> None:
     job = created(submitted, 202)
     assert submitted.headers["location"] == f"/v1/jobs/{job['id']}"
     assert job["kind"] == "evaluate"
-    assert job["params"] == {"batch_size": 100, "loss": None, "device": "auto"}
+    assert job["params"] == {
+        "batch_size": 100,
+        "loss": None,
+        "device": "auto",
+        "preprocessing": None,
+    }
     done = client.wait(job["id"])
     assert done["status"] == "succeeded", done
     assert done["result"] == {

@@ -22,11 +22,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
+import numpy as np
 import safetensors.torch
 import torch
 from torch import nn
 
-from api_schemas import AdaptParams, EvaluateParams, JobPayload, TrainParams
+from api_schemas import AdaptParams, EvaluateParams, JobPayload, Preprocessing, TrainParams
 from api_schemas.reports import (
     BatchNormChange,
     EpochLog,
@@ -37,6 +38,7 @@ from api_schemas.reports import (
     Timings,
 )
 from service.formats.arrays import open_arrays
+from service.settings import get_settings
 from service.store.base import Store
 from workers.errors import AdaptError, ArchitectureError, DataError, WorkerError
 from workers.estimators.auto import AutoStats
@@ -56,6 +58,7 @@ from workers.running.data import Data, Samples, labels_tensor, num_batches
 from workers.running.evaluation import Metrics as EvalMetrics
 from workers.running.evaluation import evaluate_sums, loss_for
 from workers.running.hooks import JobHooks, NoHooks
+from workers.running.images import ImageSamples, array_transform
 from workers.running.reporting import (
     MAX_DIAGNOSTIC_SAMPLES,
     PredictionSums,
@@ -136,13 +139,37 @@ class LoadedJob:
     arch: Architecture
 
 
-def open_dataset(payload: JobPayload, store: Store) -> tuple[Samples, torch.Tensor | None]:
+def open_dataset(payload: JobPayload, store: Store) -> tuple[Data, torch.Tensor | None]:
     """The job's dataset: ``x`` as :class:`Samples` (memory-mapped where the file allows, read
-    and converted a batch at a time), ``y`` in memory. Opening reads only headers and labels, so
-    the first batch comes as soon for any size of dataset."""
-    arrays = open_arrays(store.local_path(payload.dataset.sha256), payload.dataset.format)
+    and converted a batch at a time) or, for a tar of images, :class:`ImageSamples` (decoded a
+    batch at a time by loader processes), both preprocessed by the dataset's spec; ``y`` in
+    memory. Opening reads only headers and labels, so the first batch comes as soon for any
+    size of dataset."""
+    dataset = payload.dataset
+    path = store.local_path(dataset.sha256)
+    spec = dataset.preprocessing
+    if dataset.format == "tar":
+        settings = get_settings()
+        shape = None if dataset.sample_shape is None else tuple(dataset.sample_shape)
+        images, labels = ImageSamples.open(
+            path,
+            spec or Preprocessing(),
+            shape,
+            settings.loader_processes,
+            settings.max_image_pixels,
+        )
+        return images, None if labels is None else labels_tensor(labels, len(images))
+    arrays = open_arrays(path, dataset.format)
     y = None if arrays.y is None else labels_tensor(arrays.y, len(arrays.x))
-    return Samples(arrays.x), y
+    if spec is None:
+        return Samples(arrays.x), y
+    if arrays.x.dtype != np.uint8 or arrays.x.ndim != 4:
+        raise DataError(
+            f"a preprocessing spec applies to uint8 images (N, C, H, W), but x is "
+            f"{arrays.x.dtype} of shape {list(arrays.x.shape)}; register it without one"
+        )
+    transform = array_transform(spec, int(arrays.x.shape[1]))
+    return Samples(arrays.x, transform=transform, scale=spec.scale), y
 
 
 def load_job(payload: JobPayload, store: Store) -> LoadedJob:
@@ -314,6 +341,7 @@ def compute(
         metrics_before=contract_metrics(metrics_before),
         metrics_after=contract_metrics(metrics_after),
         epochs=epochs,
+        preprocessing=payload.dataset.preprocessing,
         diagnostics=found_diagnostics,
         auto=auto,
         steps=None if clock is None or clock.steps == 0 else clock.timings(),
@@ -414,6 +442,7 @@ def compute_evaluation(payload: JobPayload, store: Store, hooks: JobHooks | None
         batchnorm=[],
         tensors=[],
         metrics_before=contract_metrics(found),
+        preprocessing=payload.dataset.preprocessing,
     )
 
 

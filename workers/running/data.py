@@ -19,6 +19,7 @@ import torch
 
 from api_schemas.jobs import num_batches
 from workers.errors import DataError
+from workers.running.images import ImageSamples
 
 __all__ = [
     "Batches",
@@ -46,6 +47,7 @@ class Samples:
         array: npt.NDArray[Any],
         rows: slice | npt.NDArray[np.int64] | None = None,
         transform: Transform | None = None,
+        scale: bool = True,
     ) -> None:
         if array.dtype != np.uint8 and array.dtype.kind != "f":
             raise DataError(
@@ -54,6 +56,10 @@ class Samples:
         self.array = array
         self.rows = slice(0, len(array)) if rows is None else rows
         self.transform = transform
+        self.scale = scale
+
+    def _view(self, rows: slice | npt.NDArray[np.int64]) -> Samples:
+        return Samples(self.array, rows, self.transform, self.scale)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -74,20 +80,20 @@ class Samples:
             stop = max(stop, start)
             if isinstance(self.rows, slice):
                 base = self.rows.start
-                return Samples(self.array, slice(base + start, base + stop), self.transform)
-            return Samples(self.array, self.rows[start:stop], self.transform)
+                return self._view(slice(base + start, base + stop))
+            return self._view(self.rows[start:stop])
         picked = index.numpy() if isinstance(index, torch.Tensor) else np.asarray(index)
         picked = picked.astype(np.int64, copy=False)
         if isinstance(self.rows, slice):
-            return Samples(self.array, picked + self.rows.start, self.transform)
-        return Samples(self.array, self.rows[picked], self.transform)
+            return self._view(picked + self.rows.start)
+        return self._view(self.rows[picked])
 
     def load(self) -> torch.Tensor:
         """The rows as one float32 tensor (B, ...), read from the array now."""
         rows = self.array[self.rows]  # a view of a memory map, or a copy for indices
         out = torch.empty(self.shape, dtype=torch.float32)
         target = out.numpy()
-        if rows.dtype == np.uint8:
+        if rows.dtype == np.uint8 and self.scale:
             # One pass from the file's bytes to floats; float32 division is exactly
             # torch's `.to(torch.float32).div_(255)`.
             np.divide(rows, np.float32(255), out=target, dtype=np.float32)
@@ -96,13 +102,14 @@ class Samples:
         return out if self.transform is None else self.transform(out)
 
 
-Data: TypeAlias = "torch.Tensor | Samples"
+# Arrays (Samples) and tars of images (ImageSamples, workers/running/images.py) alike.
+Data: TypeAlias = "torch.Tensor | Samples | ImageSamples"
 
 
 def load_rows(x: Data, index: slice | torch.Tensor | None = None) -> torch.Tensor:
     """Rows of ``x`` (all when ``index`` is None) as a float32 tensor on the CPU: a view for a
     tensor sliced by a slice, read from the file for :class:`Samples`."""
-    if isinstance(x, Samples):
+    if isinstance(x, Samples | ImageSamples):
         return (x if index is None else x[index]).load()
     return x if index is None else x[index]
 
@@ -146,6 +153,8 @@ def iter_batches(
     a tensor, read one at a time from :class:`Samples`. Arguments are checked now, not at the
     first ``next``."""
     batches = Batches(x, batch_size, max_batches)
+    if isinstance(x, ImageSamples):  # decoded ahead by loader processes
+        return x.batches(batch_size, len(batches))
     return (batches[i] for i in range(len(batches)))
 
 

@@ -12,7 +12,7 @@ from torch.nn import functional as F  # noqa: N812 - torch's own convention
 
 from workers.errors import DataError, JobCanceled
 from workers.models.modules import model_device, training_flags
-from workers.running.data import Data, load_rows
+from workers.running.data import Data, iter_batches
 
 __all__ = [
     "Loss",
@@ -153,10 +153,11 @@ def evaluate_sums(
     correct = torch.zeros((), dtype=torch.int64, device=target)
     with training_flags(model), torch.no_grad():
         model.eval()
-        for done, start in enumerate(range(0, num_samples, batch_size)):
+        for done, batch in enumerate(iter_batches(x, batch_size)):
+            start = done * batch_size
             if should_stop is not None and should_stop():
                 raise JobCanceled(f"evaluation canceled after {done} batches")
-            xb = load_rows(x, slice(start, start + batch_size)).to(target)  # (B, ...)
+            xb = batch.to(target)  # (B, ...)
             yb = y[start : start + batch_size].to(target)
             outputs = model(xb)  # (B, ...)
             if start == 0:

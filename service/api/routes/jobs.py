@@ -53,6 +53,7 @@ from service.api.deps import (
     TenantDep,
 )
 from service.api.problems import ApiError, not_found, refuse_other_methods
+from service.api.routes.datasets import with_job_spec
 from service.errors import ObjectNotFoundError
 from service.records import keys
 from service.records.aio import AsyncRecords
@@ -227,6 +228,7 @@ def create_job(
         raise not_found("model", job_request.model_id)
     if dataset is None:
         raise not_found("dataset", job_request.dataset_id)
+    dataset = with_job_spec(dataset, job_request.params.preprocessing)
     _check_fit(job_request, model, dataset)
 
     job_id = new_id("job")
@@ -269,6 +271,8 @@ def create_job(
             dtype=dataset.dtype,
             has_labels=dataset.has_labels,
             label_kind=dataset.label_kind,
+            num_classes=dataset.num_classes,
+            preprocessing=dataset.preprocessing,
         ),
         params=job_request.params,
     )

@@ -24,6 +24,7 @@ from api_schemas import DatasetPublic, new_id
 from api_schemas.common import ID_PATTERN
 from api_schemas.datasets import (
     MAX_UPLOAD_PARTS,
+    Preprocessing,
     UploadComplete,
     UploadCreate,
     UploadPart,
@@ -197,13 +198,13 @@ def _complete(
     upload_id: str,
     name: str | None,
     announced: str | None,
+    preprocessing: Preprocessing | None,
 ) -> DatasetPublic:
     uploads = _uploads(records, settings)
     session = _session(uploads, tenant, upload_id)
     sha256, size = _join(store, session, settings.max_dataset_bytes, announced)
-    dataset = register_dataset(
-        tenant, records, store, settings, sha256, size, name or session.name or "dataset"
-    )
+    name = name or session.name or "dataset"
+    dataset = register_dataset(tenant, records, store, settings, sha256, size, name, preprocessing)
     uploads.delete(session)
     return dataset
 
@@ -221,7 +222,15 @@ async def complete_upload(
     """Joins parts 1..n into the dataset file, checks it like ``POST /v1/datasets`` and
     registers it; the upload ends. Refused (422, 413): the upload stays, to be fixed."""
     dataset = await run_in_threadpool(
-        _complete, store, records, settings, tenant, upload_id, request.name, request.sha256
+        _complete,
+        store,
+        records,
+        settings,
+        tenant,
+        upload_id,
+        request.name,
+        request.sha256,
+        request.preprocessing,
     )
     response.headers["Location"] = f"/v1/datasets/{dataset.id}"
     return dataset

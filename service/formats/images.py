@@ -1,0 +1,332 @@
+"""Image datasets: WebDataset-style tar shards, checked at registration and read by workers.
+
+A sample is the members of the tar that share a key (the member's path up to the first dot of
+its file name): one image (``key.jpg``, ``key.jpeg`` or ``key.png``) and, for a labelled
+dataset, one label (``key.cls``: an integer as text; or ``key.json``: an integer, or an object
+with an integer ``"label"``). Other members (``key.txt``, directories) are ignored. A dataset
+is one tar, or several joined end to end (``cat a.tar b.tar``, or one resumable-upload part
+per shard): NOTE [ Image datasets ].
+
+No torch here: the API scans tars with it, workers decode with it (workers/running/images.py
+turns the decoded pixels into batches).
+
+# NOTE [ Image datasets ]
+- **One file, many shards.** A dataset is one object in the store, as for arrays; several
+  shards are that object's bytes joined end to end, which Python's tarfile reads as one
+  archive when told to skip the zero blocks between them (``ignore_zeros``). A resumable
+  upload already joins its parts in order, so "one part per shard" uploads many shards with
+  no new route, record or store object, and the store, the collector, sharded jobs and
+  imports work on image datasets unchanged.
+- **Registration scans, never extracts.** :func:`describe_tar` reads the tar member by member
+  from the stored file: member names (an absolute path, ``..``, a link or a device is refused:
+  nothing is ever written from a tar, but such a member means a tool built it wrongly or on
+  purpose), the label of each sample, and each image's header through Pillow's lazy open
+  (format and size, not the pixels): a decompression bomb is refused by its declared pixels
+  (``BNADAPT_MAX_IMAGE_PIXELS``) before any is decoded, mixed sizes without a ``resize`` are
+  refused with the first sample that differs. Pixels are decoded only by a job, so a body
+  that is damaged behind a sound header fails the job with the sample's key.
+- **Workers index, then decode a batch at a time.** :func:`index_tar` reads the headers
+  again (512 bytes a member, seeking over the data) and the small label members, giving the
+  offset of every image; a batch decodes only its own images (a shard of a sharded job only
+  its range). Decoding runs in DataLoader processes (workers/running/images.py).
+- **Pillow, not torchvision.** Pillow decodes JPEG and PNG with the same code in the API
+  (headers) and the workers (pixels) and needs no torch, so the API can depend on it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Final
+
+import numpy as np
+import numpy.typing as npt
+from PIL import Image
+
+from api_schemas.datasets import Preprocessing
+from service.errors import ArrayFileError, ArrayLimitError
+
+__all__ = ["IMAGE_EXTENSIONS", "TarFacts", "TarIndex", "decode_image", "describe_tar", "index_tar"]
+
+IMAGE_EXTENSIONS: Final = frozenset({"jpg", "jpeg", "png"})
+_LABEL_EXTENSIONS: Final = frozenset({"cls", "json"})
+_FORMATS: Final = frozenset({"JPEG", "PNG"})
+_MAX_LABEL_BYTES: Final = 4096
+_HOW_TO_BUILD: Final = (
+    "build the tar with one image per sample (key.jpg or key.png) and its label "
+    "(key.cls holding the class as text), e.g. with webdataset's TarWriter or tar itself"
+)
+
+
+@dataclass(frozen=True)
+class TarFacts:
+    """What registration found: the file-derived part of an image ``DatasetPublic``."""
+
+    num_samples: int
+    sample_shape: tuple[int, ...]  # after preprocessing: (C, H, W)
+    has_labels: bool
+    num_classes: int | None
+    image_size: tuple[int, int] | None  # (height, width) when all images have it
+
+
+@dataclass(frozen=True)
+class TarIndex:
+    """Where each sample's image lies in the file, in tar order, and its label."""
+
+    keys: list[str]
+    offsets: npt.NDArray[np.int64]  # (N,) first byte of the image member's data
+    sizes: npt.NDArray[np.int64]  # (N,) its bytes
+    labels: npt.NDArray[np.int64] | None  # (N,) class labels, or None without labels
+
+
+def _split(name: str) -> tuple[str, str]:
+    """A member's sample key and extension (lower case): ``a/b.c.png`` -> (``a/b``, ``c.png``)."""
+    folder, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), (ext.lower() if dot else "")
+
+
+def _check_member(info: tarfile.TarInfo) -> None:
+    """Refuses members that could point outside an extraction, and anything but files and
+    folders (NOTE [ Image datasets ])."""
+    name = info.name
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith(("/", "\\")) or ".." in parts or (len(name) > 1 and name[1] == ":"):
+        raise ArrayFileError(
+            f"the tar member {name!r} has a path that leaves the archive (absolute, or with "
+            f"'..'); {_HOW_TO_BUILD}, with paths relative to the archive"
+        )
+    if not (info.isfile() or info.isdir()):
+        raise ArrayFileError(
+            f"the tar member {name!r} is a link or a special file; only regular files are "
+            f"read: {_HOW_TO_BUILD}"
+        )
+
+
+def _members(path: Path) -> tarfile.TarFile:
+    try:
+        return tarfile.open(path, mode="r:", ignore_zeros=True)
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise ArrayFileError(f"the tar could not be read ({exc}); {_HOW_TO_BUILD}") from exc
+
+
+def _label(data: bytes, ext: str, key: str, max_classes: int) -> int:
+    try:
+        value: object = json.loads(data) if ext == "json" else int(data.decode().strip())
+        if isinstance(value, dict):
+            value = value.get("label")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{value!r} is not an integer")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ArrayFileError(
+            f"the label of sample {key!r} (member {key}.{ext}) is not a class ({exc}); write "
+            "the class as an integer: '3' in key.cls, or {\"label\": 3} in key.json"
+        ) from exc
+    if not 0 <= value < max_classes:
+        raise ArrayFileError(
+            f"sample {key!r} has the label {value}; class labels must be 0..{max_classes - 1} "
+            "(BNADAPT_MAX_CLASSES): remap them"
+        )
+    return value
+
+
+def _read_member(archive: tarfile.TarFile, info: tarfile.TarInfo, limit: int) -> bytes:
+    if info.size > limit:
+        raise ArrayFileError(f"the tar member {info.name!r} has {info.size} bytes, over {limit}")
+    file = archive.extractfile(info)
+    assert file is not None  # a regular file
+    data = file.read()
+    if len(data) != info.size:
+        raise ArrayFileError(
+            f"the tar member {info.name!r} is truncated: {len(data)} of {info.size} bytes; "
+            "upload the complete tar"
+        )
+    return data
+
+
+def _image_size(file: IO[bytes], key: str, max_pixels: int) -> tuple[int, int]:
+    """(height, width) from the image's header; the pixels are not decoded."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(file, formats=sorted(_FORMATS))
+            width, height = image.size
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ArrayLimitError(_bomb(key, exc)) from exc
+    except (OSError, SyntaxError, ValueError) as exc:  # Pillow's "cannot identify image file"
+        raise ArrayFileError(
+            f"the image of sample {key!r} is not a readable JPEG or PNG ({exc}); re-encode it"
+        ) from exc
+    if width * height > max_pixels:
+        raise ArrayLimitError(_bomb(key, f"{width} x {height} pixels"))
+    return height, width
+
+
+def _bomb(key: str, what: object) -> str:
+    return (
+        f"the image of sample {key!r} declares too many pixels ({what}); at most "
+        "BNADAPT_MAX_IMAGE_PIXELS are decoded, so that a small file cannot take gigabytes of "
+        "memory (a decompression bomb): downscale the image, or ask the operator to raise it"
+    )
+
+
+def describe_tar(
+    path: Path,
+    preprocessing: Preprocessing,
+    *,
+    max_pixels: int,
+    max_classes: int,
+    max_elements: int,
+) -> TarFacts:
+    """Checks a tar of images without extracting it (NOTE [ Image datasets ]) and returns its
+    facts; ``ArrayFileError`` naming the member or sample to fix, ``ArrayLimitError`` for a
+    decompression bomb or a dataset over ``max_elements``."""
+    images: dict[str, tuple[int, int]] = {}  # key -> (height, width)
+    labels: dict[str, int] = {}
+    first_size: tuple[str, tuple[int, int]] | None = None
+    one_size = True
+    with _members(path) as archive:
+        try:
+            for info in archive:
+                _check_member(info)
+                if info.isdir():
+                    continue
+                key, ext = _split(info.name)
+                if ext in IMAGE_EXTENSIONS:
+                    if key in images:
+                        raise ArrayFileError(f"sample {key!r} has two images; give one per key")
+                    file = archive.extractfile(info)
+                    assert file is not None
+                    size = _image_size(file, key, max_pixels)
+                    if first_size is None:
+                        first_size = key, size
+                    elif size != first_size[1]:
+                        one_size = False
+                        if preprocessing.resize is None:
+                            raise ArrayFileError(
+                                f"sample {key!r} is {size[1]} x {size[0]} pixels but sample "
+                                f"{first_size[0]!r} is {first_size[1][1]} x {first_size[1][0]}; "
+                                "images of a batch must have one size: register the dataset "
+                                'with a preprocessing "resize": [height, width]'
+                            )
+                    images[key] = size
+                elif ext in _LABEL_EXTENSIONS:
+                    if key in labels:
+                        raise ArrayFileError(f"sample {key!r} has two labels; give one per key")
+                    labels[key] = _label(
+                        _read_member(archive, info, _MAX_LABEL_BYTES), ext, key, max_classes
+                    )
+        except tarfile.TarError as exc:
+            raise ArrayFileError(
+                f"the tar is damaged or truncated ({exc}); upload it again"
+            ) from exc
+        if archive.offset > path.stat().st_size:
+            raise ArrayFileError(
+                "the tar is truncated: its last member ends past the end of the file; upload "
+                "the complete tar"
+            )
+    if not images:
+        raise ArrayFileError(f"the tar holds no .jpg or .png image; {_HOW_TO_BUILD}")
+    unlabelled = [key for key in images if key not in labels]
+    if labels and unlabelled:
+        raise ArrayFileError(
+            f"sample {unlabelled[0]!r} has no label ({len(unlabelled)} of {len(images)} samples "
+            f"have none) but others have one; give every sample a key.cls, or none"
+        )
+    orphans = [key for key in labels if key not in images]
+    if orphans:
+        raise ArrayFileError(
+            f"the label {orphans[0]!r} has no image ({len(orphans)} labels have none); "
+            f"{_HOW_TO_BUILD}"
+        )
+    height, width = next(iter(images.values()))
+    shape = tuple(preprocessing.output_shape(height, width))
+    _check_crop(preprocessing, images)
+    elements = len(images) * int(np.prod(shape))
+    if elements > max_elements:
+        raise ArrayLimitError(
+            f"the {len(images)} preprocessed images hold {elements} numbers, more than the "
+            f"limit of {max_elements} (BNADAPT_MAX_DATASET_ELEMENTS); split the dataset"
+        )
+    return TarFacts(
+        num_samples=len(images),
+        sample_shape=shape,
+        has_labels=bool(labels),
+        num_classes=max(labels.values()) + 1 if labels else None,
+        image_size=(height, width) if one_size else None,
+    )
+
+
+def _check_crop(spec: Preprocessing, images: dict[str, tuple[int, int]]) -> None:
+    if spec.center_crop is None or spec.resize is not None:
+        return
+    for key, (height, width) in images.items():
+        if spec.center_crop[0] > height or spec.center_crop[1] > width:
+            raise ArrayFileError(
+                f"center_crop {spec.center_crop} is larger than sample {key!r} "
+                f"({height} x {width} pixels); crop less, or resize first"
+            )
+
+
+def index_tar(path: Path) -> TarIndex:
+    """The samples of a registered tar, in tar order (NOTE [ Image datasets ]): headers and
+    labels only, no pixels."""
+    keys: list[str] = []
+    offsets: list[int] = []
+    sizes: list[int] = []
+    labels: dict[str, int] = {}
+    with _members(path) as archive:
+        for info in archive:
+            if not info.isfile():
+                continue
+            key, ext = _split(info.name)
+            if ext in IMAGE_EXTENSIONS:
+                keys.append(key)
+                offsets.append(info.offset_data)
+                sizes.append(info.size)
+            elif ext in _LABEL_EXTENSIONS:
+                labels[key] = _label(
+                    _read_member(archive, info, _MAX_LABEL_BYTES), ext, key, 1 << 62
+                )
+    y = np.array([labels[key] for key in keys], dtype=np.int64) if labels else None
+    return TarIndex(keys, np.array(offsets, np.int64), np.array(sizes, np.int64), y)
+
+
+def decode_image(
+    data: bytes, key: str, spec: Preprocessing, max_pixels: int
+) -> npt.NDArray[np.uint8]:
+    """One image's pixels, decoded, resized and cropped: (C, H, W) uint8 in ``spec.channels``
+    order. ``ArrayFileError`` naming the sample when its bytes do not decode."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image: Image.Image = Image.open(io.BytesIO(data), formats=sorted(_FORMATS))
+            if image.width * image.height > max_pixels:
+                raise ArrayLimitError(_bomb(key, f"{image.width} x {image.height} pixels"))
+            image = image.convert("L" if spec.channels == "gray" else "RGB")
+        if spec.resize is not None:
+            height, width = spec.resize
+            if image.size != (width, height):
+                image = image.resize((width, height), Image.Resampling.BILINEAR)
+        if spec.center_crop is not None:
+            height, width = spec.center_crop
+            left, top = (image.width - width) // 2, (image.height - height) // 2
+            image = image.crop((left, top, left + width, top + height))
+        pixels = np.asarray(image)
+    except ArrayLimitError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ArrayLimitError(_bomb(key, exc)) from exc
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ArrayFileError(
+            f"the image of sample {key!r} could not be decoded ({exc}); it is damaged or "
+            "truncated: re-encode it and upload the dataset again"
+        ) from exc
+    if pixels.ndim == 2:
+        return pixels[np.newaxis]  # (1, H, W)
+    chw = pixels.transpose(2, 0, 1)  # (3, H, W) RGB
+    return chw[::-1] if spec.channels == "bgr" else chw

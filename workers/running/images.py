@@ -1,0 +1,199 @@
+"""Image datasets in a job: batches decoded from a tar (service/formats/images.py) by a
+DataLoader's processes, preprocessed by the dataset's spec; the same spec on uint8 arrays.
+
+# NOTE [ Decoding in loader processes ]
+Decoding a JPEG costs far more than the float work on its pixels, so a pass over the job's
+batches (an estimator's pass, the measurement before and after) runs through a
+``torch.utils.data.DataLoader`` whose ``BNADAPT_LOADER_PROCESSES`` processes each decode a
+whole batch to uint8 (C, H, W) pixels, while the job's process runs the model on the batch
+before. A batch crosses from a loader process as uint8, a quarter of its float bytes; scaling
+and normalising happen in the job's process, in one pass, as for uint8 arrays
+(workers/running/data.py). With 0 processes, or for batches asked one at a time (an estimator
+that cycles, training's shuffled batches), the job's process decodes them itself. Either way
+a batch decodes only its own images, so a shard of a sharded job decodes only its range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch.utils.data import DataLoader, Dataset
+
+from api_schemas.datasets import Preprocessing
+from service.errors import ArrayFileError
+from service.formats.images import TarIndex, decode_image, index_tar
+from workers.errors import DataError
+
+__all__ = ["ImageSamples", "array_transform", "normalize_"]
+
+
+def normalize_(batch: torch.Tensor, spec: Preprocessing) -> torch.Tensor:
+    """``(batch - mean) / std`` per channel of a (B, C, H, W) float batch, in place."""
+    if spec.mean is not None and spec.std is not None:
+        mean = torch.tensor(spec.mean, dtype=batch.dtype).view(1, -1, 1, 1)
+        std = torch.tensor(spec.std, dtype=batch.dtype).view(1, -1, 1, 1)
+        batch.sub_(mean).div_(std)
+    return batch
+
+
+def array_transform(spec: Preprocessing, channels: int) -> Any:
+    """The spec on a (B, C, H, W) batch of a uint8 array, already scaled (or not) to float:
+    bilinear resize (antialiased, like Pillow's), centre crop, channel order, normalisation.
+    The array's channels are RGB (or one gray channel)."""
+    if spec.num_channels != channels:
+        raise DataError(
+            f"the preprocessing asks for {spec.channels!r} ({spec.num_channels} channels) but "
+            f"the array's samples have {channels}; register it with the matching channels"
+        )
+
+    def transform(batch: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, C, H', W')
+        if spec.resize is not None and list(batch.shape[2:]) != spec.resize:
+            batch = F.interpolate(batch, size=tuple(spec.resize), mode="bilinear", antialias=True)
+        if spec.center_crop is not None:
+            height, width = spec.center_crop
+            top, left = (batch.shape[2] - height) // 2, (batch.shape[3] - width) // 2
+            batch = batch[:, :, top : top + height, left : left + width]
+        if spec.channels == "bgr":
+            batch = batch.flip(1)
+        return normalize_(batch.contiguous(), spec)
+
+    return transform
+
+
+class _Decoder:
+    """Decodes rows of a tar dataset to one uint8 (B, C, H, W) array; picklable, so that a
+    loader process gets its own copy and opens the file itself."""
+
+    def __init__(
+        self, path: Path, index: TarIndex, spec: Preprocessing, shape: tuple[int, ...], max_px: int
+    ) -> None:
+        self.path, self.index, self.spec, self.shape, self.max_px = path, index, spec, shape, max_px
+
+    def first_shape(self) -> tuple[int, ...]:
+        with self.path.open("rb") as file:
+            file.seek(int(self.index.offsets[0]))
+            data = file.read(int(self.index.sizes[0]))
+        try:
+            return tuple(decode_image(data, self.index.keys[0], self.spec, self.max_px).shape)
+        except ArrayFileError as exc:
+            raise DataError(str(exc)) from exc
+
+    def decode(self, rows: npt.NDArray[np.int64]) -> torch.Tensor:
+        out = torch.empty((len(rows), *self.shape), dtype=torch.uint8)
+        target = out.numpy()
+        with self.path.open("rb") as file:
+            for i, row in enumerate(rows.tolist()):
+                key = self.index.keys[row]
+                file.seek(int(self.index.offsets[row]))
+                data = file.read(int(self.index.sizes[row]))
+                try:
+                    pixels = decode_image(data, key, self.spec, self.max_px)
+                except ArrayFileError as exc:
+                    raise DataError(str(exc)) from exc
+                if pixels.shape != self.shape:
+                    raise DataError(
+                        f"sample {key!r} preprocesses to shape {list(pixels.shape)} but the "
+                        f"dataset's samples have {list(self.shape)}; register it with a "
+                        "preprocessing resize"
+                    )
+                target[i] = pixels
+        return out
+
+
+class _BatchSet(Dataset[torch.Tensor]):
+    """Batch ``i`` of a pass, as uint8: what a loader process makes."""
+
+    def __init__(self, decoder: _Decoder, rows: npt.NDArray[np.int64], batch_size: int) -> None:
+        self.decoder, self.rows, self.batch_size = decoder, rows, batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.rows) // self.batch_size)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.decoder.decode(self.rows[i * self.batch_size : (i + 1) * self.batch_size])
+
+
+class ImageSamples:
+    """Rows of a tar of images, as :class:`workers.running.data.Samples` is of an array: a
+    view that decodes (NOTE [ Decoding in loader processes ]) only the rows it loads."""
+
+    def __init__(
+        self,
+        decoder: _Decoder,
+        rows: npt.NDArray[np.int64],
+        loader_processes: int,
+    ) -> None:
+        self.decoder, self.rows, self.loader_processes = decoder, rows, loader_processes
+
+    @classmethod
+    def open(
+        cls,
+        path: Path,
+        spec: Preprocessing,
+        sample_shape: tuple[int, ...] | None,
+        loader_processes: int,
+        max_pixels: int,
+    ) -> tuple[ImageSamples, npt.NDArray[np.int64] | None]:
+        """The dataset's samples and class labels (None without labels)."""
+        try:
+            index = index_tar(path)
+        except ArrayFileError as exc:
+            raise DataError(str(exc)) from exc
+        if sample_shape is None:  # a payload without the dataset's facts: the first image's
+            sample_shape = _Decoder(path, index, spec, (), max_pixels).first_shape()
+        decoder = _Decoder(path, index, spec, sample_shape, max_pixels)
+        rows = np.arange(len(index.keys), dtype=np.int64)
+        return cls(decoder, rows, loader_processes), index.labels
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self.decoder.shape)
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def __getitem__(self, index: slice | torch.Tensor | npt.NDArray[np.int64]) -> ImageSamples:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError(f"a samples view takes slices with step 1, got {step}")
+            picked = self.rows[start:stop]
+        else:
+            chosen = index.numpy() if isinstance(index, torch.Tensor) else np.asarray(index)
+            picked = self.rows[chosen.astype(np.int64, copy=False)]
+        return ImageSamples(self.decoder, picked, self.loader_processes)
+
+    def _floats(self, pixels: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(pixels.shape, dtype=torch.float32)
+        if self.decoder.spec.scale:
+            np.divide(pixels.numpy(), np.float32(255), out=out.numpy(), dtype=np.float32)
+        else:
+            out.copy_(pixels)
+        return normalize_(out, self.decoder.spec)
+
+    def load(self) -> torch.Tensor:
+        """The rows decoded and preprocessed: float32 (B, C, H, W), in this process."""
+        return self._floats(self.decoder.decode(self.rows))
+
+    def batches(self, batch_size: int, count: int) -> Iterator[torch.Tensor]:
+        """The first ``count`` batches of ``batch_size`` rows in order, decoded by the loader
+        processes (NOTE [ Decoding in loader processes ])."""
+        rows = self.rows[: count * batch_size]
+        if self.loader_processes == 0 or count <= 1:
+            for i in range(count):
+                yield self._floats(self.decoder.decode(rows[i * batch_size : (i + 1) * batch_size]))
+            return
+        loader = DataLoader(
+            _BatchSet(self.decoder, rows, batch_size),
+            batch_size=None,
+            num_workers=min(self.loader_processes, count),
+            prefetch_factor=2,
+        )
+        for pixels in loader:
+            yield self._floats(pixels)
