@@ -42,7 +42,7 @@ from api_schemas import JobStatus
 from service.local.embedded import RedisServer
 from service.records import keys
 from tests.e2e.test_e2e import created, digits_npz
-from tests.stack import Stack
+from tests.stack import Client, Stack
 
 __all__ = ["KILL_KINDS", "LoadTally", "run_load_chaos"]
 
@@ -178,7 +178,7 @@ class _Chaos:
             rqs = [r for r in (self._rq_worker(s) for s in sups) if r is not None]
             before = {r: set(_children(r)) for r in rqs}
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self.done_submitting.is_set():
                 for r in rqs:
                     new = [c for c in _children(r) if c not in before[r]]
                     if new and _kill(new[0]):
@@ -300,8 +300,9 @@ class _Chaos:
             if i % 50 == 49:
                 print(f"{time.strftime('%H:%M:%S')} {i + 1} jobs submitted", flush=True)
             if i % 10 == 9:  # a retried submission of an answered key: the same job
-                again = f"chaos-{self.rng.randrange(i + 1)}"
-                self._answer(again, self._post(http, bodies[0], again))
+                index = self.rng.randrange(i + 1)
+                again = f"chaos-{index}"
+                self._answer(again, self._post(http, bodies[index % len(bodies)], again))
                 self.tally.resent_same_key += 1
         self.done_submitting.set()
 
@@ -312,8 +313,10 @@ class _Chaos:
             self.answered.setdefault(key, job_id)
 
 
-def _bodies(stack: Stack, tenant: str, sharded: bool) -> tuple[Any, list[dict[str, Any]]]:
-    client = stack.client(tenant)
+def _bodies(stack: Stack, tenant: str, sharded: bool) -> tuple[Client, str, list[dict[str, Any]]]:
+    """The client, its tenant's id, and the bodies the jobs cycle through."""
+    key = stack.records().create_api_key(tenant)
+    client = Client(stack.url, key.key)
     model = created(client.add_model("digits_cnn", {"width": 8}))
     # Small jobs, so that many run: adapt on unlabelled data (no measuring before and after),
     # train on a few labelled batches.
@@ -334,7 +337,7 @@ def _bodies(stack: Stack, tenant: str, sharded: bool) -> tuple[Any, list[dict[st
     bodies: list[dict[str, Any]] = [adapt, adapt, adapt, adapt, train]
     if sharded:
         bodies.append({**adapt, "params": {"batch_size": 32, "shards": 2}})
-    return client, bodies
+    return client, key.tenant_id, bodies
 
 
 def _wall(moment: datetime | str | None) -> float | None:
@@ -358,8 +361,7 @@ def run_load_chaos(
     """Submits ``jobs`` jobs (at most ``window`` unfinished at once) while ``kills`` kills
     spread over :data:`KILL_KINDS` and ``redis_kills`` Redis kills happen, then checks every
     job (see the module's docstring)."""
-    tenant = f"chaos-load-{seed}"
-    client, bodies = _bodies(stack, tenant, sharded)
+    client, tenant, bodies = _bodies(stack, f"chaos-load-{seed}", sharded)
     chaos = _Chaos(stack, jobs, kills, redis_kills, seed)
     started = time.monotonic()
     killer = threading.Thread(target=chaos.killer, daemon=True)

@@ -217,7 +217,13 @@ def test_a_killed_shard_is_run_again_and_its_job_succeeds_once(stack: Stack) -> 
     """NOTE [ Retried children ]: the shard's process is SIGKILLed mid-run; the same shard runs
     again in a new process, the merge follows, and the job registers exactly one model."""
     client = stack.client("retried")
-    job_id = long_sharded_job(client, shards=2)  # max_attempts: the default, 3
+    # 128 batches of a smaller resnet (a shard long enough to be caught running, short
+    # enough to run twice on a loaded machine); max_attempts: the default, 3.
+    model = created(client.add_model("resnet", {"in_channels": 1, "depth": 4, "width": 32}))
+    x = np.random.default_rng(0).random((1024, 1, 32, 32), dtype=np.float32)
+    dataset = created(client.add_dataset(npz_bytes(x=x)))
+    body = adapt(model, dataset, estimator="precise", batch_size=8, shards=2)
+    job_id = str(created(client.submit(body), 202)["id"])
     shard_records = ShardRecords(stack.records().client)
     pid = wait_for(
         lambda: shard_process(shard_records, job_id, "shard-1"),
@@ -238,7 +244,7 @@ def test_a_killed_shard_is_run_again_and_its_job_succeeds_once(stack: Stack) -> 
     assert [m for m in client.http.get("/v1/models").json()["items"] if m["job_id"] == job_id]
     assert len(registered_by_jobs(client)) == 1
     report = client.http.get(done["result"]["report_url"]).json()
-    assert [(s["index"], s["batches"]) for s in report["shards"]] == [(0, 128), (1, 128)]
+    assert [(s["index"], s["batches"]) for s in report["shards"]] == [(0, 64), (1, 64)]
 
 
 def test_shards_are_checked_at_submit(stack: Stack) -> None:
