@@ -9,6 +9,15 @@ the test stack's 4 s, so ``machine-lost`` shows the sweep's bound plus the retry
 and rerun; as the rounds' jobs are the same, the seconds compare the faults with each other.
 
     .venv/bin/python bench/chaos_bench.py [--rounds 30] [--seed 0]
+
+``--jobs N`` runs the load instead (tests/e2e/chaos_load.py): N jobs submitted with
+Idempotency-Keys over two workers while ``--kills`` kills spread over every process kind
+(job processes at random moments and in the fork window, RQ workers, supervisors, whole
+worker trees, the API) and ``--redis-kills`` Redis kills happen; reported: kills by kind,
+outcomes, lost / duplicated / stuck, retries, and the seconds from each kill to the end of
+the attempt it interrupted and to the job's terminal status.
+
+    .venv/bin/python bench/chaos_bench.py --jobs 1000 --kills 54 --redis-kills 3 [--sharded]
 """
 
 from __future__ import annotations
@@ -17,11 +26,13 @@ import argparse
 import statistics
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.e2e.chaos import FAULTS, run_chaos
+from tests.e2e.chaos_load import KILL_KINDS, run_load_chaos
 from tests.stack import running_stack
 
 
@@ -29,7 +40,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=0, help="run the load instead")
+    parser.add_argument("--kills", type=int, default=54)
+    parser.add_argument("--redis-kills", type=int, default=3)
+    parser.add_argument("--window", type=int, default=6)
+    parser.add_argument("--sharded", action="store_true", help="sharded adapt jobs among them")
     args = parser.parse_args()
+    if args.jobs:
+        load(args)
+        return
     with (
         tempfile.TemporaryDirectory() as tmp,
         running_stack(Path(tmp), {"BNADAPT_WORKER_THREADS": "1"}) as stack,
@@ -50,6 +69,54 @@ def main() -> None:
         print(f"| {fault} | {tally.rounds[fault]} | {ended} | {median} | {worst} |")
     print("attempts used:", dict(sorted(tally.attempts.items())))
     print("problems:", tally.problems or "none")
+
+
+def _spread(times: list[float]) -> str:
+    if not times:
+        return "- | - | -"
+    return f"{len(times)} | {statistics.median(times):.1f} | {max(times):.1f}"
+
+
+def load(args: argparse.Namespace) -> None:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        running_stack(Path(tmp), {"BNADAPT_WORKER_THREADS": "1"}, workers=2) as stack,
+    ):
+        try:
+            tally = run_load_chaos(
+                stack,
+                args.jobs,
+                args.kills,
+                args.redis_kills,
+                seed=args.seed,
+                window=args.window,
+                sharded=args.sharded,
+            )
+        except BaseException:
+            traceback.print_exc()
+            raise
+    print(f"{tally.jobs} jobs, seed {args.seed}, {tally.wall_s:.0f} s")
+    print("kills:", {k: tally.kills[k] for k in (*KILL_KINDS, "redis")})
+    print("outcomes:", dict(tally.outcomes))
+    print(f"lost {len(tally.lost)}, duplicated {len(tally.duplicated)}, stuck {len(tally.stuck)}")
+    print(f"models not exactly one: {len(tally.model_problems)}")
+    print(
+        f"interrupted jobs {tally.interrupted_jobs}, retries {tally.retries}, "
+        f"answered keys re-sent {tally.resent_same_key}"
+    )
+    print(
+        "| kill | attempts ended | s kill -> attempt end, median | max | "
+        "jobs | s kill -> terminal, median | max |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for kind in (*KILL_KINDS, "redis"):
+        ends = tally.seconds_to_attempt_end.get(kind, [])
+        terminal = tally.seconds_to_terminal.get(kind, [])
+        print(f"| {kind} | {_spread(ends)} | {_spread(terminal)} |")
+    for name in ("lost", "duplicated", "stuck", "model_problems", "problems"):
+        items = getattr(tally, name)
+        if items:
+            print(f"{name}:", *items[:50], sep="\n  ")
 
 
 if __name__ == "__main__":

@@ -94,6 +94,17 @@ redis.call('HSET', KEYS[2], ARGV[3], ARGV[1])
 return 'held'
 """
 
+# KEYS[1]: the parent's job hash, KEYS[2]: its shards hash, KEYS[3]: the child's heartbeat.
+# ARGV[1]: the child. A running child of a running parent back to queued, for RQ to run again
+# (NOTE [ Retried children ] in workers/sharding/jobs.py); returns 1, or 0 if not.
+_REQUEUE_LUA: Final = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= 'running' then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], 'queued')
+redis.call('DEL', KEYS[3])
+return 1
+"""
+
 # KEYS[1]: the shards hash. ARGV: children. Marks those still queued canceled; returns them.
 _CANCEL_QUEUED_LUA: Final = """
 local canceled = {}
@@ -160,6 +171,7 @@ class ShardRecords:
         self._claim = client.register_script(_CLAIM_LUA)
         self._cancel_queued = client.register_script(_CANCEL_QUEUED_LUA)
         self._hold = client.register_script(_HOLD_LUA)
+        self._requeue = client.register_script(_REQUEUE_LUA)
 
     def plan(
         self,
@@ -228,6 +240,20 @@ class ShardRecords:
             )
         )
         return None if answer == "claimed" else answer
+
+    def requeue(self, parent_id: str, child: str) -> bool:
+        """Marks the running ``child`` of a running parent queued again, its heartbeat gone,
+        so that its next run can claim it; False (nothing changed) otherwise."""
+        return bool(
+            self._requeue(
+                keys=[
+                    keys.record("job", parent_id),
+                    keys.job_shards(parent_id),
+                    keys.job_heartbeat(child_job_id(parent_id, child)),
+                ],
+                args=[child],
+            )
+        )
 
     def alive(self, parent_id: str, child: str) -> bool:
         return bool(self.client.exists(keys.job_heartbeat(child_job_id(parent_id, child))))

@@ -545,6 +545,12 @@ class Records:
         due (a compare-and-delete: an interruption meanwhile made a newer attempt due)."""
         self._mark_enqueued(keys=[keys.record("job", job_id)], args=[rq_id])
 
+    def max_attempts(self, job_id: str) -> int:
+        """How many runs the job may have (NOTE [ Job attempts ]); 1 for a job without the
+        field (earlier releases)."""
+        raw = self.client.hget(keys.record("job", job_id), "max_attempts")
+        return int(text(raw)) if raw else 1
+
     def claim_output(self, job_id: str, model_id: str) -> str:
         """The id of the model job ``job_id`` registers: ``model_id`` if no attempt of the job
         claimed one before, else that one's (NOTE [ Job attempts ])."""

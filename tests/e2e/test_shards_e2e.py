@@ -165,13 +165,14 @@ def test_a_sharded_jobs_parts_keep_their_logs_with_it(stack: Stack) -> None:
     assert any("batches 2 to 3" in m for m in by_part["shard-1"]), by_part["shard-1"]
 
 
-def long_sharded_job(client: Client, shards: int) -> str:
-    """256 batches of a deep resnet on 32x32 images (seconds per shard), in ``shards``."""
+def long_sharded_job(client: Client, shards: int, **job: Any) -> str:
+    """256 batches of a deep resnet on 32x32 images (seconds per shard), in ``shards``;
+    ``job``: more fields of the job (``max_attempts``)."""
     model = created(client.add_model("resnet", {"in_channels": 1, "depth": 8, "width": 64}))
     x = np.random.default_rng(0).random((2048, 1, 32, 32), dtype=np.float32)
     dataset = created(client.add_dataset(npz_bytes(x=x)))
     body = adapt(model, dataset, estimator="precise", batch_size=8, shards=shards)
-    return str(created(client.submit(body), 202)["id"])
+    return str(created(client.submit({**body, **job}), 202)["id"])
 
 
 def test_progress_counts_all_shards_and_cancel_stops_them(stack: Stack) -> None:
@@ -206,21 +207,27 @@ def test_progress_counts_all_shards_and_cancel_stops_them(stack: Stack) -> None:
     assert registered_by_jobs(client) == []
 
 
-def test_a_killed_shard_fails_its_job_and_the_workers_go_on(stack: Stack) -> None:
+def shard_process(shard_records: ShardRecords, job_id: str, child: str) -> int | None:
+    """The pid of the process running ``child``, once it runs."""
+    children = shard_records.children(job_id) or {}
+    if children.get(child) is not ChildState.RUNNING:
+        return None
+    process = shard_records.processes(job_id).get(child)
+    return None if process is None else int(process.rsplit(":", 1)[1])
+
+
+def test_a_killed_shard_without_retries_fails_its_job_and_the_workers_go_on(stack: Stack) -> None:
     client = stack.client("killed")
-    job_id = long_sharded_job(client, shards=2)
+    job_id = long_sharded_job(client, shards=2, max_attempts=1)
     shard_records = ShardRecords(stack.records().client)
-
-    def running_shard_process() -> int | None:
-        processes = shard_records.processes(job_id)
-        if "shard-1" not in processes:
-            return None
-        return int(processes["shard-1"].rsplit(":", 1)[1])
-
-    pid = wait_for(running_shard_process, timeout_s=120, what="shard 2 to start")
+    pid = wait_for(
+        lambda: shard_process(shard_records, job_id, "shard-1"),
+        timeout_s=300,
+        what="shard 2 to start",
+    )
     assert pid is not None
     os.kill(pid, signal.SIGKILL)  # as the OOM killer would
-    done = client.wait(job_id, timeout_s=60)  # failed at once by the worker that saw it die
+    done = client.wait(job_id, timeout_s=120)  # failed at once by the worker that saw it die
     assert done["status"] == "failed"
     assert done["error"].startswith("shard 2 of 2 died: the job's process died (signal 9;")
     children = once_ended(shard_records, job_id, "shard-0")
@@ -233,6 +240,40 @@ def test_a_killed_shard_fails_its_job_and_the_workers_go_on(stack: Stack) -> Non
     data = created(client.add_dataset(digits_npz(n=64)))
     body = adapt(small, data, estimator="cumulative", batch_size=16, shards=4)
     assert client.wait(created(client.submit(body), 202)["id"])["status"] == "succeeded"
+
+
+def test_a_killed_shard_is_run_again_and_its_job_succeeds_once(stack: Stack) -> None:
+    """NOTE [ Retried children ]: the shard's process is SIGKILLed mid-run; the same shard runs
+    again in a new process, the merge follows, and the job registers exactly one model."""
+    client = stack.client("retried")
+    # 128 batches of a smaller resnet (a shard long enough to be caught running, short
+    # enough to run twice on a loaded machine); max_attempts: the default, 3.
+    model = created(client.add_model("resnet", {"in_channels": 1, "depth": 4, "width": 32}))
+    x = np.random.default_rng(0).random((1024, 1, 32, 32), dtype=np.float32)
+    dataset = created(client.add_dataset(npz_bytes(x=x)))
+    body = adapt(model, dataset, estimator="precise", batch_size=8, shards=2)
+    job_id = str(created(client.submit(body), 202)["id"])
+    shard_records = ShardRecords(stack.records().client)
+    pid = wait_for(
+        lambda: shard_process(shard_records, job_id, "shard-1"),
+        timeout_s=300,
+        what="shard 2 to start",
+    )
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+    def run_again() -> int | None:
+        again = shard_process(shard_records, job_id, "shard-1")
+        done = (shard_records.children(job_id) or {}).get("shard-1") is ChildState.DONE
+        return again if again not in (None, pid) else (-1 if done else None)
+
+    assert wait_for(run_again, timeout_s=300, what="shard 2 to run again") != pid
+    done = client.wait(job_id, timeout_s=600)
+    assert done["status"] == "succeeded", done
+    assert [m for m in client.http.get("/v1/models").json()["items"] if m["job_id"] == job_id]
+    assert len(registered_by_jobs(client)) == 1
+    report = client.http.get(done["result"]["report_url"]).json()
+    assert [(s["index"], s["batches"]) for s in report["shards"]] == [(0, 64), (1, 64)]
 
 
 def test_shards_are_checked_at_submit(stack: Stack) -> None:

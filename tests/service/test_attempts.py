@@ -109,6 +109,29 @@ def test_a_queued_job_whose_queue_entry_is_gone_is_retried(
     assert "queue entry is gone" in job.attempts[0].reason
 
 
+def test_a_job_taken_from_the_queue_by_a_lost_worker_is_retried(
+    records: Records, settings: Settings
+) -> None:
+    """NOTE [ Dequeued and lost ] in service/upkeep/reaper.py: what a worker (or Redis) lost
+    between RQ's two steps of dequeueing leaves: the job out of the queue list with an entry
+    in the started registry, its status still queued."""
+    job_id = queued_job(records, settings, max_attempts=3)
+    queue = Queue(settings.queue, connection=records.client, serializer="json")
+    wip = f"rq:wip:{settings.queue}"
+    assert records.client.lrem(queue.key, 0, job_id) == 1
+    records.client.zadd(wip, {f"{job_id}:execution1": time.time() + 60})
+    assert reap_lost_queued_jobs(records, settings) == []  # its worker may still start it
+    records.client.zadd(wip, {f"{job_id}:execution1": time.time() - 1})  # no worker pushed it
+    assert reap_lost_queued_jobs(records, settings) == [job_id]
+    job = records.get_job(TENANT, job_id)
+    assert job is not None
+    assert job.status is JobStatus.QUEUED
+    assert "took it from the queue" in job.attempts[0].reason
+    # A waiting job beside it is left alone.
+    waiting = queued_job(records, settings, max_attempts=3)
+    assert waiting not in reap_lost_queued_jobs(records, settings)
+
+
 def test_one_output_model_per_job(records: Records) -> None:
     assert records.claim_output("job_a", "mdl_1") == "mdl_1"
     assert records.claim_output("job_a", "mdl_2") == "mdl_1"

@@ -101,7 +101,7 @@ def main() -> None:
             f"the job's process died ({how}; max RSS {usage.ru_maxrss} KiB); it may have run "
             "out of memory: try a smaller batch_size, or a machine with more memory"
         )
-        if not fail_killed_child(records, job.func_name, job.args, error):
+        if not fail_killed_child(records, job.func_name, job.args, error, job.retries_left):
             # Queued too: the process may die after the fork, before it marks itself running.
             # The RQ id is the job id's, or that of a later attempt (NOTE [ Job attempts ]).
             job_id = str(job.args[0]["job_id"]) if job.args else job.id

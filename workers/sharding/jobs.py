@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from rq import Queue
+from rq import Queue, Retry
 from rq.job import Dependency, Job
 
 from api_schemas import AdaptParams, JobPayload, JobStatus, Progress, utc_now
@@ -133,6 +133,9 @@ def start_shards(
         "result_ttl": RQ_RESULT_TTL_S,
         "failure_ttl": RQ_FAILURE_TTL_S,
     }
+    attempts = records.max_attempts(job.job_id)
+    if attempts > 1:  # NOTE [ Retried children ]
+        options["retry"] = Retry(max=attempts - 1)
 
     def enqueue(
         function: str,
@@ -275,11 +278,32 @@ def _succeed(run: ChildRun, sharded: ShardedJob, saved: SavedOutcome) -> None:
     run.shard_records.delete_results(job_id, list(run.shard_records.children(job_id) or {}))
 
 
+# NOTE [ Retried children ]
+# A child whose process dies (SIGKILL, out of memory) while its parent runs is run again, as a
+# job's attempt is (NOTE [ Job attempts ] in service/records/sync.py): each child's RQ job is
+# enqueued with RQ's ``Retry`` of the job's ``max_attempts`` - 1, so when the RQ worker sees
+# the process die, ``fail_killed_child`` marks the child queued again (with its heartbeat
+# gone) and RQ puts the same RQ job back on the queue at once. Its dependents (the merge, the
+# finish) keep waiting on that RQ id, so nothing else changes: the rerun's claim succeeds,
+# it computes its part again and hands on its result as the first run would have. What a
+# child writes is keyed by the job, never by the run: a shard's result overwrites, the merged
+# weights are content-addressed, and registering the model goes through ``claim_output``, so
+# a merge or finish killed after registering reuses that model (exactly one model). Once a
+# child's retries are spent, or when it fails by raising, the parent fails as before. A child
+# lost with its whole worker (no RQ worker left to see it die) is still judged by the reaper,
+# which fails the parent: retrying those is not done.
+
+
 def fail_killed_child(
-    records: Records, func_name: str | None, args: Sequence[Any], how: str
+    records: Records,
+    func_name: str | None,
+    args: Sequence[Any],
+    how: str,
+    retries_left: int | None = None,
 ) -> bool:
     """For the RQ worker, when a job's process died without raising: if it was a child of a
-    sharded job (``func_name`` and ``args`` of its RQ job), fails the parent now with ``how``
+    sharded job (``func_name`` and ``args`` of its RQ job), marks it queued again when RQ has
+    ``retries_left`` for it (NOTE [ Retried children ]), else fails the parent now with ``how``
     it died (else the reaper would, a heartbeat timeout later). False for any other job."""
     names: dict[str | None, Callable[[], str]] = {
         SHARD_FUNCTION: lambda: shard_name(int(args[1])),
@@ -293,6 +317,11 @@ def fail_killed_child(
     child = names[func_name]()
     shard_records = ShardRecords(records.client)
     error = f"{describe_child(child, len(sharded.plan))} died: {how}"
+    if retries_left and shard_records.requeue(sharded.payload.job_id, child):
+        log.warning(
+            "job %s: %s; run again (%d retries left)", sharded.payload.job_id, error, retries_left
+        )
+        return True
     end_parent(records, shard_records, sharded.payload.job_id, JobStatus.FAILED, error)
     shard_records.finish(sharded.payload.job_id, child, ChildState.FAILED)
     return True
