@@ -168,7 +168,9 @@ class _Chaos:
             found = self._busy_horse()
             if found is None:
                 return False
-            time.sleep(self.rng.uniform(0, 0.5))  # a random moment of its run
+            # A random moment of its run: the jobs here live 0.1-1 s, so a short wait (a
+            # longer one often found the job ended, and the kill kind went missing).
+            time.sleep(self.rng.uniform(0, 0.05))
             if _kill(found[1]):
                 self._record(kind)
                 return True
@@ -241,7 +243,7 @@ class _Chaos:
             due = (index + 1) * self.n_jobs // (len(self.schedule) + 1)
             while self.submitted < due and not self.done_submitting.is_set():
                 time.sleep(0.05)
-            for _ in range(5):  # a kind that found nothing to kill tries again
+            for _ in range(50):  # a kind that found nothing to kill tries again
                 try:
                     if self.kill(kind):
                         break
