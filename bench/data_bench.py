@@ -193,7 +193,8 @@ from service.store.local import LocalStore
 from workers.running.compute import load_model
 payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
 store = LocalStore(sys.argv[2])
-x = np.array(open_arrays(store.local_path(payload.dataset.sha256)).x)  # all in memory
+n = int(sys.argv[4]) if len(sys.argv) > 4 else None  # the first n samples, or all
+x = np.array(open_arrays(store.local_path(payload.dataset.sha256)).x[:n])  # in memory
 model = load_model(payload, store).train()
 b = payload.params.batch_size
 start = time.perf_counter()
@@ -256,29 +257,9 @@ out = compute(payload, LocalStore(sys.argv[2]), Hooks(), measure=False)
 print(json.dumps({'compute_s': out.report.timings.compute_s, 'samples': out.report.samples}))
 """
 
-# The bare loops run the model as the job's pass does (train mode, no_grad) over the same
-# number of samples (the job's report says how many it adapted on).
-BARE_ARRAY = r"""
-import json, sys, time
-import numpy as np, torch
-torch.set_num_threads(int(sys.argv[3]))
-from api_schemas import JobPayload
-from service.formats.arrays import open_arrays
-from service.store.local import LocalStore
-from workers.running.compute import load_model
-payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
-store = LocalStore(sys.argv[2])
-n = int(sys.argv[4])
-x = np.array(open_arrays(store.local_path(payload.dataset.sha256)).x[:n])  # in memory
-model = load_model(payload, store).train()
-b = payload.params.batch_size
-start = time.perf_counter()
-with torch.no_grad():
-    for i in range(0, len(x), b):
-        model(torch.from_numpy(x[i:i + b]).to(torch.float32).div_(255))
-print(json.dumps({'compute_s': time.perf_counter() - start, 'samples': len(x)}))
-"""
-
+# The bare loops (BARE above, given a sample count, and BARE_IMAGES) run the model as the
+# job's pass does (train mode, no_grad) over the same number of samples (the job's report
+# says how many it adapted on).
 BARE_IMAGES = r"""
 import io, json, sys, tarfile, time
 import numpy as np, torch
@@ -414,7 +395,7 @@ def passes(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     np.savez(array_path, x=x, y=(np.arange(n) % 10).astype(np.int64))
     sha = store.put_bytes(array_path.read_bytes())
     print("full pass, mmap'd uint8 (N, 3, 64, 64)", flush=True)
-    results["mmap_uint8"] = ratio(PASS, BARE_ARRAY, payload(sha, "npz", n, [3, 64, 64], None), env)
+    results["mmap_uint8"] = ratio(PASS, BARE, payload(sha, "npz", n, [3, 64, 64], None), env)
 
     tar_path = work / "images.tar"
     write_image_tar(tar_path, args.image_samples)
