@@ -102,10 +102,11 @@ def test_sequential_estimators_refuse_shards() -> None:
             AdaptParams.model_validate({"estimator": estimator, "shards": 2})
         assert AdaptParams.model_validate({"estimator": estimator}).shards == 1
     with pytest.raises(
-        ValidationError, match="use shards=1, or estimator 'cumulative', 'precise' or 'prior'"
+        ValidationError,
+        match="use shards=1, or estimator 'cumulative', 'precise', 'prior' or 'auto'",
     ):
         AdaptParams(estimator="ema", shards=3)
-    for estimator in ("precise", "cumulative", "prior"):
+    for estimator in ("precise", "cumulative", "prior", "auto"):
         assert AdaptParams.model_validate({"estimator": estimator, "shards": 4}).shards == 4
     with pytest.raises(ValidationError, match="shards"):
         AdaptParams(shards=0)
