@@ -27,6 +27,7 @@ from api_schemas.jobs.params import (
     ModulePattern,
     PatternList,
     compile_backend_fits,
+    num_batches,
 )
 from api_schemas.models import Seed
 
@@ -40,6 +41,7 @@ __all__ = [
     "EstimatorName",
     "EstimatorSpec",
     "Pooling",
+    "holdout_sizes",
 ]
 
 # The fraction of the job's samples `auto` holds out of estimation unless the job says.
@@ -72,6 +74,11 @@ class EstimatorSpec:
     # The runner gets all the job's samples and holds out its share itself (split_target in
     # workers/running/reporting.py); the others get the estimation samples only.
     holds_out: bool = False
+    # What the merge of a sharded job runs (`module:function` taking the EstimatorTask, the
+    # shards' merged LayerStatistics and their AdaptStats) in place of the estimator's pass;
+    # None: the merged statistics are applied as `sharding` pools them (NOTE [ Sharded
+    # adaptation ] in workers/sharding/compute.py).
+    merged_runner: str | None = None
 
 
 ESTIMATORS: Final[dict[str, EstimatorSpec]] = {
@@ -120,10 +127,12 @@ ESTIMATORS: Final[dict[str, EstimatorSpec]] = {
         "entropy by an unsupervised score on target samples held out from estimation",
         "workers.estimators.auto:run",
         resets=False,
-        sharding=None,
-        sequential_reason="it scores every candidate on held-out samples after estimating it, "
-        "and its choice needs all the estimation samples in one place",
+        # Its candidates but entropy are the source and precise statistics, pooled element by
+        # element, mixed: the shards collect precise on their runs of the estimation samples,
+        # the merge scores the candidates on the held-out ones (entropy: refused with shards).
+        sharding="elements",
         holds_out=True,
+        merged_runner="workers.estimators.auto:run_merged",
     ),
 }
 ESTIMATOR_NAMES: Final[tuple[str, ...]] = tuple(ESTIMATORS)
@@ -155,7 +164,10 @@ class AdaptParams(RequestModel):
     ``shards=K`` splits the batches into K contiguous runs of whole batches, collected by K
     jobs that may run on different workers and then merged: the same result as one worker
     (up to float rounding). Only for estimators whose result is a function of pooled
-    per-batch statistics (``precise``, ``cumulative``, ``prior``).
+    per-batch statistics (``precise``, ``cumulative``, ``prior``, and ``auto`` without
+    ``allow_backward``). With a holdout, the shards split the estimation batches (the held-out
+    samples, drawn as one worker draws them, are left out of every shard); a sharded ``auto``
+    job scores its candidates on the held-out samples in the merge.
 
     ``layerwise`` (``precise`` only) estimates one layer at a time in forward order, the layers
     before it already adapted and in eval mode: every layer's statistics then do not depend on
@@ -177,7 +189,10 @@ class AdaptParams(RequestModel):
     estimation (default 1/4, drawn with ``seed``), estimates ``precise`` on the rest, scores the
     source statistics, ``precise``, ``prior`` mixes of the two and, with ``allow_backward``,
     ``entropy`` (with ``steps``, ``lr``, ``optimizer``) on the held-out samples, and keeps the
-    best; it may keep the source model unchanged. The other estimators hold nothing out by
+    best; it may keep the source model unchanged. Sharded (``shards > 1``) it collects
+    ``precise`` in the shards and scores in the merge, the same choice and statistics as one
+    worker up to float rounding; ``entropy`` is sequential, so ``allow_backward`` with
+    ``shards > 1`` is refused. The other estimators hold nothing out by
     default; with ``holdout > 0`` they estimate on the rest. Every adapt job's report gives
     prediction diagnostics on the held-out samples (on the estimation samples when nothing is
     held out)."""
@@ -290,13 +305,25 @@ class AdaptParams(RequestModel):
                 "the auto estimator chooses on samples held out of estimation, so holdout must "
                 f"be > 0; drop holdout (default {AUTO_HOLDOUT:g}) or use a fixed estimator"
             )
-        if self.effective_holdout() > 0 and self.shards > 1:
+        if self.estimator == "auto" and self.allow_backward and self.shards > 1:
             raise ValueError(
-                f"holdout {self.effective_holdout():g} keeps samples out of estimation, but "
-                f"shards={self.shards} split all the job's batches among shards; use shards=1, "
-                "or holdout 0"
+                "allow_backward adds the entropy candidate, whose optimizer steps each start "
+                "from the parameters the previous one made, so it cannot be split across "
+                f"{self.shards} workers; use shards=1 to include entropy, or drop "
+                "allow_backward to shard the other candidates (source, precise, prior)"
             )
         return self
+
+    def estimation_batches(self, num_samples: int) -> int:
+        """The batches the estimator runs over ``num_samples`` (the dataset's): the job's
+        batches less the held-out samples (NOTE [ Held-out target samples ] in
+        workers/running/reporting.py), what a sharded job splits among its shards."""
+        used, held = holdout_sizes(
+            num_samples, self.batch_size, self.max_batches, self.effective_holdout()
+        )
+        if held == 0:
+            return num_batches(num_samples, self.batch_size, self.max_batches)
+        return num_batches(used - held, self.batch_size)
 
     def effective_holdout(self) -> float:
         """The fraction of the job's samples held out of estimation: the job's ``holdout``,
@@ -310,6 +337,20 @@ class AdaptParams(RequestModel):
         ``reset``, else whether the estimator computes its statistics anew (prior mixes the
         source ones back in afterwards, from a copy taken before)."""
         return self.spec.resets if self.reset is None else self.reset
+
+
+def holdout_sizes(
+    num_samples: int, batch_size: int, max_batches: int | None, fraction: float
+) -> tuple[int, int]:
+    """How many of ``num_samples`` a job uses (``max_batches`` batches of ``batch_size``, or
+    all) and how many of those it holds out for ``fraction``: ``round(fraction * used)``, at
+    least 1 and at most ``used - 1`` when ``fraction > 0`` (0 when ``used < 2``: too few to
+    split, which the worker refuses), else 0. NOTE [ Held-out target samples ] in
+    workers/running/reporting.py."""
+    used = min(num_samples, num_batches(num_samples, batch_size, max_batches) * batch_size)
+    if fraction <= 0:
+        return used, 0
+    return used, max(min(max(round(fraction * used), 1), used - 1), 0)
 
 
 class AdaptJobCreate(RequestModel):

@@ -13,11 +13,13 @@ import pytest
 import safetensors.torch
 import torch
 
+from api_schemas.reports import Report
 from service.records import keys
 from service.records.shards import FINISH, MERGE, ChildState, ShardRecords
 from tests.e2e.test_e2e import created, digits, digits_npz
 from tests.servers import stop_process, wait_for
 from tests.stack import Client, Stack, npz_bytes, running_stack
+from tests.workers.test_auto import assert_rule_holds, assert_same_choice, trained_digits
 from tests.workers.test_shards import assert_same_adaptation
 
 pytestmark = pytest.mark.slow
@@ -276,6 +278,69 @@ def test_a_killed_shard_is_run_again_and_its_job_succeeds_once(stack: Stack) -> 
     assert [(s["index"], s["batches"]) for s in report["shards"]] == [(0, 64), (1, 64)]
 
 
+@pytest.fixture(scope="module")
+def trained() -> dict[str, Any]:
+    """The digits CNN trained on the demo's split (tests/workers/test_auto.py), so that auto
+    has a source model worth keeping or adapting."""
+    return trained_digits()
+
+
+def test_sharded_auto_equals_one_worker(stack: Stack, trained: dict[str, Any]) -> None:
+    """auto with shards=2 on faint digits: two shards collect precise on the estimation batches,
+    the merge scores the candidates on the held-out samples and keeps one, the evaluation
+    children measure it; the report's candidates and choice are one worker's (scores within
+    SHARDED_SCORE_ABS), its statistics within 1e-6 (assert_same_adaptation)."""
+    client = stack.client("auto")
+    model = created(client.add_model("digits_cnn", weights=trained["weights"]))
+    x = (trained["split"].x_test * 0.05).astype(np.float32)  # 597 faint digits
+    dataset = created(client.add_dataset(npz_bytes(x=x, y=trained["split"].y_test)))
+    jobs = [
+        created(
+            client.submit(adapt(model, dataset, estimator="auto", batch_size=64, seed=5, shards=k)),
+            202,
+        )["id"]
+        for k in (1, 2)
+    ]
+    single, sharded = (client.wait(job_id, timeout_s=300) for job_id in jobs)
+    assert (single["status"], sharded["status"]) == ("succeeded", "succeeded"), (single, sharded)
+    single_report, report = (
+        Report.model_validate(client.http.get(job["result"]["report_url"]).json())
+        for job in (single, sharded)
+    )
+    assert report.estimator == single_report.estimator == "auto"
+    got, want = report.auto, single_report.auto
+    assert got is not None and want is not None
+    assert [c.name for c in got.candidates] == ["source", "precise", "prior", "prior", "prior"]
+    assert_same_choice(got, want)
+    assert_rule_holds(report)
+    assert not got.kept_source  # faint digits: auto adapts
+    assert (got.estimation_samples, got.held_out_samples) == (448, 149)
+    # 448 estimation samples in 7 batches of 64, in shards of 4 and 3; the 149 held out in none.
+    assert [(s.index, s.first_batch, s.batches, s.samples) for s in report.shards] == [
+        (0, 0, 4, 256),
+        (1, 4, 3, 192),
+    ]
+    assert (report.batches, report.samples) == (single_report.batches, single_report.samples)
+    assert_same_adaptation(weights(client, sharded), weights(client, single), report.batches)
+    # Measured on all 597 labelled digits by the evaluation children: the same accuracy.
+    for which in ("metrics_before", "metrics_after"):
+        found, expected = getattr(report, which), getattr(single_report, which)
+        assert found is not None and expected is not None, which
+        assert (found.num_samples, found.accuracy) == (597, expected.accuracy), which
+    assert report.metrics_after is not None and report.metrics_before is not None
+    assert report.metrics_after.accuracy > report.metrics_before.accuracy + 0.5
+    shard_records = ShardRecords(stack.records().client)
+    assert shard_records.children(sharded["id"]) == dict.fromkeys(
+        ("shard-0", "shard-1", MERGE, "eval-0", "eval-1", FINISH), "done"
+    )
+    # The demo's summary shows the sharded job's choice as one worker's.
+    assert (
+        report.summary_lines()[-1]
+        == single_report.summary_lines()[-1]
+        == (f"auto chose {want.chosen}")
+    )
+
+
 def test_shards_are_checked_at_submit(stack: Stack) -> None:
     client = stack.client("refused")
     model = created(client.add_model("digits_cnn", {"width": 8}))
@@ -289,6 +354,15 @@ def test_shards_are_checked_at_submit(stack: Stack) -> None:
     assert ema.status_code == 422
     assert "sequential" in ema.json()["detail"]
     assert "use shards=1" in ema.json()["detail"]
+    # auto shards, but not its entropy candidate; and its shards split only the 48 samples
+    # (3 batches of 16) it does not hold out.
+    entropy = client.submit(adapt(model, dataset, estimator="auto", allow_backward=True, shards=2))
+    assert entropy.status_code == 422
+    assert "use shards=1 to include entropy, or drop allow_backward" in entropy.json()["detail"]
+    held = client.submit(adapt(model, dataset, estimator="auto", batch_size=16, shards=4))
+    assert held.status_code == 422
+    assert "shards=4 but the job runs only 3 batches" in held.json()["detail"]
+    assert "holdout 0.25 held out of estimation" in held.json()["detail"]
 
 
 def test_one_worker_runs_every_shard_of_a_job(stack: Stack) -> None:

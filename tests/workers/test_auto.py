@@ -6,6 +6,7 @@ the source's own distribution keeps the source, and the whole path runs through 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,21 +19,38 @@ import torch
 from pydantic import ValidationError
 
 from api_schemas import AdaptParams, JobPayload
-from api_schemas.reports import Report
+from api_schemas.reports import AutoChoice, Report
 from service.local.demo import digits_split
 from service.store.local import LocalStore
 from tests.stack import Stack, npz_bytes, running_stack
+from tests.workers.test_shards import assert_same_adaptation
+from workers.errors import AdaptError
 from workers.estimators.auto import SOURCE_WEIGHTS
+from workers.estimators.precise import collect_statistics
+from workers.estimators.running import select_batchnorm
 from workers.models.architectures import build_model
-from workers.running.compute import JobOutcome, compute, weights_bytes
+from workers.running.compute import JobOutcome, compute, load_job, weights_bytes
+from workers.running.data import iter_batches
 from workers.running.reporting import split_target
 from workers.running.training import train_model
+from workers.sharding.compute import (
+    ShardPlan,
+    ShardResult,
+    collect_shard,
+    compute_merged,
+    merge_statistics,
+    plan_shards,
+)
 
 TRAIN_EPOCHS = 6
 
 
 @pytest.fixture(scope="module")
 def digits() -> dict[str, Any]:
+    return trained_digits()
+
+
+def trained_digits() -> dict[str, Any]:
     """The demo's digits split and the digits CNN trained on it in-process (a few seconds)."""
     split = digits_split()
     torch.manual_seed(0)
@@ -63,9 +81,15 @@ def store(tmp_path: Path) -> LocalStore:
 def run_adapt(
     store: LocalStore, digits: dict[str, Any], x: np.ndarray, **params: Any
 ) -> JobOutcome:
+    return compute(adapt_payload(store, digits, x, **params), store)
+
+
+def adapt_payload(
+    store: LocalStore, digits: dict[str, Any], x: np.ndarray, **params: Any
+) -> JobPayload:
     weights = store.put_bytes(digits["weights"])
     dataset = store.put_bytes(npz_bytes(x=x, y=digits["split"].y_test))
-    payload = JobPayload.model_validate(
+    return JobPayload.model_validate(
         {
             "job_id": "job_x",
             "tenant_id": "tn_1",
@@ -80,7 +104,6 @@ def run_adapt(
             "params": {"batch_size": 64, "device": "cpu", **params},
         }
     )
-    return compute(payload, store)
 
 
 def accuracy(report: Report, when: str) -> float:
@@ -108,12 +131,18 @@ def assert_rule_holds(report: Report) -> None:
 def test_auto_options_are_checked() -> None:
     assert AdaptParams(estimator="auto").effective_holdout() == 0.25
     assert AdaptParams(estimator="precise").effective_holdout() == 0.0
+    # Sharded auto (and sharded fixed estimators with a holdout) are accepted: the shards split
+    # the estimation batches, the merge scores the candidates (tests/workers/test_shards.py).
+    assert AdaptParams(estimator="auto", shards=2).shards == 2
+    assert AdaptParams(estimator="precise", holdout=0.25, shards=2).effective_holdout() == 0.25
     for bad, match in [
-        ({"estimator": "auto", "shards": 2}, "held-out samples after estimating"),
+        (
+            {"estimator": "auto", "shards": 2, "allow_backward": True},
+            "use shards=1 to include entropy, or drop allow_backward",
+        ),
         ({"estimator": "auto", "reset": True}, "drop reset"),
         ({"estimator": "auto", "holdout": 0}, "holdout must be > 0"),
         ({"estimator": "precise", "allow_backward": True}, "option of the auto estimator"),
-        ({"estimator": "precise", "holdout": 0.25, "shards": 2}, "use shards=1, or holdout 0"),
         ({"estimator": "auto", "holdout": 0.6}, "less than or equal to 0.5"),
     ]:
         with pytest.raises(ValidationError, match=match):
@@ -202,6 +231,121 @@ def test_allow_backward_adds_entropy(store: LocalStore, digits: dict[str, Any]) 
     assert [c.name for c in auto.candidates][-1] == "entropy"
     assert_rule_holds(outcome.report)
     assert all(layer.consistent for layer in outcome.report.batchnorm)
+
+
+# How far a sharded auto job's scores may be from one worker's: the merged statistics differ
+# from one pass's only by the order of float64 additions (below 1e-12 relative), so the
+# float32 statistics differ by at most an ulp and the held-out predictions' entropies by far
+# less than this (nats).
+SHARDED_SCORE_ABS = 1e-5
+
+
+def assert_same_choice(sharded: AutoChoice, single: AutoChoice) -> None:
+    """A sharded auto job's choice is one worker's: the same candidates, choice and counts,
+    every score and prediction summary within SHARDED_SCORE_ABS, and the same predictions
+    changed (float rounding moves no held-out argmax here)."""
+    assert sharded.criterion == single.criterion
+    assert (sharded.chosen, sharded.chosen_index, sharded.kept_source) == (
+        single.chosen,
+        single.chosen_index,
+        single.kept_source,
+    )
+    assert (sharded.estimation_samples, sharded.held_out_samples) == (
+        single.estimation_samples,
+        single.held_out_samples,
+    )
+    assert len(sharded.candidates) == len(single.candidates)
+    for got, want in zip(sharded.candidates, single.candidates, strict=True):
+        assert (got.name, got.source_weight, got.eligible) == (
+            want.name,
+            want.source_weight,
+            want.eligible,
+        )
+        assert got.prior_strength == want.prior_strength  # w / (1 - w) * estimation samples
+        assert got.score == pytest.approx(want.score, abs=SHARDED_SCORE_ABS)
+        for field in ("mean_entropy", "mean_max_probability", "marginal_entropy"):
+            assert getattr(got.predictions, field) == pytest.approx(
+                getattr(want.predictions, field), abs=SHARDED_SCORE_ABS
+            ), (got.name, field)
+        assert got.changed_fraction == want.changed_fraction
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0], ids=["faint", "clean"])
+def test_sharded_auto_equals_one_worker(
+    store: LocalStore, digits: dict[str, Any], scale: float
+) -> None:
+    """The shards collect precise on their runs of the estimation batches (the held-out
+    samples, drawn from the seed, in none of them); merged, the statistics are one pass's up to
+    float rounding, and the merge's scores, choice and kept statistics are one worker's. Faint
+    digits: auto adapts; clean ones: it keeps (or nearly keeps) the source."""
+    x = (digits["split"].x_test * scale).astype(np.float32)  # 597 digits
+    job = adapt_payload(store, digits, x, estimator="auto", seed=5, shards=3)
+    params = job.params
+    assert isinstance(params, AdaptParams)
+    single = compute(job, store)  # what one worker computes: compute() ignores `shards`
+    total = params.estimation_batches(len(x))
+    assert total == 7  # 597 - 149 held out = 448 samples, 7 batches of 64
+    plan = plan_shards(total, 3)
+    results = [
+        ShardResult.model_validate_json(collect_shard(job, store, shard).model_dump_json())
+        for shard in plan
+    ]
+    assert [r.summary.samples for r in results] == [192, 128, 128]
+
+    # The merge of the shards' statistics is one pass's over the same estimation samples.
+    loaded = load_job(job, store)
+    layers = select_batchnorm(loaded.model, params.include, params.exclude)
+    split = split_target(loaded.x, 64, None, 0.25, 5)
+    one_pass = collect_statistics(loaded.model, iter_batches(split.estimation, 64), layers=layers)
+    merged = merge_statistics(results)
+    assert set(merged) == set(one_pass) == set(layers)
+    for name, want in one_pass.items():
+        got = merged[name]
+        assert (got.count, got.batches) == (want.count, want.batches) == (448 * 8 * 8, 7)
+        assert torch.allclose(got.mean, want.mean, rtol=1e-12, atol=1e-12), name
+        assert torch.allclose(got.m2, want.m2, rtol=1e-12, atol=0.0), name
+
+    sharded = compute_merged(job, store, results)
+    got, want = sharded.report.auto, single.report.auto
+    assert got is not None and want is not None
+    assert_same_choice(got, want)
+    assert_rule_holds(sharded.report)
+    assert (sharded.report.batches, sharded.report.samples) == (
+        single.report.batches,
+        single.report.samples,
+    )
+    assert [s.batches for s in sharded.report.shards] == [3, 2, 2]
+    if scale == 0.05:
+        assert not got.kept_source
+    if got.kept_source:  # the source model unchanged, on both
+        assert all(torch.equal(v, single.state_dict[k]) for k, v in sharded.state_dict.items())
+        assert not any(t.changed for t in sharded.report.tensors)
+    else:
+        assert_same_adaptation(sharded.state_dict, single.state_dict, single.report.batches)
+    assert [layer.reset for layer in sharded.report.batchnorm] == [
+        layer.reset for layer in single.report.batchnorm
+    ]
+    assert all(layer.consistent for layer in sharded.report.batchnorm)
+
+
+def test_sharded_auto_refuses_entropy_and_too_few_batches(
+    store: LocalStore, digits: dict[str, Any]
+) -> None:
+    """entropy is sequential: allow_backward with shards is refused before the job runs (the
+    API's 422, tests/e2e/test_shards_e2e.py); the shards split the estimation batches only,
+    so the plan counts those, not the job's."""
+    with pytest.raises(ValidationError, match="cannot be split across 2 workers"):
+        AdaptParams(estimator="auto", shards=2, allow_backward=True)
+    params = AdaptParams(estimator="auto", batch_size=64, shards=7)
+    assert params.estimation_batches(597) == 7  # of the job's 10 batches
+    assert AdaptParams(estimator="precise", batch_size=64).estimation_batches(597) == 10
+    assert AdaptParams(estimator="auto", batch_size=64, max_batches=4).estimation_batches(597) == 3
+    x = digits["split"].x_test
+    job = adapt_payload(store, digits, x, estimator="auto", shards=2)
+    with pytest.raises(
+        AdaptError, match=re.escape("only 448 samples to estimate on (149 held out)")
+    ):
+        collect_shard(job, store, ShardPlan(index=1, first_batch=6, batches=2))
 
 
 @pytest.mark.parametrize("holdout", [None, 0.25])

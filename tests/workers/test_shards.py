@@ -102,10 +102,11 @@ def test_sequential_estimators_refuse_shards() -> None:
             AdaptParams.model_validate({"estimator": estimator, "shards": 2})
         assert AdaptParams.model_validate({"estimator": estimator}).shards == 1
     with pytest.raises(
-        ValidationError, match="use shards=1, or estimator 'cumulative', 'precise' or 'prior'"
+        ValidationError,
+        match="use shards=1, or estimator 'cumulative', 'precise', 'prior' or 'auto'",
     ):
         AdaptParams(estimator="ema", shards=3)
-    for estimator in ("precise", "cumulative", "prior"):
+    for estimator in ("precise", "cumulative", "prior", "auto"):
         assert AdaptParams.model_validate({"estimator": estimator, "shards": 4}).shards == 4
     with pytest.raises(ValidationError, match="shards"):
         AdaptParams(shards=0)
@@ -242,6 +243,22 @@ def test_merged_shards_equal_one_worker(store: LocalStore, params: dict[str, Any
     assert report.metrics_after is not None
     assert single.report.metrics_after is not None
     assert report.metrics_after.accuracy == single.report.metrics_after.accuracy
+
+
+def test_shards_leave_the_held_out_samples_out(store: LocalStore) -> None:
+    """With a holdout the shards split the estimation batches: the samples one worker holds
+    out (drawn from the seed) are in no shard, and the merge is one worker's."""
+    job = payload(store, {"estimator": "precise", "holdout": 0.25, "seed": 2}, labels=False)
+    params = job.params
+    assert isinstance(params, AdaptParams)
+    total = params.estimation_batches(SAMPLES)
+    assert total == 14  # 1797 - 449 held out = 1348 samples
+    single = compute(job, store)
+    sharded = run_sharded(job, store, plan_shards(total, 3))
+    assert_same_adaptation(sharded.state_dict, single.state_dict, total)
+    assert (sharded.report.batches, sharded.report.samples) == (total, 1348)
+    assert (single.report.batches, single.report.samples) == (total, 1348)
+    assert [s.samples for s in sharded.report.shards] == [500, 500, 348]
 
 
 @pytest.mark.parametrize("shards", [2, 3, 5])

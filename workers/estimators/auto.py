@@ -18,29 +18,39 @@ Candidates, in order (ties go to the earlier one):
   * n`` for ``n`` estimation samples (no further pass: the collected statistics are mixed);
 - ``entropy`` (TENT with the job's ``steps``, ``lr`` and ``optimizer``, from the source
   statistics), only when the job sets ``allow_backward``: it needs backward passes.
+
+Sharded (``shards > 1``, NOTE [ Sharded adaptation ] in workers/sharding/compute.py), the
+shards collect ``precise`` on their runs of the estimation batches (each shard draws the same
+held-out samples from the job's seed and leaves them out), and the merge runs
+:func:`run_merged`: the merged statistics in place of the collection, then the same scoring
+and choice as :func:`run`. ``entropy`` is sequential: the API refuses ``allow_backward`` with
+``shards > 1``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from api_schemas import AdaptParams
 from api_schemas.reports import AutoCandidate, AutoChoice
 from workers.errors import AdaptError
 from workers.estimators.entropy import entropy_adapt
+from workers.estimators.layer_statistics import LayerStatistics
 from workers.estimators.precise import apply_statistics, collect_statistics
 from workers.estimators.prior import mix_with_source
 from workers.estimators.running import AdaptStats, check_stop, resolve_batchnorm
 from workers.running.data import iter_batches, num_batches
-from workers.running.reporting import PredictionSums, predict, split_target
+from workers.running.reporting import PredictionSums, TargetSplit, predict, split_target
 
 if TYPE_CHECKING:
     from workers.estimators.dispatch import EstimatorTask
 
-__all__ = ["CRITERION", "SOURCE_WEIGHTS", "AutoStats", "run"]
+__all__ = ["CRITERION", "SOURCE_WEIGHTS", "AutoStats", "run", "run_merged"]
 
 # The source's share of the statistics in the `prior` candidates.
 SOURCE_WEIGHTS: Final = (0.75, 0.5, 0.25)
@@ -120,19 +130,91 @@ def _load_layer_state(layers: list[_BatchNorm], state: list[dict[str, torch.Tens
 
 def run(task: EstimatorTask) -> AutoStats:
     """The ``auto`` row of the estimator table; see the module docstring."""
+    params, model, layers, hooks = task.params, task.model, task.layers, task.hooks
+    split = _split(task)
+    views = list(iter_batches(split.estimation, params.batch_size))  # estimation batches (B, ...)
+    steps = (params.steps or len(views)) if params.allow_backward else 0
+
+    def collect(progress: Callable[[int], None]) -> Mapping[str, LayerStatistics]:
+        return collect_statistics(
+            model,
+            (view.to(task.device) for view in views),
+            layers=layers,
+            progress=progress,
+            should_stop=hooks.should_stop,
+        )
+
+    task.start(len(views) + steps + _scored(params) * _held_batches(task, split))
+    precise_stats = AdaptStats(batches=len(views), samples=len(split.estimation))
+    return _run_candidates(task, split, collect, len(views), precise_stats, views, steps)
+
+
+def run_merged(
+    task: EstimatorTask, merged: Mapping[str, LayerStatistics], stats: AdaptStats
+) -> AutoStats:
+    """The merge of a sharded ``auto`` job (the row's ``merged_runner``): ``merged`` are the
+    shards' ``precise`` statistics of the estimation samples, ``stats`` what the shards ran.
+    The candidates are scored on the held-out samples here, as :func:`run` scores them after
+    its own collection: the same choice and, up to the float rounding of merging, the same
+    statistics. Without entropy (``allow_backward`` with shards is refused by the API)."""
     params = task.params
-    model, layers, hooks = task.model, task.layers, task.hooks
-    split = split_target(
+    if params.allow_backward:
+        raise AdaptError(
+            "the auto estimator's entropy candidate (allow_backward) is sequential and cannot "
+            "be sharded; submit the job with shards=1, or without allow_backward"
+        )
+    split = _split(task)
+    if stats.samples != len(split.estimation):
+        raise AdaptError(
+            f"the shards estimated on {stats.samples} samples, but the job holds "
+            f"{len(split.estimation)} out of {len(split.held_out)} held out for estimation; "
+            "the dataset changed under the job, submit it again"
+        )
+    units = 1 + _scored(params) * _held_batches(task, split)  # the merge, then the scores
+    task.hooks.start_phase("merge", units, "batches", float(params.batch_size))
+
+    def collect(progress: Callable[[int], None]) -> Mapping[str, LayerStatistics]:
+        progress(1)
+        return merged
+
+    return _run_candidates(task, split, collect, 1, stats, [], 0)
+
+
+def _split(task: EstimatorTask) -> TargetSplit:
+    """The job's estimation and held-out samples (NOTE [ Held-out target samples ])."""
+    params = task.params
+    return split_target(
         task.x, params.batch_size, params.max_batches, params.effective_holdout(), params.seed
     )
-    estimation, held_out = split.estimation, split.held_out  # (N_e, ...), (N_h, ...) CPU
+
+
+def _scored(params: AdaptParams) -> int:
+    """How many candidates are scored: the source, precise, the prior mixes, maybe entropy."""
+    return 2 + len(SOURCE_WEIGHTS) + (1 if params.allow_backward else 0)
+
+
+def _held_batches(task: EstimatorTask, split: TargetSplit) -> int:
+    return num_batches(len(split.held_out), task.params.batch_size)
+
+
+def _run_candidates(
+    task: EstimatorTask,
+    split: TargetSplit,
+    collect: Callable[[Callable[[int], None]], Mapping[str, LayerStatistics]],
+    collect_units: int,
+    precise_stats: AdaptStats,
+    views: list[torch.Tensor],
+    steps: int,
+) -> AutoStats:
+    """Scores the candidates on ``split.held_out`` and keeps the best in the model: the source,
+    precise (``collect`` gives its statistics, reporting up to ``collect_units`` of progress),
+    the prior mixes and, with ``allow_backward``, entropy for ``steps`` on ``views``."""
+    params = task.params
+    model, layers, hooks = task.model, task.layers, task.hooks
+    held_out = split.held_out  # (N_h, ...) on the CPU
     selected = resolve_batchnorm(model, layers)
-    views = list(iter_batches(estimation, params.batch_size))  # the estimation batches, (B, ...)
-    samples = len(estimation)
-    steps = (params.steps or len(views)) if params.allow_backward else 0
-    scored = 2 + len(SOURCE_WEIGHTS) + (1 if params.allow_backward else 0)
-    held_batches = num_batches(len(held_out), params.batch_size)
-    task.start(len(views) + steps + scored * held_batches)
+    samples = precise_stats.samples
+    held_batches = _held_batches(task, split)
     done = 0
 
     def advance(count: int) -> None:
@@ -164,15 +246,8 @@ def run(task: EstimatorTask) -> AutoStats:
     # precise, once; the prior candidates mix its statistics with the source ones.
     check_stop(hooks.should_stop, done)
     base = done
-    collected = collect_statistics(
-        model,
-        (view.to(task.device) for view in views),
-        layers=layers,
-        progress=lambda n: hooks.report(base + n),
-        should_stop=hooks.should_stop,
-    )
-    done += len(views)
-    precise_stats = AdaptStats(batches=len(views), samples=samples)
+    collected = collect(lambda n: hooks.report(base + n))
+    done += collect_units
 
     def apply_precise() -> AdaptStats:
         apply_statistics(model, collected, layers)

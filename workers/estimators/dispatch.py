@@ -1,6 +1,6 @@
 """An adapt job's estimation step: the job's estimator, found in the estimator table.
 
-:func:`run_estimator` is the step :func:`workers.running.compute.compute` runs for an adapt job
+:func:`run_task` is the step :func:`workers.running.compute.compute` runs for an adapt job
 by default; the merge of a sharded job passes another :data:`Estimate` instead
 (workers/sharding/compute.py). Which function runs is the ``runner`` of the estimator's row in
 ``api_schemas.jobs.adapt.ESTIMATORS`` (NOTE [ The estimator table ]): it takes an
@@ -9,7 +9,7 @@ by default; the merge of a sharded job passes another :data:`Estimate` instead
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,17 +18,21 @@ from torch import nn
 
 from api_schemas import AdaptParams
 from workers import import_path
+from workers.estimators.layer_statistics import LayerStatistics
 from workers.estimators.running import AdaptStats
 from workers.running.data import Batches, Data, iter_batches, num_batches
 from workers.running.hooks import JobHooks
 from workers.running.steps import Forward, StepClock
 
-__all__ = ["Estimate", "EstimatorTask", "load_runner", "run_estimator"]
-
-# An adapt job's estimation step on the loaded model and its selected `layers`. By default the
-# job's estimator runs over the dataset (`run_estimator`); the merge of a sharded job applies
-# the statistics its shards collected instead (workers/sharding/compute.py).
-Estimate = Callable[[nn.Module, AdaptParams, list[str], JobHooks], AdaptStats]
+__all__ = [
+    "Estimate",
+    "EstimatorTask",
+    "MergedRunner",
+    "load_merged_runner",
+    "load_runner",
+    "run_estimator",
+    "run_task",
+]
 
 
 @dataclass(frozen=True)
@@ -75,13 +79,31 @@ class EstimatorTask:
         )
 
 
-Runner = Callable[[EstimatorTask], AdaptStats]
+# An adapt job's estimation step on the task's loaded model and selected layers. By default the
+# job's estimator runs over the dataset (`run_task`); the merge of a sharded job applies the
+# statistics its shards collected instead (workers/sharding/compute.py).
+Estimate = Callable[[EstimatorTask], AdaptStats]
+Runner = Estimate
+# The row's `merged_runner`: the merge's step with the shards' merged statistics per layer
+# and what the shards ran (batches and samples, all shards together).
+MergedRunner = Callable[[EstimatorTask, Mapping[str, LayerStatistics], AdaptStats], AdaptStats]
 
 
 def load_runner(path: str) -> Runner:
     """The function a ``module:function`` path names."""
     runner: Runner = import_path(path)
     return runner
+
+
+def load_merged_runner(path: str) -> MergedRunner:
+    """The function a row's ``merged_runner`` path names."""
+    runner: MergedRunner = import_path(path)
+    return runner
+
+
+def run_task(task: EstimatorTask) -> AdaptStats:
+    """Runs the task's estimator: the ``runner`` of its row."""
+    return load_runner(task.params.spec.runner)(task)
 
 
 def run_estimator(
@@ -97,5 +119,4 @@ def run_estimator(
     clock: StepClock | None = None,
 ) -> AdaptStats:
     """Runs the job's estimator on ``x`` (N, ...) on the CPU, batch by batch on ``device``."""
-    task = EstimatorTask(model, params, layers, hooks, x, reset, device, forward, clock)
-    return load_runner(params.spec.runner)(task)
+    return run_task(EstimatorTask(model, params, layers, hooks, x, reset, device, forward, clock))

@@ -14,7 +14,6 @@ One job's computation read top to bottom, from payload to report.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Iterator
@@ -42,7 +41,7 @@ from service.settings import get_settings
 from service.store.base import Store
 from workers.errors import AdaptError, ArchitectureError, DataError, WorkerError
 from workers.estimators.auto import AutoStats
-from workers.estimators.dispatch import Estimate, run_estimator
+from workers.estimators.dispatch import Estimate, EstimatorTask, run_task
 from workers.estimators.running import select_batchnorm
 from workers.models.architectures import (
     Architecture,
@@ -265,11 +264,9 @@ def compute(
         adapted = select_batchnorm(model, params.include, params.exclude)
         reset = params.effective_reset()
         given = x if params.spec.holds_out else target.split.estimation
-        run = estimate or functools.partial(
-            run_estimator, x=given, reset=reset, device=device, forward=forward, clock=clock
-        )
+        task = EstimatorTask(model, params, adapted, hooks, given, reset, device, forward, clock)
         with one_sample_batch_explained(len(given), params.batch_size, params.max_batches):
-            stats = run(model, params, adapted, hooks)
+            stats = (estimate or run_task)(task)
         _check_statistics_finite(model, adapted)
         if isinstance(stats, AutoStats):  # whether statistics started anew depends on its choice
             reset, auto = stats.reset, stats.choice

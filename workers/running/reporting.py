@@ -17,10 +17,11 @@ from typing import Final
 import torch
 from torch import nn
 
+from api_schemas.jobs.adapt import holdout_sizes
 from api_schemas.reports import PredictionDiagnostics, Predictions
 from workers.errors import AdaptError, JobCanceled
 from workers.models.modules import training_flags
-from workers.running.data import Data, iter_batches, num_batches
+from workers.running.data import Data, iter_batches
 
 __all__ = [
     "MAX_DIAGNOSTIC_SAMPLES",
@@ -171,7 +172,9 @@ def tensor_changes(
 # would be. With f = 0 nothing is held out: the estimator gets the dataset as before (its
 # results are bitwise those of earlier releases) and the diagnostics use the samples it used.
 # The auto estimator gets the whole dataset and calls split_target itself with the same
-# arguments, so it holds out exactly the samples the report's diagnostics use.
+# arguments, so it holds out exactly the samples the report's diagnostics use. The shards of a
+# sharded job call it too and split its estimation part (the sizes: holdout_sizes in
+# api_schemas/jobs/adapt.py, which the API's check of shards against batches reads as well).
 
 
 @dataclass(frozen=True)
@@ -189,10 +192,9 @@ def split_target(
 ) -> TargetSplit:
     """See NOTE [ Held-out target samples ]; ``x`` (N, ...) on the CPU. Raises
     :class:`AdaptError` when ``fraction > 0`` leaves fewer than one sample on either side."""
-    used = min(len(x), num_batches(len(x), batch_size, max_batches) * batch_size)
+    used, held = holdout_sizes(len(x), batch_size, max_batches, fraction)
     if fraction <= 0:
         return TargetSplit(x, x[:used], is_held_out=False)
-    held = min(max(round(fraction * used), 1), used - 1)
     if held < 1:
         raise AdaptError(
             f"holdout {fraction:g} needs at least 2 samples (one to estimate on, one held out), "

@@ -19,13 +19,12 @@ from typing import TypeVar
 
 import torch
 from pydantic import Field
-from torch import nn
 
 from api_schemas import ESTIMATORS, AdaptParams, JobPayload, RequestModel
 from api_schemas.reports import ShardSummary
 from service.store.base import Store
 from workers.errors import AdaptError
-from workers.estimators.dispatch import Estimate
+from workers.estimators.dispatch import Estimate, EstimatorTask, load_merged_runner
 from workers.estimators.layer_statistics import LayerStatistics, Weighting
 from workers.estimators.precise import apply_statistics, collect_statistics
 from workers.estimators.prior import mix_with_source
@@ -41,6 +40,7 @@ from workers.running.compute import (
 from workers.running.data import iter_batches, num_batches
 from workers.running.evaluation import Loss, MetricSums, evaluate_sums, loss_for
 from workers.running.hooks import JobHooks, NoHooks
+from workers.running.reporting import split_target
 from workers.running.saving import StoredWeights
 
 __all__ = [
@@ -70,7 +70,14 @@ R = TypeVar("R")
 # LayerStatistics and collect_statistics' weighting); the merge applies them with the
 # functions one worker uses (apply_statistics, mix_with_source) inside the same compute() (an
 # `Estimate` replaces the estimator), and saves through workers/running/saving.py. `ema` and
-# `entropy` are sequential: the API refuses shards > 1 for them. Only selected BatchNorm layers run
+# `entropy` are sequential: the API refuses shards > 1 for them. `auto` shards as `precise`
+# (its candidates are the source statistics, precise and prior mixes of the two): the merge
+# runs its row's `merged_runner`, which scores the candidates on the held-out samples with the
+# merged statistics and keeps the best, as one worker does after its own pass; its entropy
+# candidate (allow_backward) is sequential, refused with shards > 1. With a holdout (auto's,
+# or any job's `holdout`), every shard draws the held-out samples from the job's seed as one
+# worker does (split_target) and the plan splits the estimation batches only
+# (AdaptParams.estimation_batches). Only selected BatchNorm layers run
 # in train mode and normalize with their batch statistics, so a batch's activations do not depend
 # on the batches before it, on any worker: the merged result equals one worker's up to float
 # rounding (cumulative: float64 sums against torch's float32 running average, below 1e-6).
@@ -270,13 +277,17 @@ def collect_shard(
     size = params.batch_size
     before = None if evaluate_part is None else _measure_part(job, evaluate_part, size, hooks)
     layers = select_batchnorm(job.model, params.include, params.exclude)
-    samples = shard.samples(size, len(job.x))
-    part = job.x[samples.start : samples.stop]
+    # The held-out samples, drawn from the job's seed as one worker draws them, are in no shard.
+    split = split_target(job.x, size, params.max_batches, params.effective_holdout(), params.seed)
+    estimation = split.estimation  # (N_e, ...): all of x when nothing is held out
+    samples = shard.samples(size, len(estimation))
+    part = estimation[samples.start : samples.stop]
     if num_batches(len(part), size) != shard.batches:
+        held = f" ({len(split.held_out)} held out)" if split.is_held_out else ""
         raise AdaptError(
             f"shard {shard.index} should run batches {shard.first_batch} to "
             f"{shard.first_batch + shard.batches - 1} of {size} samples, but the dataset has "
-            f"only {len(job.x)} samples; submit the job again"
+            f"only {len(estimation)} samples to estimate on{held}; submit the job again"
         )
     hooks.start_phase("adapt", shard.batches, "batches", float(size))
     data = (batch.to(job.device) for batch in iter_batches(part, size))  # (B, ...)
@@ -374,15 +385,25 @@ def compute_merged(
     stats = AdaptStats(
         batches=sum(s.batches for s in shards), samples=sum(s.samples for s in shards)
     )
-    estimate = _apply_merged(merge_statistics(results), stats)
+    params = payload.params
+    assert isinstance(params, AdaptParams), f"{payload.kind} jobs are not sharded"
+    merged = merge_statistics(results)
+    merged_runner = params.spec.merged_runner
+    if merged_runner is None:
+        estimate = _apply_merged(merged, stats)
+    else:
+        run_merged = load_merged_runner(merged_runner)
+
+        def estimate(task: EstimatorTask) -> AdaptStats:
+            return run_merged(task, merged, stats)
+
     outcome = compute(payload, store, hooks, estimate=estimate, measure=measure)
     return dataclasses.replace(outcome, report=outcome.report.model_copy(update={"shards": shards}))
 
 
 def _apply_merged(merged: dict[str, LayerStatistics], stats: AdaptStats) -> Estimate:
-    def estimate(
-        model: nn.Module, params: AdaptParams, layers: list[str], hooks: JobHooks
-    ) -> AdaptStats:
+    def estimate(task: EstimatorTask) -> AdaptStats:
+        model, params, layers, hooks = task.model, task.params, task.layers, task.hooks
         hooks.start_phase("merge", 1, "batches", float(stats.samples))
 
         def apply(weighting: Weighting) -> AdaptStats:

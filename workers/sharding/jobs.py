@@ -105,7 +105,7 @@ def start_shards(
     params = job.params
     assert isinstance(params, AdaptParams)
     num_samples, has_labels = _dataset_facts(job, store)
-    total = num_batches(num_samples, params.batch_size, params.max_batches)
+    total = params.estimation_batches(num_samples)  # the held-out samples are in no shard
     plan = plan_shards(total, params.shards)
     measured = params.measured_samples(num_samples)
     evaluation = plan_evaluation(measured, len(plan), params.batch_size) if has_labels else None

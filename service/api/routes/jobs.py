@@ -41,7 +41,6 @@ from api_schemas import (
     parse_job_create,
     utc_now,
 )
-from api_schemas.jobs import num_batches
 from api_schemas.jobs.params import TAG_KEY_PATTERN
 from api_schemas.jobs.public import JobLogEntry, JobLogPage
 from service.api.deps import (
@@ -108,14 +107,17 @@ def _check_fit(request: JobCreate, model: ModelPublic, dataset: DatasetPublic) -
             )
     params = request.params
     if isinstance(params, AdaptParams) and params.shards > 1:
-        batches = num_batches(dataset.num_samples, params.batch_size, params.max_batches)
+        batches = params.estimation_batches(dataset.num_samples)
+        holdout = params.effective_holdout()
+        held = f", holdout {holdout:g} held out of estimation" if holdout > 0 else ""
         if params.shards > batches:
             raise ApiError(
                 422,
                 f"shards={params.shards} but the job runs only {batches} batches "
                 f"({dataset.num_samples} samples of dataset {dataset.id}, batch_size "
-                f"{params.batch_size}, max_batches {params.max_batches}) and each shard needs "
-                f"at least one whole batch; use shards <= {batches}, or a smaller batch_size",
+                f"{params.batch_size}, max_batches {params.max_batches}{held}) and each shard "
+                f"needs at least one whole batch; use shards <= {batches}, or a smaller "
+                "batch_size",
             )
 
 
