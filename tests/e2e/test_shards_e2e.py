@@ -341,7 +341,15 @@ def test_sharded_auto_equals_one_worker(stack: Stack, trained: dict[str, Any]) -
     assert shard_records.children(sharded["id"]) == dict.fromkeys(
         ("shard-0", "shard-1", MERGE, "eval-0", "eval-1", FINISH), "done"
     )
-    # The demo's summary shows the sharded job's choice as one worker's.
+    # The prediction diagnostics on the same 149 held-out digits, measured by the merge.
+    found_d, expected_d = report.diagnostics, single_report.diagnostics
+    assert found_d is not None and expected_d is not None
+    assert (found_d.samples, found_d.held_out) == (expected_d.samples, True) == (149, True)
+    assert found_d.before == expected_d.before  # the same input model on the same samples
+    assert found_d.changed_fraction == pytest.approx(expected_d.changed_fraction, abs=1 / 149)
+    assert found_d.after.mean_entropy == pytest.approx(expected_d.after.mean_entropy, abs=1e-4)
+    # The demo's summary shows the sharded job's diagnostics and choice as one worker's.
+    assert len(report.summary_lines()) == len(single_report.summary_lines())
     assert (
         report.summary_lines()[-1]
         == single_report.summary_lines()[-1]

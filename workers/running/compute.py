@@ -206,8 +206,9 @@ def compute(
 ) -> JobOutcome:
     """Runs the adapt or train job the payload describes and returns the new weights and the
     report; ``estimate`` replaces an adapt job's estimator (see :data:`Estimate`). Without
-    ``measure`` the model is not evaluated before and after (a sharded job's evaluation
-    children do it)."""
+    ``measure`` the model is not evaluated on the labels before and after (a sharded job's
+    evaluation children do it); an adapt job's prediction diagnostics are measured either way
+    (they look at a bounded number of held-out samples, the same as one worker's)."""
     hooks = hooks or NoHooks()
     started = time.perf_counter()
     params = payload.params
@@ -244,7 +245,7 @@ def compute(
     # above, so outside compute_s (which times the adaptation or training alone).
     target = None
     if isinstance(params, AdaptParams):
-        target = _target_before(model, x, params, device, measure)
+        target = _target_before(model, x, params, device)
     computing = time.perf_counter()
     all_bn = [name for name, _ in _batchnorm_names(model)]
     epochs: list[EpochLog] = []
@@ -356,19 +357,17 @@ def compute(
 @dataclass(frozen=True)
 class _Target:
     """An adapt job's samples split by its holdout, and the input model's predictions on the
-    diagnostics' samples (None: not measured)."""
+    diagnostics' samples."""
 
     split: TargetSplit
     batch_size: int
     samples: int  # how many of the held-out samples the diagnostics cover
-    before: PredictionSums | None
+    before: PredictionSums | None  # None: the model's output is not class logits
 
 
-def _target_before(
-    model: nn.Module, x: Data, params: AdaptParams, device: torch.device, measure: bool
-) -> _Target:
+def _target_before(model: nn.Module, x: Data, params: AdaptParams, device: torch.device) -> _Target:
     """NOTE [ Held-out target samples ] (workers/running/reporting.py): the split, and the
-    predictions before estimation when the job ``measure``s."""
+    predictions before estimation."""
     split = split_target(
         x, params.batch_size, params.max_batches, params.effective_holdout(), params.seed
     )
@@ -376,10 +375,7 @@ def _target_before(
     samples = min(len(split.held_out), MAX_DIAGNOSTIC_SAMPLES)
     if params.measure_batches is not None:
         samples = min(samples, params.measure_batches * params.batch_size)
-    before = None
-    if measure:
-        sample = split.held_out[:samples]
-        before = predict(model, sample, batch_size=params.batch_size, device=device)
+    before = predict(model, split.held_out[:samples], batch_size=params.batch_size, device=device)
     return _Target(split, params.batch_size, samples, before)
 
 
@@ -387,8 +383,6 @@ def _target_after(
     model: nn.Module, target: _Target, device: torch.device
 ) -> PredictionDiagnostics | None:
     """The report's diagnostics: the output model's predictions on the same samples."""
-    if target.before is None:
-        return None
     sample = target.split.held_out[: target.samples]
     after = predict(model, sample, batch_size=target.batch_size, device=device)
     return diagnostics(target.before, after, target.split.is_held_out)
