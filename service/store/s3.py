@@ -30,6 +30,15 @@ a temp key or an unfinished multipart upload, which :meth:`S3Store.cleanup_tmp` 
 write is also kept in this machine's cache (NOTE [ Object cache ] in service/store/cache.py),
 so whoever wrote an object reads it back without downloading it.
 
+# NOTE [ Downloading into the cache ]
+A download is one pass over the bytes: the object is fetched in ranged GETs of ``part_bytes``,
+``parts_in_flight`` at once (boto3's managed download does the same), each part written at its
+offset in the cache's temp file as it arrives and fed to the sha256 in order, part i while the
+next ones are on the wire; at most ``parts_in_flight`` parts are in memory. The file is
+installed under its name only if the digest matches (NOTE [ Object cache ] in cache.py);
+otherwise the temp file is removed and the read fails. Hashing the file after a download
+would read it all a second time (bench/RESULTS.md, "S3 store").
+
 # NOTE [ Collecting an S3 store ]
 The local store protects a write racing a collection with mtimes and a rename out of reach
 (NOTE [ Store garbage collection ] in service/store/gc.py). S3 has no rename, so the same two
@@ -52,6 +61,7 @@ One backend in one module; its NOTE blocks (atomic commit, collection on S3) map
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import hashlib
@@ -70,7 +80,12 @@ import boto3
 import redis
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import (
+    ClientError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
 
 from service.errors import ObjectNotFoundError, StoreError, StoreTooLargeError
 from service.records import keys
@@ -91,6 +106,10 @@ __all__ = ["DELETE_MARKER_TTL_S", "S3Store", "parse_s3_url", "warm_up"]
 DELETE_MARKER_TTL_S: Final = 300.0
 _MARKER_POLL_S: Final = 0.1
 _READ_CHUNK: Final = 8 * 1024 * 1024
+# A ranged GET whose body breaks off is sent again, up to this many times in all (what
+# s3transfer's downloads do: its S3_RETRYABLE_DOWNLOAD_ERRORS).
+_READ_ATTEMPTS: Final = 5
+_BROKEN_READ: Final = (OSError, ReadTimeoutError, IncompleteReadError, ResponseStreamingError)
 # Copies up to this size are one CopyObject request (S3's limit is 5 GiB); larger ones are
 # multipart copies.
 _COPY_SINGLE_MAX: Final = 4 * 1024**3
@@ -382,7 +401,7 @@ class S3Store:
             multipart_chunksize=_COPY_PART,
             max_concurrency=max(parts_in_flight, 4),
         )
-        self._download = TransferConfig(
+        self._part_transfer = TransferConfig(
             multipart_threshold=part_bytes,
             multipart_chunksize=part_bytes,
             max_concurrency=max(parts_in_flight, 4),
@@ -473,7 +492,7 @@ class S3Store:
         self._record_write(sha256)
         if not self._exists_remote(sha256):
             self.client.upload_file(
-                str(cache_tmp), self.bucket, self.key(sha256), Config=self._download
+                str(cache_tmp), self.bucket, self.key(sha256), Config=self._part_transfer
             )
 
     def _install_temp(self, temp_key: str, sha256: str) -> None:
@@ -515,21 +534,13 @@ class S3Store:
 
     def local_path(self, sha256: str) -> Path:
         """The cached copy, downloaded first if this machine has none (checked against its
-        sha256 before it is used)."""
+        sha256 before it is used: NOTE [ Downloading into the cache ])."""
         cached = self.cache.get(sha256)
         if cached is not None:
             return cached
         with self.cache.new_file() as (tmp, file):
-            try:
-                self.client.download_fileobj(
-                    self.bucket, self.key(sha256), file, Config=self._download
-                )
-            except ClientError as exc:
-                if _not_found(exc):
-                    raise ObjectNotFoundError(self._missing(sha256)) from None
-                raise
+            got = self._download(sha256, file)
             file.close()
-            got = _file_sha256(tmp)
             if got != sha256:
                 raise StoreError(
                     f"the object s3://{self.bucket}/{self.key(sha256)} holds bytes whose sha256 "
@@ -537,6 +548,64 @@ class S3Store:
                     "again"
                 )
             return self.cache.install(tmp, sha256)
+
+    def _download(self, sha256: str, file: BinaryIO) -> str:
+        """Fills ``file`` with the object in ranged GETs, ``parts_in_flight`` at once, and
+        returns the sha256 of the bytes that came (NOTE [ Downloading into the cache ])."""
+        key = self.key(sha256)
+        try:
+            size: int = self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
+        except ClientError as exc:
+            if _not_found(exc):
+                raise ObjectNotFoundError(self._missing(sha256)) from None
+            raise
+        file.truncate(size)
+        fd = file.fileno()
+        part = self.part_bytes
+        starts = range(0, size, part)
+        digest = hashlib.sha256()
+        pool = concurrent.futures.ThreadPoolExecutor(self.parts_in_flight)
+        try:
+            pending: collections.deque[concurrent.futures.Future[bytes]] = collections.deque()
+            queued = iter(starts)
+            for _ in starts:
+                # Part i is hashed while parts up to i + parts_in_flight - 1 arrive: at most
+                # parts_in_flight parts in memory.
+                while len(pending) < self.parts_in_flight:
+                    start = next(queued, None)
+                    if start is None:
+                        break
+                    end = min(start + part, size)
+                    pending.append(pool.submit(self._fetch_range, key, start, end, fd))
+                digest.update(pending.popleft().result())
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return digest.hexdigest()
+
+    def _fetch_range(self, key: str, start: int, end: int, fd: int) -> bytes:
+        """Bytes ``[start, end)`` of the object, also written at their offset in ``fd``; a
+        connection that breaks mid-body is tried again (botocore retries only the request)."""
+        for attempt in range(1, _READ_ATTEMPTS + 1):
+            try:
+                reply = self.client.get_object(
+                    Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+                )
+                with contextlib.closing(reply["Body"]) as body:
+                    data: bytes = body.read()
+                break
+            except _BROKEN_READ:
+                if attempt == _READ_ATTEMPTS:
+                    raise
+        if len(data) != end - start:
+            raise StoreError(
+                f"s3://{self.bucket}/{key}: asked for bytes {start}-{end - 1}, got {len(data)} "
+                "bytes; the object changed during the download; try again"
+            )
+        with memoryview(data) as view:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], start + done)
+        return data
 
     def _exists_remote(self, sha256: str) -> bool:
         try:
@@ -751,11 +820,3 @@ def _check_size(size: int, max_bytes: int | None) -> None:
             f"object is larger than the limit of {max_bytes} bytes ({size} bytes); nothing was "
             "stored: send a smaller file"
         )
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(_READ_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()

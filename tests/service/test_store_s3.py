@@ -300,6 +300,35 @@ def test_a_download_is_checked_against_its_sha256(
     assert store.cache.size_bytes() == 0
 
 
+def test_a_download_of_many_parts_is_checked_before_it_is_cached(
+    s3_bucket: str, client: redis.Redis, tmp_path: Path, s3_server: S3Server
+) -> None:
+    # More parts than in flight: the parts are hashed in order while later ones arrive.
+    reader = make_store(s3_bucket, client, tmp_path / "b", parts_in_flight=2)
+    data = os.urandom(12 * MIB + 3)
+    digest = sha(data)
+    key = f"pre/objects/{digest}"
+    s3_server.client().put_object(Bucket=s3_bucket, Key=key, Body=data)
+    assert reader.local_path(digest).read_bytes() == data
+    # One byte changed in the last part, under the same content key, on a machine that has
+    # no copy yet: refused, and nothing left in its cache.
+    other = make_store(s3_bucket, client, tmp_path / "c", parts_in_flight=2)
+    changed = bytearray(data)
+    changed[-2] ^= 0xFF
+    s3_server.client().put_object(Bucket=s3_bucket, Key=key, Body=bytes(changed))
+    with pytest.raises(StoreError, match="changed outside bnadapt"):
+        other.local_path(digest)
+    assert other.cache.size_bytes() == 0
+    assert list((tmp_path / "c" / "tmp").iterdir()) == []
+    # A changed first part too (hashed first, before the others are all in).
+    changed = bytearray(data)
+    changed[0] ^= 0xFF
+    s3_server.client().put_object(Bucket=s3_bucket, Key=key, Body=bytes(changed))
+    with pytest.raises(StoreError, match="changed outside bnadapt"):
+        other.local_path(digest)
+    assert other.cache.size_bytes() == 0
+
+
 def test_the_cache_evicts_the_least_recently_used(tmp_path: Path) -> None:
     cache = ObjectCache(tmp_path, max_bytes=10)
     paths = {}
