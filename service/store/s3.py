@@ -237,7 +237,9 @@ class _S3Writer(HashingWriter):
         super().__init__(max_bytes, sha256)
         self._store = store
         self._cache_file = cache_file
-        self._buffer = bytearray()
+        # Pieces of the written chunks not yet sent, `_buffered` bytes: at most one part.
+        self._pieces: list[memoryview] = []
+        self._buffered = 0
         self._upload_id: str | None = None
         self.upload_key = ""  # where the parts go, once the first part is sent
         self.completed_temp = False  # a temp key holds the whole object (to copy, then delete)
@@ -249,13 +251,29 @@ class _S3Writer(HashingWriter):
         self._cache_file.write(chunk)
         if self.already_there:
             return
-        self._buffer += chunk
+        if not isinstance(chunk, bytes):
+            # Pieces of the chunk are held until their part is sent: a caller's buffer that
+            # changed meanwhile would send other bytes than those hashed.
+            chunk = bytes(chunk)
         part_bytes = self._store.part_bytes
-        while len(self._buffer) >= part_bytes and not self.already_there:
-            with memoryview(self._buffer) as view:
-                part = bytes(view[:part_bytes])  # one copy (a slice of the bytearray is two)
-            del self._buffer[:part_bytes]
-            self._send(part)
+        with memoryview(chunk) as view:
+            taken = 0
+            while taken < len(view) and not self.already_there:
+                piece = view[taken : taken + part_bytes - self._buffered]
+                self._pieces.append(piece)
+                self._buffered += len(piece)
+                taken += len(piece)
+                if self._buffered == part_bytes:
+                    self._send(self._take_buffer())
+
+    def _take_buffer(self) -> bytes:
+        """The bytes buffered for the next part, joined (their one copy on this path)."""
+        part = b"".join(self._pieces)
+        for piece in self._pieces:
+            piece.release()
+        self._pieces.clear()
+        self._buffered = 0
+        return part
 
     @property
     def multipart(self) -> bool:
@@ -271,7 +289,7 @@ class _S3Writer(HashingWriter):
             store._record_write(self.expected_sha256)
             if store._exists_remote(self.expected_sha256):
                 self.already_there = True
-                self._buffer.clear()
+                self._take_buffer()
                 return
             self.upload_key = store.key(self.expected_sha256)
         else:
@@ -320,10 +338,9 @@ class _S3Writer(HashingWriter):
         :meth:`complete`, once the write is recorded)."""
         digest = super().finish()
         if self._pool is None:
-            return digest  # one part (still in self._buffer), or already there
-        if self._buffer:
-            self._send(bytes(self._buffer))
-            self._buffer.clear()
+            return digest  # one part (still in self._pieces), or already there
+        if self._buffered:
+            self._send(self._take_buffer())
         if self.expected_sha256 is None:
             self.complete()
             self.completed_temp = True
@@ -340,10 +357,9 @@ class _S3Writer(HashingWriter):
         )
         self._upload_id = None
 
-    @property
-    def single_part(self) -> bytes | None:
-        """The whole object, if it fits in one part."""
-        return bytes(self._buffer) if self._pool is None and not self.already_there else None
+    def take_single_part(self) -> bytes | None:
+        """The whole object, if it fits in one part (once)."""
+        return self._take_buffer() if self._pool is None and not self.already_there else None
 
     def abort(self) -> None:
         store = self._store
@@ -446,7 +462,7 @@ class S3Store:
                 writer.finish()
                 writer.close_pool()
                 cache_file.close()
-                data = writer.single_part
+                data = writer.take_single_part()
                 if data is not None:
                     self._install_bytes(data, writer.sha256)
                 elif writer.already_there:

@@ -143,6 +143,25 @@ def test_large_object_streams_in_parts_and_leaves_no_temp(
     assert sha(body["Body"].read()) == sha(data)
 
 
+def test_chunks_across_part_boundaries_from_a_reused_buffer(
+    store: S3Store, s3_server: S3Server, s3_bucket: str
+) -> None:
+    # Chunks that straddle the 5 MiB parts, from one buffer the caller refills after each
+    # write: the parts hold the bytes as they were written, not the buffer's later content.
+    data = os.urandom(17 * MIB + 11)
+    step = 3 * MIB + 7
+    buffer = bytearray(step)
+    with store.writer(sha256=sha(data)) as writer:
+        for start in range(0, len(data), step):
+            piece = data[start : start + step]
+            buffer[: len(piece)] = piece
+            writer.write(memoryview(buffer)[: len(piece)])  # type: ignore[arg-type]
+            buffer[:] = bytes(len(buffer))
+    assert writer.sha256 == sha(data)
+    body = s3_server.client().get_object(Bucket=s3_bucket, Key=f"pre/objects/{sha(data)}")
+    assert body["Body"].read() == data
+
+
 def count_calls(store: S3Store, operation: str) -> list[str]:
     """A list that gets one entry per ``operation`` request ``store``'s client sends."""
     calls: list[str] = []
