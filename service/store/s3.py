@@ -3,7 +3,7 @@
 Keys under the prefix (``s3://BUCKET/PREFIX``)::
 
     objects/<sha256>   committed objects, never modified
-    tmp/<random>       objects being written (multipart uploads, copies being checked)
+    tmp/<random>       objects that reached the bucket directly, being checked
 
 Bookkeeping (references, release and write times, deletion markers, the collector's lock)
 lives in Redis, never in the bucket. boto3 is imported only when this module is, and
@@ -21,14 +21,20 @@ A content key is only ever written whole, and only with bytes that hash to it:
   until it is completed, and it is completed only if the bytes hashed to the announced
   digest; otherwise it is aborted and nothing appears. If the object is there already, the
   parts are not sent at all;
-- a larger one whose sha256 is not known beforehand is uploaded in parts to a temp key while
-  it is hashed, completed there, and copied server-side to its content key, then the temp key
-  is deleted. The copy moves the bytes a second time on the server: the price of not knowing
-  the digest (bench/RESULTS.md, "S3 store").
+- a larger one whose sha256 is not known beforehand goes, while it is hashed, only to the
+  writer's cache file (which every write fills anyway); once the write ends and the digest is
+  known, that file is uploaded in parts to the content key, a multipart upload that is again
+  invisible until completed whole. The upload starts only after the last byte was written
+  (no overlap with a slow sender), but nothing is copied on the server: the bytes cross the
+  network and the server once, not twice as with a temp key and a server-side copy (what
+  this path did before, bench/RESULTS.md, "S3 store").
+Objects that reach the bucket without this process (direct uploads, imports) land on a temp
+key, are hashed, and are copied server-side to their content key (:meth:`S3Store._adopt_temp`).
 A reader never sees a partial object under a content key, and a writer that dies leaves only
 a temp key or an unfinished multipart upload, which :meth:`S3Store.cleanup_tmp` removes. Each
 write is also kept in this machine's cache (NOTE [ Object cache ] in service/store/cache.py),
-so whoever wrote an object reads it back without downloading it.
+so whoever wrote an object reads it back without downloading it: the API reads an uploaded
+dataset back to check it, and joins an upload's parts from their copies.
 
 # NOTE [ Downloading into the cache ]
 A download is one pass over the bytes: the object is fetched in ranged GETs of ``part_bytes``,
@@ -56,7 +62,8 @@ after ``DELETE_MARKER_TTL_S`` should its collector die; a collection whose delet
 that long does not exist (one DELETE request, bounded by the client's timeouts and retries).
 An object without a recorded write is as old as its ``LastModified``, also checked.
 
-One backend in one module; its NOTE blocks (atomic commit, collection on S3) map it.
+One backend in one module; its NOTE blocks (atomic commit, downloads, collection on S3)
+map it.
 """
 
 from __future__ import annotations
@@ -227,9 +234,11 @@ class _BodyReader(io.RawIOBase):
 
 
 class _S3Writer(HashingWriter):
-    """Copies chunks to the cache while it uploads them in parts: to the object's content key
-    when its digest was announced (a multipart upload is invisible until completed, and is
-    completed only once the bytes hashed to that key), else to a temp key."""
+    """Copies chunks to the cache file while it uploads them in parts to the object's content
+    key when its digest was announced (a multipart upload is invisible until completed, and is
+    completed only once the bytes hashed to that key). Without a digest, past one part, it only
+    fills the cache file, which is uploaded once the digest is known (NOTE [ Atomic commit on
+    S3 ])."""
 
     def __init__(
         self, store: S3Store, max_bytes: int | None, sha256: str | None, cache_file: BinaryIO
@@ -242,14 +251,19 @@ class _S3Writer(HashingWriter):
         self._buffered = 0
         self._upload_id: str | None = None
         self.upload_key = ""  # where the parts go, once the first part is sent
-        self.completed_temp = False  # a temp key holds the whole object (to copy, then delete)
         self.already_there = False  # the announced object exists: nothing is uploaded
+        # Digest unknown and more than one part: the whole object is in the cache file only.
+        self.spooled = False
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _put(self, chunk: bytes) -> None:
         self._cache_file.write(chunk)
-        if self.already_there:
+        if self.already_there or self.spooled:
+            return
+        if self.expected_sha256 is None and self._buffered + len(chunk) > self._store.part_bytes:
+            self.spooled = True
+            self._drop_buffer()
             return
         if not isinstance(chunk, bytes):
             # Pieces of the chunk are held until their part is sent: a caller's buffer that
@@ -263,37 +277,35 @@ class _S3Writer(HashingWriter):
                 self._pieces.append(piece)
                 self._buffered += len(piece)
                 taken += len(piece)
-                if self._buffered == part_bytes:
+                # Without a digest, the object is one PUT: the check above spools it first.
+                if self._buffered == part_bytes and self.expected_sha256 is not None:
                     self._send(self._take_buffer())
 
     def _take_buffer(self) -> bytes:
         """The bytes buffered for the next part, joined (their one copy on this path)."""
         part = b"".join(self._pieces)
+        self._drop_buffer()
+        return part
+
+    def _drop_buffer(self) -> None:
         for piece in self._pieces:
             piece.release()
         self._pieces.clear()
         self._buffered = 0
-        return part
-
-    @property
-    def multipart(self) -> bool:
-        return self._pool is not None
 
     def _start(self) -> None:
-        """Opens the multipart upload, at the first full part (an object of one part is one
-        PUT, and asks nothing before)."""
+        """Opens the multipart upload of an announced digest, at the first full part (an
+        object of one part is one PUT, and asks nothing before)."""
         store = self._store
-        if self.expected_sha256 is not None:
-            # Recorded before looking, so that a collection cannot take the object between
-            # the look and the end of this write (NOTE [ Collecting an S3 store ]).
-            store._record_write(self.expected_sha256)
-            if store._exists_remote(self.expected_sha256):
-                self.already_there = True
-                self._take_buffer()
-                return
-            self.upload_key = store.key(self.expected_sha256)
-        else:
-            self.upload_key = store.new_temp_key()
+        assert self.expected_sha256 is not None  # else the write is spooled
+        # Recorded before looking, so that a collection cannot take the object between the
+        # look and the end of this write (NOTE [ Collecting an S3 store ]).
+        store._record_write(self.expected_sha256)
+        if store._exists_remote(self.expected_sha256):
+            self.already_there = True
+            self._drop_buffer()
+            return
+        self.upload_key = store.key(self.expected_sha256)
         self._upload_id = store.client.create_multipart_upload(
             Bucket=store.bucket, Key=self.upload_key
         )["UploadId"]
@@ -333,17 +345,14 @@ class _S3Writer(HashingWriter):
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
     def finish(self) -> str:
-        """Ends the write: the sha256 is known and checked; past one part, every part is
-        uploaded, and a temp key is completed (an upload to the content key is completed by
-        :meth:`complete`, once the write is recorded)."""
+        """Ends the write: the sha256 is known and checked; past one part of an announced
+        digest, every part is uploaded (the upload is completed by :meth:`complete`, once the
+        write is recorded)."""
         digest = super().finish()
         if self._pool is None:
-            return digest  # one part (still in self._pieces), or already there
+            return digest  # one part (still in self._pieces), spooled, or already there
         if self._buffered:
             self._send(self._take_buffer())
-        if self.expected_sha256 is None:
-            self.complete()
-            self.completed_temp = True
         return digest
 
     def complete(self) -> None:
@@ -359,7 +368,9 @@ class _S3Writer(HashingWriter):
 
     def take_single_part(self) -> bytes | None:
         """The whole object, if it fits in one part (once)."""
-        return self._take_buffer() if self._pool is None and not self.already_there else None
+        if self._pool is None and not self.already_there and not self.spooled:
+            return self._take_buffer()
+        return None
 
     def abort(self) -> None:
         store = self._store
@@ -372,9 +383,6 @@ class _S3Writer(HashingWriter):
                 store.client.abort_multipart_upload(
                     Bucket=store.bucket, Key=self.upload_key, UploadId=self._upload_id
                 )
-        if self.completed_temp:
-            with contextlib.suppress(ClientError):
-                store.client.delete_object(Bucket=store.bucket, Key=self.upload_key)
 
     def close_pool(self) -> None:
         if self._pool is not None:
@@ -465,10 +473,8 @@ class S3Store:
                 data = writer.take_single_part()
                 if data is not None:
                     self._install_bytes(data, writer.sha256)
-                elif writer.already_there:
-                    self._keep_existing(cache_tmp, writer.sha256)
-                elif writer.completed_temp:
-                    self._install_temp(writer.upload_key, writer.sha256)
+                elif writer.already_there or writer.spooled:
+                    self._install_file(cache_tmp, writer.sha256)
                 else:
                     self._record_write(writer.sha256)
                     writer.complete()
@@ -500,16 +506,19 @@ class S3Store:
         self._record_write(sha256)
         self.client.put_object(Bucket=self.bucket, Key=self.key(sha256), Body=data)
 
-    def _keep_existing(self, cache_tmp: Path, sha256: str) -> None:
-        """A write whose object was already under its content key: record the write again
-        (it keeps the object for the grace period), and should a collection have taken the
-        object meanwhile (a write longer than the grace period), upload it from the cache
-        copy."""
+    def _install_file(self, cache_tmp: Path, sha256: str) -> None:
+        """Records the write, and uploads the cache's temp file, whose bytes hashed to
+        ``sha256`` as they were written, under its content key unless the object is there:
+        a write of unknown digest past one part, or one whose announced object was there
+        already (the recorded write keeps it for the grace period; should a collection have
+        taken it meanwhile, a write longer than that, it is uploaded again)."""
         self._record_write(sha256)
         if not self._exists_remote(sha256):
-            self.client.upload_file(
-                str(cache_tmp), self.bucket, self.key(sha256), Config=self._part_transfer
-            )
+            # From an open file: a part read by name could miss a temp file unlinked meanwhile.
+            with cache_tmp.open("rb") as file:
+                self.client.upload_fileobj(
+                    file, self.bucket, self.key(sha256), Config=self._part_transfer
+                )
 
     def _install_temp(self, temp_key: str, sha256: str) -> None:
         """Copies a complete temp object to its content key (unless it is there) and deletes
