@@ -1,14 +1,20 @@
 """The S3 store against boto3 alone and against the local store, on one SeaweedFS server.
 
 1. Throughput of one object of ``--mib`` MiB, against boto3's own managed transfers
-   (``upload_fileobj`` / ``download_file``) of the same bytes to the same server in the same
-   run, each service write right after a boto3 upload of the same file (the pair sees the same
-   load). Ratio: service throughput / boto3 throughput.
+   (``upload_fileobj`` / ``download_file``, boto3's defaults: 8 MiB parts, 10 threads) of the
+   same bytes to the same server in the same run. ``--pairs`` rounds; in each, every service
+   transfer and its boto3 baseline run one right after the other (the pair sees the same
+   load), the first of the two alternating between rounds; each round writes new keys and
+   reads into an empty cache. Reported per measure: the median over the pairs of the ratio
+   service throughput / boto3 throughput, with its spread (min-max), and the median CPU
+   seconds of this process (all threads: the client side) and of the S3 server's process.
+   The store uses ``--part-mib`` and ``--in-flight`` (default: the settings' defaults).
    - write, digest announced: ``S3Store.writer(sha256=...)`` in 1 MiB chunks, what the
      dataset upload route does when the client sends ``X-Content-SHA256`` (the CLI and the
      Python client do) and what a worker's ``put_bytes`` does: parts go straight to the
      content key;
-   - write, digest unknown: ``S3Store.writer()`` (temp key, then a server-side copy);
+   - write, digest unknown: ``S3Store.writer()`` (the bytes go to the cache file, then that
+     file to the content key once the digest is known);
    - write through the API: ``--http-mib`` MiB as one part of a resumable upload, raw body
      with ``X-Content-SHA256``, on the S3 stack of part 3 (the API's streamed upload and the
      store write; the dataset checks of a registration are not part of it);
@@ -21,7 +27,8 @@
    service's own, from its record: created to finished (the client's poll interval would
    otherwise round every job up).
 
-    .venv/bin/python bench/store_bench.py [--mib 1024] [--jobs 8] [--http-mib 1024]
+    .venv/bin/python bench/store_bench.py [--mib 1024] [--pairs 3] [--jobs 8] [--http-mib 1024]
+        [--part-mib N] [--in-flight N]
 """
 
 from __future__ import annotations

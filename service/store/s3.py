@@ -96,6 +96,7 @@ from botocore.exceptions import (
 
 from service.errors import ObjectNotFoundError, StoreError, StoreTooLargeError
 from service.records import keys
+from service.settings import DEFAULT_S3_PART_BYTES, DEFAULT_S3_PARTS_IN_FLIGHT
 from service.store.base import (
     DEFAULT_TMP_MAX_AGE_S,
     SHA256_RE,
@@ -184,7 +185,7 @@ def _new_client(endpoint_url: str | None, parts_in_flight: int) -> Any:
         )
 
 
-def warm_up(parts_in_flight: int = 4) -> None:
+def warm_up(parts_in_flight: int = DEFAULT_S3_PARTS_IN_FLIGHT) -> None:
     """Loads the S3 service model into this process's session and makes the client a job
     will use, without a request: an RQ worker calls it before forking jobs, so each job has
     its client at once. The client is never used in this process, so it holds no connection
@@ -401,8 +402,8 @@ class S3Store:
         prefix: str,
         cache: ObjectCache,
         redis_client: redis.Redis,
-        part_bytes: int = 16 * 1024 * 1024,
-        parts_in_flight: int = 4,
+        part_bytes: int = DEFAULT_S3_PART_BYTES,
+        parts_in_flight: int = DEFAULT_S3_PARTS_IN_FLIGHT,
         presign_ttl_s: int = 900,
         public_endpoint_url: str | None = None,
     ) -> None:
