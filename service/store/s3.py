@@ -38,12 +38,14 @@ dataset back to check it, and joins an upload's parts from their copies.
 
 # NOTE [ Downloading into the cache ]
 A download is one pass over the bytes: the object is fetched in ranged GETs of ``part_bytes``,
-``parts_in_flight`` at once (boto3's managed download does the same), each part written at its
-offset in the cache's temp file as it arrives and fed to the sha256 in order, part i while the
-next ones are on the wire; at most ``parts_in_flight`` parts are in memory. The file is
-installed under its name only if the digest matches (NOTE [ Object cache ] in cache.py);
-otherwise the temp file is removed and the read fails. Hashing the file after a download
-would read it all a second time (bench/RESULTS.md, "S3 store").
+``parts_in_flight`` at once (boto3's managed download does the same), and one thread takes
+the parts in order, feeds each to the sha256 and appends it to the cache's temp file while
+the next ones are on the wire; at most ``parts_in_flight`` parts are in memory. One writer:
+threads writing their parts at their offsets in the same file contend for its inode lock,
+which cost more CPU than the whole hash here. The file is installed under its name only if
+the digest matches (NOTE [ Object cache ] in cache.py); otherwise the temp file is removed
+and the read fails. Hashing the file after a download would read it all a second time
+(bench/RESULTS.md, "S3 store").
 
 # NOTE [ Collecting an S3 store ]
 The local store protects a write racing a collection with mtimes and a rename out of reach
@@ -585,8 +587,6 @@ class S3Store:
             if _not_found(exc):
                 raise ObjectNotFoundError(self._missing(sha256)) from None
             raise
-        file.truncate(size)
-        fd = file.fileno()
         part = self.part_bytes
         starts = range(0, size, part)
         digest = hashlib.sha256()
@@ -602,15 +602,17 @@ class S3Store:
                     if start is None:
                         break
                     end = min(start + part, size)
-                    pending.append(pool.submit(self._fetch_range, key, start, end, fd))
-                digest.update(pending.popleft().result())
+                    pending.append(pool.submit(self._fetch_range, key, start, end))
+                data = pending.popleft().result()
+                digest.update(data)
+                file.write(data)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         return digest.hexdigest()
 
-    def _fetch_range(self, key: str, start: int, end: int, fd: int) -> bytes:
-        """Bytes ``[start, end)`` of the object, also written at their offset in ``fd``; a
-        connection that breaks mid-body is tried again (botocore retries only the request)."""
+    def _fetch_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object; a connection that breaks mid-body is tried
+        again (botocore retries only the request)."""
         for attempt in range(1, _READ_ATTEMPTS + 1):
             try:
                 reply = self.client.get_object(
@@ -627,10 +629,6 @@ class S3Store:
                 f"s3://{self.bucket}/{key}: asked for bytes {start}-{end - 1}, got {len(data)} "
                 "bytes; the object changed during the download; try again"
             )
-        with memoryview(data) as view:
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], start + done)
         return data
 
     def _exists_remote(self, sha256: str) -> bool:
