@@ -40,7 +40,7 @@ dataset back to check it, and joins an upload's parts from their copies.
 A download is one pass over the bytes: the object is fetched in ranged GETs of ``part_bytes``,
 ``parts_in_flight`` at once (boto3's managed download does the same), and one thread takes
 the parts in order, feeds each to the sha256 and appends it to the cache's temp file while
-the next ones are on the wire; at most ``parts_in_flight`` parts are in memory. One writer:
+the next ones are on the wire; at most ``parts_in_flight + 1`` parts are in memory. One writer:
 threads writing their parts at their offsets in the same file contend for its inode lock,
 which cost more CPU than the whole hash here. The file is installed under its name only if
 the digest matches (NOTE [ Object cache ] in cache.py); otherwise the temp file is removed
@@ -600,7 +600,7 @@ class S3Store:
             queued = iter(starts)
             for _ in starts:
                 # Part i is hashed while parts up to i + parts_in_flight - 1 arrive: at most
-                # parts_in_flight parts in memory.
+                # parts_in_flight + 1 parts in memory.
                 while len(pending) < self.parts_in_flight:
                     start = next(queued, None)
                     if start is None:
