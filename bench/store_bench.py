@@ -1,14 +1,20 @@
 """The S3 store against boto3 alone and against the local store, on one SeaweedFS server.
 
 1. Throughput of one object of ``--mib`` MiB, against boto3's own managed transfers
-   (``upload_fileobj`` / ``download_file``) of the same bytes to the same server in the same
-   run, each service write right after a boto3 upload of the same file (the pair sees the same
-   load). Ratio: service throughput / boto3 throughput.
+   (``upload_fileobj`` / ``download_file``, boto3's defaults: 8 MiB parts, 10 threads) of the
+   same bytes to the same server in the same run. ``--pairs`` rounds; in each, every service
+   transfer and its boto3 baseline run one right after the other (the pair sees the same
+   load), the first of the two alternating between rounds; each round writes new keys and
+   reads into an empty cache. Reported per measure: the median over the pairs of the ratio
+   service throughput / boto3 throughput, with its spread (min-max), and the median CPU
+   seconds of this process (all threads: the client side) and of the S3 server's process.
+   The store uses ``--part-mib`` and ``--in-flight`` (default: the settings' defaults).
    - write, digest announced: ``S3Store.writer(sha256=...)`` in 1 MiB chunks, what the
      dataset upload route does when the client sends ``X-Content-SHA256`` (the CLI and the
      Python client do) and what a worker's ``put_bytes`` does: parts go straight to the
      content key;
-   - write, digest unknown: ``S3Store.writer()`` (temp key, then a server-side copy);
+   - write, digest unknown: ``S3Store.writer()`` (the bytes go to the cache file, then that
+     file to the content key once the digest is known);
    - write through the API: ``--http-mib`` MiB as one part of a resumable upload, raw body
      with ``X-Content-SHA256``, on the S3 stack of part 3 (the API's streamed upload and the
      store write; the dataset checks of a registration are not part of it);
@@ -21,7 +27,8 @@
    service's own, from its record: created to finished (the client's poll interval would
    otherwise round every job up).
 
-    .venv/bin/python bench/store_bench.py [--mib 1024] [--jobs 8] [--http-mib 1024]
+    .venv/bin/python bench/store_bench.py [--mib 1024] [--pairs 3] [--jobs 8] [--http-mib 1024]
+        [--part-mib N] [--in-flight N]
 """
 
 from __future__ import annotations
@@ -29,17 +36,21 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import resource
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.records.connection import redis_client
+from service.settings import Settings
 from service.store.cache import ObjectCache
 from service.store.s3 import S3Store
 from tests.e2e.test_e2e import digits_npz
@@ -49,8 +60,52 @@ from tests.stack import Client, running_stack
 MIB = 1024 * 1024
 
 
-def throughput(server: S3Server, root: Path, mib: int) -> dict[str, float]:
+class Cost(NamedTuple):
+    """One transfer: wall seconds, CPU seconds of this process (all its threads: the client
+    side) and of the S3 server's process."""
+
+    wall_s: float
+    client_cpu_s: float
+    server_cpu_s: float
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _process_cpu_s(pid: int) -> float:
+    # /proc/PID/stat fields 14 and 15 (utime, stime) in clock ticks; the name (field 2) may
+    # hold spaces, so count from its closing parenthesis.
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(server_pid: int, transfer: Callable[[], object]) -> Cost:
+    wall, cpu, server = time.perf_counter(), _cpu_s(), _process_cpu_s(server_pid)
+    transfer()
+    return Cost(time.perf_counter() - wall, _cpu_s() - cpu, _process_cpu_s(server_pid) - server)
+
+
+# (label, service measure, boto3 measure) in the order they are reported.
+MEASURES: tuple[tuple[str, str, str], ...] = (
+    ("write, digest announced", "service_up", "boto_up"),
+    ("write, digest unknown", "service_up_unknown", "boto_up_unknown"),
+    ("read, empty cache", "service_down", "boto_down"),
+)
+
+
+def throughput(
+    server: S3Server, root: Path, mib: int, pairs: int, part_mib: int, in_flight: int
+) -> tuple[dict[str, list[Cost]], dict[str, float]]:
+    """``pairs`` rounds of each measure of :data:`MEASURES`, the service's and boto3's
+    transfer of the same bytes one right after the other (the first of the two alternates
+    between rounds); every round writes new keys and reads into an empty cache. Also the
+    GetObject requests of the measured ``local_path`` and of a second one of the same object
+    (the last round's)."""
     redis = new_redis_server(root / "redis")
+    assert server.process is not None
+    pid = server.process.pid
     try:
         bucket = server.new_bucket()
         client = redis_client(redis.url)
@@ -58,75 +113,95 @@ def throughput(server: S3Server, root: Path, mib: int) -> dict[str, float]:
         with source.open("wb") as file:
             for _ in range(mib):
                 file.write(os.urandom(MIB))
-        size = mib * MIB
-        boto = server.client()
-
-        with source.open("rb") as file:
-            boto.upload_fileobj(file, bucket, "plain/object.bin")
-        start = time.perf_counter()
-        boto.download_file(bucket, "plain/object.bin", str(root / "plain.bin"))
-        boto_down = size / (time.perf_counter() - start)
-        (root / "plain.bin").unlink()
-
         digest = hashlib.sha256()
-        with source.open("rb") as file:
-            while chunk := file.read(MIB):
+        with source.open("rb") as reading:
+            while chunk := reading.read(MIB):
                 digest.update(chunk)
         sha256 = digest.hexdigest()
+        boto = server.client()
+        costs: dict[str, list[Cost]] = {name: [] for _, a, b in MEASURES for name in (a, b)}
+        cache: dict[str, float] = {}  # the last round's first and second local_path
 
-        def boto_upload(key: str) -> float:
-            start = time.perf_counter()
+        def store(prefix: str, cache: str, cache_bytes: int = 0) -> S3Store:
+            return S3Store(
+                bucket,
+                prefix,
+                ObjectCache(root / cache, cache_bytes),
+                client,
+                part_bytes=part_mib * MIB,
+                parts_in_flight=in_flight,
+            )
+
+        def boto_upload(key: str) -> None:
             with source.open("rb") as file:
                 boto.upload_fileobj(file, bucket, key)
-            return size / (time.perf_counter() - start)
 
-        unknown = S3Store(bucket, "unknown/", ObjectCache(root / "u", 0), client)
-        boto_up_unknown = boto_upload("plain/unknown.bin")
-        start = time.perf_counter()
-        with unknown.writer() as writer, source.open("rb") as file:
-            while chunk := file.read(MIB):
-                writer.write(chunk)
-        service_up_unknown = size / (time.perf_counter() - start)
-        unknown.cache.discard(writer.sha256)
+        def service_write(target: S3Store, announced: str | None) -> None:
+            with target.writer(sha256=announced) as writer, source.open("rb") as file:
+                while chunk := file.read(MIB):
+                    writer.write(chunk)
+            target.cache.discard(writer.sha256)
 
-        writer_machine = S3Store(bucket, "svc/", ObjectCache(root / "a", 0), client)
-        boto_up = boto_upload("plain/announced.bin")
-        start = time.perf_counter()
-        with writer_machine.writer(sha256=sha256) as writer, source.open("rb") as file:
-            while chunk := file.read(MIB):
-                writer.write(chunk)
-        service_up = size / (time.perf_counter() - start)
+        def run_round(round_: int) -> None:
+            plain, svc, unk = f"plain{round_}/object.bin", f"svc{round_}/", f"unk{round_}/"
+            read_cache = f"read{round_}"
+            # Made, with their clients, before the clock starts, like boto3's client.
+            announced, unknown = store(svc, "a"), store(unk, "u")
+            reader = store(svc, read_cache, 4 * mib * MIB)
+            for made in (announced, unknown, reader):
+                assert made.client is not None
+            gets: list[int] = []  # content-length of each GetObject the reader sends
+            reader.client.meta.events.register(
+                "after-call.s3.GetObject",
+                lambda http_response, **_: gets.append(
+                    int(http_response.headers.get("content-length", 0))
+                ),
+            )
+            runs: list[tuple[str, Callable[[], object], str, Callable[[], object]]] = [
+                (
+                    "service_up",
+                    lambda: service_write(announced, sha256),
+                    "boto_up",
+                    lambda: boto_upload(plain),
+                ),
+                (
+                    "service_up_unknown",
+                    lambda: service_write(unknown, None),
+                    "boto_up_unknown",
+                    lambda: boto_upload(plain + ".2"),
+                ),
+                (
+                    "service_down",
+                    lambda: reader.local_path(sha256),
+                    "boto_down",
+                    lambda: boto.download_file(bucket, plain, str(root / "plain.bin")),
+                ),
+            ]
+            for service_name, service_run, boto_name, boto_run in runs:
+                order = [(service_name, service_run), (boto_name, boto_run)]
+                for name, run in order if round_ % 2 else order[::-1]:
+                    costs[name].append(measured(pid, run))
+            # The second job on the same inputs: what a second local_path asks of the bucket.
+            first_gets, first_bytes = len(gets), sum(gets)
+            start = time.perf_counter()
+            reader.local_path(sha256)
+            cache.update(
+                first_gets=first_gets,
+                first_bytes=first_bytes,
+                second_gets=len(gets) - first_gets,
+                second_bytes=sum(gets) - first_bytes,
+                second_s=time.perf_counter() - start,
+            )
+            (root / "plain.bin").unlink()
+            shutil.rmtree(root / read_cache)
+            for key in (plain, plain + ".2", f"{svc}objects/{sha256}", f"{unk}objects/{sha256}"):
+                boto.delete_object(Bucket=bucket, Key=key)
+
+        for round_ in range(pairs):
+            run_round(round_)
+
         source.unlink()
-        writer_machine.cache.discard(writer.sha256)
-
-        reader = S3Store(bucket, "svc/", ObjectCache(root / "b", 4 * size), client)
-        gets: list[int] = []
-        reader.client.meta.events.register(
-            "after-call.s3.GetObject",
-            lambda http_response, **_: gets.append(
-                int(http_response.headers.get("content-length", 0))
-            ),
-        )
-        start = time.perf_counter()
-        reader.local_path(writer.sha256)
-        service_down = size / (time.perf_counter() - start)
-        first_gets, first_bytes = len(gets), sum(gets)
-        start = time.perf_counter()
-        reader.local_path(writer.sha256)
-        second_s = time.perf_counter() - start
-        return {
-            "boto_up": boto_up,
-            "boto_down": boto_down,
-            "service_up": service_up,
-            "service_up_unknown": service_up_unknown,
-            "boto_up_unknown": boto_up_unknown,
-            "service_down": service_down,
-            "first_gets": first_gets,
-            "first_bytes": first_bytes,
-            "second_gets": len(gets) - first_gets,
-            "second_bytes": sum(gets) - first_bytes,
-            "second_s": second_s,
-        }
+        return costs, cache
     finally:
         redis.stop()
 
@@ -150,7 +225,7 @@ def job_seconds(
         transfer: dict[str, float] = {}
         if http_mib:
             transfer = http_upload(root, s3_stack.client("bench"), boto, s3_env, http_mib)
-        runs = []
+        runs: list[tuple[Client, dict[str, Any], list[float]]] = []
         for stack in (local_stack, s3_stack):
             client: Client = stack.client("bench")
             model = client.add_model("digits_cnn", {"width": 8}).json()
@@ -212,23 +287,31 @@ def http_upload(
     return {"http_up": size / api_s, "http_boto_up": size / boto_s, "http_bytes": size}
 
 
-def report_throughput(result: dict[str, float], mib: int) -> None:
+def report_throughput(
+    costs: dict[str, list[Cost]], cache: dict[str, float], mib: int, settings: str
+) -> None:
+    size = mib * MIB
     mb = 1e6
-    print(f"object of {mib} MiB")
-    for label, way, base in (
-        ("write, digest announced", "service_up", "boto_up"),
-        ("write, digest unknown", "service_up_unknown", "boto_up_unknown"),
-        ("read, empty cache", "service_down", "boto_down"),
-    ):
-        service, boto = result[way], result[base]
+    pairs = len(costs["service_up"])
+    print(f"object of {mib} MiB, {pairs} interleaved pairs, store {settings}")
+    print("  (ratio = service throughput / boto3's in the same pair: median [min-max];")
+    print("   CPU = median seconds of CPU of this process / of the S3 server per transfer)")
+    for label, way, base in MEASURES:
+        service, boto = costs[way], costs[base]
+        ratios = sorted(b.wall_s / s.wall_s for s, b in zip(service, boto, strict=True))
         print(
-            f"  {label}: service {service / mb:7.1f} MB/s, boto3 {boto / mb:7.1f} MB/s, "
-            f"ratio {service / boto:.2f}"
+            f"  {label}: service {size / statistics.median(c.wall_s for c in service) / mb:6.1f}"
+            f" MB/s, boto3 {size / statistics.median(c.wall_s for c in boto) / mb:6.1f} MB/s, "
+            f"ratio {statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]; CPU "
+            f"service {statistics.median(c.client_cpu_s for c in service):.2f} / "
+            f"{statistics.median(c.server_cpu_s for c in service):.2f} s, boto3 "
+            f"{statistics.median(c.client_cpu_s for c in boto):.2f} / "
+            f"{statistics.median(c.server_cpu_s for c in boto):.2f} s"
         )
     print(
-        f"  first local_path: {result['first_gets']} GetObject, {result['first_bytes']} bytes; "
-        f"second: {result['second_gets']} GetObject, {result['second_bytes']} bytes, "
-        f"{result['second_s'] * 1000:.1f} ms"
+        f"  first local_path: {cache['first_gets']} GetObject, {cache['first_bytes']} bytes; "
+        f"second: {cache['second_gets']} GetObject, {cache['second_bytes']} bytes, "
+        f"{cache['second_s'] * 1000:.1f} ms"
     )
 
 
@@ -237,6 +320,9 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--http-mib", type=int, default=1024)
+    parser.add_argument("--pairs", type=int, default=3, help="interleaved pairs a measure")
+    parser.add_argument("--part-mib", type=int, default=Settings().s3_part_bytes // MIB)
+    parser.add_argument("--in-flight", type=int, default=Settings().s3_parts_in_flight)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -244,7 +330,11 @@ def main() -> None:
         try:
             os.environ.update(server.env)
             if args.mib:
-                report_throughput(throughput(server, root / "throughput", args.mib), args.mib)
+                costs, cache = throughput(
+                    server, root / "throughput", args.mib, args.pairs, args.part_mib, args.in_flight
+                )
+                settings = f"{args.part_mib} MiB parts, {args.in_flight} in flight"
+                report_throughput(costs, cache, args.mib, settings)
             if args.jobs or args.http_mib:
                 bucket = server.new_bucket()
                 s3_env = {**server.env, "BNADAPT_STORE_URL": f"s3://{bucket}/bench"}

@@ -8,9 +8,9 @@ most ``_PIECE_BYTES`` and written, in a worker thread, into a store writer that 
 the API's memory during an upload is a few pieces whatever the file's size, the body limit is
 the settings' (checked against Content-Length first, then byte by byte), and a refused or
 dropped upload leaves nothing in the store (the writer discards its temp file). A client that
-sends the file's sha256 in ``X-Content-SHA256`` lets an S3 store write it straight to its
-content key, without the server-side copy an unknown digest costs (NOTE [ Atomic commit on
-S3 ] in service/store/s3.py); bytes that hash otherwise are refused with 422 and leave
+sends the file's sha256 in ``X-Content-SHA256`` lets an S3 store send it on to its content
+key while it arrives, where an unknown digest waits for the last byte (NOTE [ Atomic commit
+on S3 ] in service/store/s3.py); bytes that hash otherwise are refused with 422 and leave
 nothing.
 """
 

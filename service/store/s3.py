@@ -3,7 +3,7 @@
 Keys under the prefix (``s3://BUCKET/PREFIX``)::
 
     objects/<sha256>   committed objects, never modified
-    tmp/<random>       objects being written (multipart uploads, copies being checked)
+    tmp/<random>       objects that reached the bucket directly, being checked
 
 Bookkeeping (references, release and write times, deletion markers, the collector's lock)
 lives in Redis, never in the bucket. boto3 is imported only when this module is, and
@@ -21,14 +21,31 @@ A content key is only ever written whole, and only with bytes that hash to it:
   until it is completed, and it is completed only if the bytes hashed to the announced
   digest; otherwise it is aborted and nothing appears. If the object is there already, the
   parts are not sent at all;
-- a larger one whose sha256 is not known beforehand is uploaded in parts to a temp key while
-  it is hashed, completed there, and copied server-side to its content key, then the temp key
-  is deleted. The copy moves the bytes a second time on the server: the price of not knowing
-  the digest (bench/RESULTS.md, "S3 store").
+- a larger one whose sha256 is not known beforehand goes, while it is hashed, only to the
+  writer's cache file (which every write fills anyway); once the write ends and the digest is
+  known, that file is uploaded in parts to the content key, a multipart upload that is again
+  invisible until completed whole. The upload starts only after the last byte was written
+  (no overlap with a slow sender), but nothing is copied on the server: the bytes cross the
+  network and the server once, not twice as with a temp key and a server-side copy (what
+  this path did before, bench/RESULTS.md, "S3 store").
+Objects that reach the bucket without this process (direct uploads, imports) land on a temp
+key, are hashed, and are copied server-side to their content key (:meth:`S3Store._adopt_temp`).
 A reader never sees a partial object under a content key, and a writer that dies leaves only
 a temp key or an unfinished multipart upload, which :meth:`S3Store.cleanup_tmp` removes. Each
 write is also kept in this machine's cache (NOTE [ Object cache ] in service/store/cache.py),
-so whoever wrote an object reads it back without downloading it.
+so whoever wrote an object reads it back without downloading it: the API reads an uploaded
+dataset back to check it, and joins an upload's parts from their copies.
+
+# NOTE [ Downloading into the cache ]
+A download is one pass over the bytes: the object is fetched in ranged GETs of ``part_bytes``,
+``parts_in_flight`` at once (boto3's managed download does the same), and one thread takes
+the parts in order, feeds each to the sha256 and appends it to the cache's temp file while
+the next ones are on the wire; at most ``parts_in_flight + 1`` parts are in memory. One writer:
+threads writing their parts at their offsets in the same file contend for its inode lock,
+which cost more CPU than the whole hash here. The file is installed under its name only if
+the digest matches (NOTE [ Object cache ] in cache.py); otherwise the temp file is removed
+and the read fails. Hashing the file after a download would read it all a second time
+(bench/RESULTS.md, "S3 store").
 
 # NOTE [ Collecting an S3 store ]
 The local store protects a write racing a collection with mtimes and a rename out of reach
@@ -47,11 +64,13 @@ after ``DELETE_MARKER_TTL_S`` should its collector die; a collection whose delet
 that long does not exist (one DELETE request, bounded by the client's timeouts and retries).
 An object without a recorded write is as old as its ``LastModified``, also checked.
 
-One backend in one module; its NOTE blocks (atomic commit, collection on S3) map it.
+One backend in one module; its NOTE blocks (atomic commit, downloads, collection on S3)
+map it.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import hashlib
@@ -70,10 +89,16 @@ import boto3
 import redis
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import (
+    ClientError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
 
 from service.errors import ObjectNotFoundError, StoreError, StoreTooLargeError
 from service.records import keys
+from service.settings import DEFAULT_S3_PART_BYTES, DEFAULT_S3_PARTS_IN_FLIGHT
 from service.store.base import (
     DEFAULT_TMP_MAX_AGE_S,
     SHA256_RE,
@@ -91,6 +116,14 @@ __all__ = ["DELETE_MARKER_TTL_S", "S3Store", "parse_s3_url", "warm_up"]
 DELETE_MARKER_TTL_S: Final = 300.0
 _MARKER_POLL_S: Final = 0.1
 _READ_CHUNK: Final = 8 * 1024 * 1024
+# A ranged GET whose body breaks off is sent again, up to this many times in all (what
+# s3transfer's downloads do: its S3_RETRYABLE_DOWNLOAD_ERRORS).
+_READ_ATTEMPTS: Final = 5
+_BROKEN_READ: Final = (OSError, ReadTimeoutError, IncompleteReadError, ResponseStreamingError)
+# A downloaded part goes to the cache file in writes of this size: one write() of a whole
+# 16 MiB part cost 6x the CPU of the same bytes in 256 KiB writes (0.66 s against 0.1 s per
+# 256 MiB, measured in bench/store_bench.py), more than the sha256 of the part.
+_WRITE_SLICE: Final = 256 * 1024
 # Copies up to this size are one CopyObject request (S3's limit is 5 GiB); larger ones are
 # multipart copies.
 _COPY_SINGLE_MAX: Final = 4 * 1024**3
@@ -158,7 +191,7 @@ def _new_client(endpoint_url: str | None, parts_in_flight: int) -> Any:
         )
 
 
-def warm_up(parts_in_flight: int = 4) -> None:
+def warm_up(parts_in_flight: int = DEFAULT_S3_PARTS_IN_FLIGHT) -> None:
     """Loads the S3 service model into this process's session and makes the client a job
     will use, without a request: an RQ worker calls it before forking jobs, so each job has
     its client at once. The client is never used in this process, so it holds no connection
@@ -208,9 +241,11 @@ class _BodyReader(io.RawIOBase):
 
 
 class _S3Writer(HashingWriter):
-    """Copies chunks to the cache while it uploads them in parts: to the object's content key
-    when its digest was announced (a multipart upload is invisible until completed, and is
-    completed only once the bytes hashed to that key), else to a temp key."""
+    """Copies chunks to the cache file while it uploads them in parts to the object's content
+    key when its digest was announced (a multipart upload is invisible until completed, and is
+    completed only once the bytes hashed to that key). Without a digest, past one part, it only
+    fills the cache file, which is uploaded once the digest is known (NOTE [ Atomic commit on
+    S3 ])."""
 
     def __init__(
         self, store: S3Store, max_bytes: int | None, sha256: str | None, cache_file: BinaryIO
@@ -218,45 +253,66 @@ class _S3Writer(HashingWriter):
         super().__init__(max_bytes, sha256)
         self._store = store
         self._cache_file = cache_file
-        self._buffer = bytearray()
+        # Pieces of the written chunks not yet sent, `_buffered` bytes: at most one part.
+        self._pieces: list[memoryview] = []
+        self._buffered = 0
         self._upload_id: str | None = None
         self.upload_key = ""  # where the parts go, once the first part is sent
-        self.completed_temp = False  # a temp key holds the whole object (to copy, then delete)
         self.already_there = False  # the announced object exists: nothing is uploaded
+        # Digest unknown and more than one part: the whole object is in the cache file only.
+        self.spooled = False
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _put(self, chunk: bytes) -> None:
         self._cache_file.write(chunk)
-        if self.already_there:
+        if self.already_there or self.spooled:
             return
-        self._buffer += chunk
+        if self.expected_sha256 is None and self._buffered + len(chunk) > self._store.part_bytes:
+            self.spooled = True
+            self._drop_buffer()
+            return
+        if not isinstance(chunk, bytes):
+            # Pieces of the chunk are held until their part is sent: a caller's buffer that
+            # changed meanwhile would send other bytes than those hashed.
+            chunk = bytes(chunk)
         part_bytes = self._store.part_bytes
-        while len(self._buffer) >= part_bytes and not self.already_there:
-            with memoryview(self._buffer) as view:
-                part = bytes(view[:part_bytes])  # one copy (a slice of the bytearray is two)
-            del self._buffer[:part_bytes]
-            self._send(part)
+        with memoryview(chunk) as view:
+            taken = 0
+            while taken < len(view) and not self.already_there:
+                piece = view[taken : taken + part_bytes - self._buffered]
+                self._pieces.append(piece)
+                self._buffered += len(piece)
+                taken += len(piece)
+                # Without a digest, the object is one PUT: the check above spools it first.
+                if self._buffered == part_bytes and self.expected_sha256 is not None:
+                    self._send(self._take_buffer())
 
-    @property
-    def multipart(self) -> bool:
-        return self._pool is not None
+    def _take_buffer(self) -> bytes:
+        """The bytes buffered for the next part, joined (their one copy on this path)."""
+        part = b"".join(self._pieces)
+        self._drop_buffer()
+        return part
+
+    def _drop_buffer(self) -> None:
+        for piece in self._pieces:
+            piece.release()
+        self._pieces.clear()
+        self._buffered = 0
 
     def _start(self) -> None:
-        """Opens the multipart upload, at the first full part (an object of one part is one
-        PUT, and asks nothing before)."""
+        """Opens the multipart upload of an announced digest, at the first full part (an
+        object of one part is one PUT, and asks nothing before)."""
         store = self._store
-        if self.expected_sha256 is not None:
-            # Recorded before looking, so that a collection cannot take the object between
-            # the look and the end of this write (NOTE [ Collecting an S3 store ]).
-            store._record_write(self.expected_sha256)
-            if store._exists_remote(self.expected_sha256):
-                self.already_there = True
-                self._buffer.clear()
-                return
-            self.upload_key = store.key(self.expected_sha256)
-        else:
-            self.upload_key = store.new_temp_key()
+        assert self.expected_sha256 is not None  # else the write is spooled
+        # Recorded before looking, so that a collection cannot take the object between the
+        # look and the end of this write (NOTE [ Collecting an S3 store ]).
+        store._record_write(self.expected_sha256)
+        if store._exists_remote(self.expected_sha256):
+            self.already_there = True
+            self._drop_buffer()
+            return
+        self.upload_key = store.key(self.expected_sha256)
         self._upload_id = store.client.create_multipart_upload(
             Bucket=store.bucket, Key=self.upload_key
         )["UploadId"]
@@ -296,18 +352,14 @@ class _S3Writer(HashingWriter):
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
     def finish(self) -> str:
-        """Ends the write: the sha256 is known and checked; past one part, every part is
-        uploaded, and a temp key is completed (an upload to the content key is completed by
-        :meth:`complete`, once the write is recorded)."""
+        """Ends the write: the sha256 is known and checked; past one part of an announced
+        digest, every part is uploaded (the upload is completed by :meth:`complete`, once the
+        write is recorded)."""
         digest = super().finish()
         if self._pool is None:
-            return digest  # one part (still in self._buffer), or already there
-        if self._buffer:
-            self._send(bytes(self._buffer))
-            self._buffer.clear()
-        if self.expected_sha256 is None:
-            self.complete()
-            self.completed_temp = True
+            return digest  # one part (still in self._pieces), spooled, or already there
+        if self._buffered:
+            self._send(self._take_buffer())
         return digest
 
     def complete(self) -> None:
@@ -321,10 +373,11 @@ class _S3Writer(HashingWriter):
         )
         self._upload_id = None
 
-    @property
-    def single_part(self) -> bytes | None:
-        """The whole object, if it fits in one part."""
-        return bytes(self._buffer) if self._pool is None and not self.already_there else None
+    def take_single_part(self) -> bytes | None:
+        """The whole object, if it fits in one part (once)."""
+        if self._pool is None and not self.already_there and not self.spooled:
+            return self._take_buffer()
+        return None
 
     def abort(self) -> None:
         store = self._store
@@ -337,9 +390,6 @@ class _S3Writer(HashingWriter):
                 store.client.abort_multipart_upload(
                     Bucket=store.bucket, Key=self.upload_key, UploadId=self._upload_id
                 )
-        if self.completed_temp:
-            with contextlib.suppress(ClientError):
-                store.client.delete_object(Bucket=store.bucket, Key=self.upload_key)
 
     def close_pool(self) -> None:
         if self._pool is not None:
@@ -358,8 +408,8 @@ class S3Store:
         prefix: str,
         cache: ObjectCache,
         redis_client: redis.Redis,
-        part_bytes: int = 16 * 1024 * 1024,
-        parts_in_flight: int = 4,
+        part_bytes: int = DEFAULT_S3_PART_BYTES,
+        parts_in_flight: int = DEFAULT_S3_PARTS_IN_FLIGHT,
         presign_ttl_s: int = 900,
         public_endpoint_url: str | None = None,
     ) -> None:
@@ -382,7 +432,7 @@ class S3Store:
             multipart_chunksize=_COPY_PART,
             max_concurrency=max(parts_in_flight, 4),
         )
-        self._download = TransferConfig(
+        self._part_transfer = TransferConfig(
             multipart_threshold=part_bytes,
             multipart_chunksize=part_bytes,
             max_concurrency=max(parts_in_flight, 4),
@@ -427,13 +477,11 @@ class S3Store:
                 writer.finish()
                 writer.close_pool()
                 cache_file.close()
-                data = writer.single_part
+                data = writer.take_single_part()
                 if data is not None:
                     self._install_bytes(data, writer.sha256)
-                elif writer.already_there:
-                    self._keep_existing(cache_tmp, writer.sha256)
-                elif writer.completed_temp:
-                    self._install_temp(writer.upload_key, writer.sha256)
+                elif writer.already_there or writer.spooled:
+                    self._install_file(cache_tmp, writer.sha256)
                 else:
                     self._record_write(writer.sha256)
                     writer.complete()
@@ -465,16 +513,19 @@ class S3Store:
         self._record_write(sha256)
         self.client.put_object(Bucket=self.bucket, Key=self.key(sha256), Body=data)
 
-    def _keep_existing(self, cache_tmp: Path, sha256: str) -> None:
-        """A write whose object was already under its content key: record the write again
-        (it keeps the object for the grace period), and should a collection have taken the
-        object meanwhile (a write longer than the grace period), upload it from the cache
-        copy."""
+    def _install_file(self, cache_tmp: Path, sha256: str) -> None:
+        """Records the write, and uploads the cache's temp file, whose bytes hashed to
+        ``sha256`` as they were written, under its content key unless the object is there:
+        a write of unknown digest past one part, or one whose announced object was there
+        already (the recorded write keeps it for the grace period; should a collection have
+        taken it meanwhile, a write longer than that, it is uploaded again)."""
         self._record_write(sha256)
         if not self._exists_remote(sha256):
-            self.client.upload_file(
-                str(cache_tmp), self.bucket, self.key(sha256), Config=self._download
-            )
+            # From an open file: a part read by name could miss a temp file unlinked meanwhile.
+            with cache_tmp.open("rb") as file:
+                self.client.upload_fileobj(
+                    file, self.bucket, self.key(sha256), Config=self._part_transfer
+                )
 
     def _install_temp(self, temp_key: str, sha256: str) -> None:
         """Copies a complete temp object to its content key (unless it is there) and deletes
@@ -515,21 +566,13 @@ class S3Store:
 
     def local_path(self, sha256: str) -> Path:
         """The cached copy, downloaded first if this machine has none (checked against its
-        sha256 before it is used)."""
+        sha256 before it is used: NOTE [ Downloading into the cache ])."""
         cached = self.cache.get(sha256)
         if cached is not None:
             return cached
         with self.cache.new_file() as (tmp, file):
-            try:
-                self.client.download_fileobj(
-                    self.bucket, self.key(sha256), file, Config=self._download
-                )
-            except ClientError as exc:
-                if _not_found(exc):
-                    raise ObjectNotFoundError(self._missing(sha256)) from None
-                raise
+            got = self._download(sha256, file)
             file.close()
-            got = _file_sha256(tmp)
             if got != sha256:
                 raise StoreError(
                     f"the object s3://{self.bucket}/{self.key(sha256)} holds bytes whose sha256 "
@@ -537,6 +580,62 @@ class S3Store:
                     "again"
                 )
             return self.cache.install(tmp, sha256)
+
+    def _download(self, sha256: str, file: BinaryIO) -> str:
+        """Fills ``file`` with the object in ranged GETs, ``parts_in_flight`` at once, and
+        returns the sha256 of the bytes that came (NOTE [ Downloading into the cache ])."""
+        key = self.key(sha256)
+        try:
+            size: int = self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
+        except ClientError as exc:
+            if _not_found(exc):
+                raise ObjectNotFoundError(self._missing(sha256)) from None
+            raise
+        part = self.part_bytes
+        starts = range(0, size, part)
+        digest = hashlib.sha256()
+        pool = concurrent.futures.ThreadPoolExecutor(self.parts_in_flight)
+        try:
+            pending: collections.deque[concurrent.futures.Future[bytes]] = collections.deque()
+            queued = iter(starts)
+            for _ in starts:
+                # Part i is hashed while parts up to i + parts_in_flight - 1 arrive: at most
+                # parts_in_flight + 1 parts in memory.
+                while len(pending) < self.parts_in_flight:
+                    start = next(queued, None)
+                    if start is None:
+                        break
+                    end = min(start + part, size)
+                    pending.append(pool.submit(self._fetch_range, key, start, end))
+                data = pending.popleft().result()
+                digest.update(data)
+                with memoryview(data) as view:
+                    for offset in range(0, len(view), _WRITE_SLICE):
+                        file.write(view[offset : offset + _WRITE_SLICE])
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return digest.hexdigest()
+
+    def _fetch_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object; a connection that breaks mid-body is tried
+        again (botocore retries only the request)."""
+        for attempt in range(1, _READ_ATTEMPTS + 1):
+            try:
+                reply = self.client.get_object(
+                    Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+                )
+                with contextlib.closing(reply["Body"]) as body:
+                    data: bytes = body.read()
+                break
+            except _BROKEN_READ:
+                if attempt == _READ_ATTEMPTS:
+                    raise
+        if len(data) != end - start:
+            raise StoreError(
+                f"s3://{self.bucket}/{key}: asked for bytes {start}-{end - 1}, got {len(data)} "
+                "bytes; the object changed during the download; try again"
+            )
+        return data
 
     def _exists_remote(self, sha256: str) -> bool:
         try:
@@ -751,11 +850,3 @@ def _check_size(size: int, max_bytes: int | None) -> None:
             f"object is larger than the limit of {max_bytes} bytes ({size} bytes); nothing was "
             "stored: send a smaller file"
         )
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(_READ_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -128,28 +128,54 @@ def test_small_object_one_put_under_its_content_key(
         assert file.read() == b"hello"
 
 
-def test_large_object_streams_in_parts_and_leaves_no_temp(
+def test_a_large_object_of_unknown_digest_goes_once_to_its_content_key(
     store: S3Store, s3_server: S3Server, s3_bucket: str
 ) -> None:
     data = os.urandom(12 * MIB + 123)
+    uploads = count_calls(store, "CreateMultipartUpload", "PutObject")
+    copies = count_calls(store, "CopyObject", "UploadPartCopy")
     with store.writer() as writer:
         for start in range(0, len(data), MIB):
             writer.write(data[start : start + MIB])
     assert writer.sha256 == sha(data)
     assert writer.size == len(data)
+    # Uploaded once, straight to its content key, once its digest was known: no temp key,
+    # no server-side copy.
+    assert uploads == [f"pre/objects/{sha(data)}"]
+    assert copies == []
     assert bucket_keys(s3_server, s3_bucket) == [f"pre/objects/{sha(data)}"]
     assert pending_uploads(s3_server, s3_bucket) == []
     body = s3_server.client().get_object(Bucket=s3_bucket, Key=f"pre/objects/{sha(data)}")
     assert sha(body["Body"].read()) == sha(data)
 
 
-def count_calls(store: S3Store, operation: str) -> list[str]:
-    """A list that gets one entry per ``operation`` request ``store``'s client sends."""
+def test_chunks_across_part_boundaries_from_a_reused_buffer(
+    store: S3Store, s3_server: S3Server, s3_bucket: str
+) -> None:
+    # Chunks that straddle the 5 MiB parts, from one buffer the caller refills after each
+    # write: the parts hold the bytes as they were written, not the buffer's later content.
+    data = os.urandom(17 * MIB + 11)
+    step = 3 * MIB + 7
+    buffer = bytearray(step)
+    with store.writer(sha256=sha(data)) as writer:
+        for start in range(0, len(data), step):
+            piece = data[start : start + step]
+            buffer[: len(piece)] = piece
+            writer.write(memoryview(buffer)[: len(piece)])  # type: ignore[arg-type]
+            buffer[:] = bytes(len(buffer))
+    assert writer.sha256 == sha(data)
+    body = s3_server.client().get_object(Bucket=s3_bucket, Key=f"pre/objects/{sha(data)}")
+    assert body["Body"].read() == data
+
+
+def count_calls(store: S3Store, *operations: str) -> list[str]:
+    """A list that gets the key of each ``operations`` request ``store``'s client sends."""
     calls: list[str] = []
-    store.client.meta.events.register(
-        f"before-parameter-build.s3.{operation}",
-        lambda params, **_: calls.append(str(params.get("Key"))),
-    )
+    for operation in operations:
+        store.client.meta.events.register(
+            f"before-parameter-build.s3.{operation}",
+            lambda params, **_: calls.append(str(params.get("Key"))),
+        )
     return calls
 
 
@@ -165,7 +191,7 @@ def test_an_announced_digest_goes_straight_to_its_content_key(
 ) -> None:
     data = os.urandom(12 * MIB + 5)
     uploads = count_calls(store, "CreateMultipartUpload")
-    copies = count_calls(store, "CopyObject") + count_calls(store, "UploadPartCopy")
+    copies = count_calls(store, "CopyObject", "UploadPartCopy")
     assert write_announced(store, data, sha(data)) == sha(data)
     assert len(uploads) == 1 and uploads[0] == f"pre/objects/{sha(data)}"
     assert copies == []
@@ -223,7 +249,7 @@ def test_an_exception_mid_write_leaves_nothing(
 ) -> None:
     def fail_midway() -> None:
         with store.writer() as writer:
-            writer.write(os.urandom(11 * MIB))  # two parts sent
+            writer.write(os.urandom(11 * MIB))  # past two parts
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
@@ -246,18 +272,15 @@ def test_size_limit(store: S3Store, s3_server: S3Server, s3_bucket: str) -> None
     assert pending_uploads(s3_server, s3_bucket) == []
 
 
-def test_a_writer_that_died_leaves_only_a_temp_upload_which_cleanup_removes(
+def test_a_writer_of_unknown_digest_that_died_leaves_nothing_in_the_bucket(
     store: S3Store, s3_server: S3Server, s3_bucket: str
 ) -> None:
     writer = store.writer()
     handle = writer.__enter__()
-    handle.write(os.urandom(6 * MIB))  # one part sent: a multipart upload on a temp key
-    wait_for(lambda: pending_uploads(s3_server, s3_bucket), what="the multipart upload")
-    assert [key.startswith("pre/tmp/") for key in pending_uploads(s3_server, s3_bucket)] == [True]
-    assert list(store.objects()) == []
-    assert store.cleanup_tmp(older_than_s=3600) == 0
-    assert store.cleanup_tmp(older_than_s=0) == 1
+    handle.write(os.urandom(6 * MIB))  # past one part: only in the cache file until the end
+    assert bucket_keys(s3_server, s3_bucket) == []
     assert pending_uploads(s3_server, s3_bucket) == []
+    assert store.cleanup_tmp(older_than_s=0) == 0
 
 
 def test_missing_object(store: S3Store) -> None:
@@ -298,6 +321,35 @@ def test_a_download_is_checked_against_its_sha256(
     with pytest.raises(StoreError, match="changed outside bnadapt"):
         store.local_path(claimed)
     assert store.cache.size_bytes() == 0
+
+
+def test_a_download_of_many_parts_is_checked_before_it_is_cached(
+    s3_bucket: str, client: redis.Redis, tmp_path: Path, s3_server: S3Server
+) -> None:
+    # More parts than in flight: the parts are hashed in order while later ones arrive.
+    reader = make_store(s3_bucket, client, tmp_path / "b", parts_in_flight=2)
+    data = os.urandom(12 * MIB + 3)
+    digest = sha(data)
+    key = f"pre/objects/{digest}"
+    s3_server.client().put_object(Bucket=s3_bucket, Key=key, Body=data)
+    assert reader.local_path(digest).read_bytes() == data
+    # One byte changed in the last part, under the same content key, on a machine that has
+    # no copy yet: refused, and nothing left in its cache.
+    other = make_store(s3_bucket, client, tmp_path / "c", parts_in_flight=2)
+    changed = bytearray(data)
+    changed[-2] ^= 0xFF
+    s3_server.client().put_object(Bucket=s3_bucket, Key=key, Body=bytes(changed))
+    with pytest.raises(StoreError, match="changed outside bnadapt"):
+        other.local_path(digest)
+    assert other.cache.size_bytes() == 0
+    assert list((tmp_path / "c" / "tmp").iterdir()) == []
+    # A changed first part too (hashed first, before the others are all in).
+    changed = bytearray(data)
+    changed[0] ^= 0xFF
+    s3_server.client().put_object(Bucket=s3_bucket, Key=key, Body=bytes(changed))
+    with pytest.raises(StoreError, match="changed outside bnadapt"):
+        other.local_path(digest)
+    assert other.cache.size_bytes() == 0
 
 
 def test_the_cache_evicts_the_least_recently_used(tmp_path: Path) -> None:
