@@ -25,7 +25,11 @@ checkpointed. Four measurements, each a ratio against a baseline measured in the
 
 Run from the repository root: ``python bench/checkpoint_bench.py`` prints a markdown table;
 ``--quick`` is a smoke run of a few steps, whose numbers mean nothing. torch runs on 1 thread
-unless ``--threads`` says otherwise (see DEFAULT_THREADS). ``--profile`` instead profiles a few
+unless ``--threads`` says otherwise (see DEFAULT_THREADS). ``--measure train adapt`` runs only
+those measurements (of train, compiled, adapt, memory), ``--pairs N`` sets every timing's
+number of pairs. Each timing also gives the paired ratio of the process's CPU time per step
+(``time.process_time``): it moves less with a neighbour's load than wall time, though with 2
+threads it includes OpenMP's spinning at its barriers. ``--profile`` instead profiles a few
 eager train steps of each variant (torch.profiler) and prints where their CPU time differs.
 """
 
@@ -71,6 +75,7 @@ MEMORY_TARGET = 1.01
 COMPILE_BACKEND = "inductor"
 
 VARIANTS = ("none", "torch", "bnadapt")
+MEASUREMENTS = ("train", "compiled", "adapt", "memory")
 
 # glibc keeps freed blocks above its (self-raising) mmap threshold in the heap, so the peak RSS
 # of a run that frees and reallocates activations, as recomputation does, would count heap
@@ -177,16 +182,26 @@ def synchronize(device: torch.device) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PairedTiming:
-    """Wall-clock seconds per step of a measured variant and of its baseline, timed in adjacent
-    pairs."""
+    """Wall-clock and process CPU seconds per step of a measured variant and of its baseline,
+    timed in adjacent pairs."""
 
     measured_s: list[float]
     baseline_s: list[float]
+    measured_cpu_s: list[float]
+    baseline_cpu_s: list[float]
 
-    def ratio_quartiles(self) -> tuple[float, float, float]:
-        """Lower quartile, median and upper quartile of the paired ratios."""
-        ratios = [m / b for m, b in zip(self.measured_s, self.baseline_s, strict=True)]
-        low, median, high = statistics.quantiles(ratios, n=4)
+    def ratio_quartiles(self, cpu: bool = False) -> tuple[float, float, float]:
+        """Lower quartile, median and upper quartile of the paired ratios (of CPU time with
+        ``cpu``)."""
+        measured, baseline = (
+            (self.measured_cpu_s, self.baseline_cpu_s)
+            if cpu
+            else (self.measured_s, self.baseline_s)
+        )
+        ratios = [m / b for m, b in zip(measured, baseline, strict=True)]
+        if len(ratios) == 1:
+            return ratios[0], ratios[0], ratios[0]
+        low, median, high = statistics.quantiles(ratios, n=4, method="inclusive")
         return low, median, high
 
 
@@ -200,24 +215,23 @@ def time_paired(
     """Time one step of each, back to back, ``pairs`` times; which runs first alternates, so
     that neither always runs in the other's wake (caches, clock, a neighbour's load)."""
 
-    def timed(step: Callable[[], None]) -> float:
+    def timed(step: Callable[[], None], wall_s: list[float], cpu_s: list[float]) -> None:
         synchronize(device)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
         synchronize(device)
-        return time.perf_counter() - start
+        wall_s.append(time.perf_counter() - start)
+        cpu_s.append(time.process_time() - start_cpu)
 
     for _ in range(warmup_steps):
         measured()
         baseline()
-    timing = PairedTiming([], [])
+    timing = PairedTiming([], [], [], [])
+    ours = (measured, timing.measured_s, timing.measured_cpu_s)
+    theirs = (baseline, timing.baseline_s, timing.baseline_cpu_s)
     for pair in range(pairs):
-        if pair % 2 == 0:
-            timing.measured_s.append(timed(measured))
-            timing.baseline_s.append(timed(baseline))
-        else:
-            timing.baseline_s.append(timed(baseline))
-            timing.measured_s.append(timed(measured))
+        for args in (ours, theirs) if pair % 2 == 0 else (theirs, ours):
+            timed(*args)
     return timing
 
 
@@ -279,10 +293,12 @@ def verdict(ratio: float, target: float) -> str:
 
 def timing_row(name: str, baseline: str, timing: PairedTiming, target: float) -> str:
     low, median, high = timing.ratio_quartiles()
+    cpu_low, cpu_median, cpu_high = timing.ratio_quartiles(cpu=True)
     return (
         f"| {name} | {statistics.median(timing.measured_s) * 1e3:.1f} ms "
         f"| {baseline} {statistics.median(timing.baseline_s) * 1e3:.1f} ms "
-        f"| **{median:.3f}** ({low:.3f}-{high:.3f}) | <= {target} | {verdict(median, target)} |"
+        f"| **{median:.3f}** ({low:.3f}-{high:.3f}) | <= {target} | {verdict(median, target)} "
+        f"| {cpu_median:.3f} ({cpu_low:.3f}-{cpu_high:.3f}) |"
     )
 
 
@@ -299,39 +315,46 @@ def memory_row(name: str, ours: MemoryResult, baseline: MemoryResult, target: fl
 
 
 def report(
-    train: PairedTiming,
-    compiled: PairedTiming,
-    adapt: PairedTiming,
+    timings: dict[str, PairedTiming],
     memory: dict[str, MemoryResult],
     plan: Plan,
     device: torch.device,
     threads: int,
 ) -> str:
+    """The markdown tables of the measurements that ran (``timings`` by MEASUREMENTS name)."""
     memory_unit = "CUDA allocated" if device.type == "cuda" else "peak RSS"
     lines = [
         f"torch {torch.__version__}, device {device}, torch threads: {threads}, batch {BATCH}; "
         f"timings: median of {plan.train_pairs} (train), {plan.compiled_pairs} (compiled "
         f"train, {COMPILE_BACKEND}) and {plan.adapt_pairs} (adaptation) "
         f"paired ratios of wall-clock time, quartiles in brackets, after "
-        f"{plan.warmup_steps} warm-up steps; memory: batch {plan.memory_batch}, "
-        f"{plan.memory_steps} train steps, {memory_unit} over that after the warm-up.",
+        f"{plan.warmup_steps} warm-up steps, and of process CPU time; memory: batch "
+        f"{plan.memory_batch}, {plan.memory_steps} train steps, {memory_unit} over that after "
+        "the warm-up.",
         "",
-        "| measurement | bnadapt | baseline | ratio | target | met |",
-        "|---|---|---|---|---|---|",
-        timing_row("train step (fwd + bwd + SGD)", "torch", train, TRAIN_TARGET),
-        timing_row("compiled train step", "torch compiled", compiled, COMPILED_TARGET),
-        timing_row("no-grad adaptation step", "unwrapped", adapt, ADAPT_TARGET),
-        memory_row("train-step memory", memory["bnadapt"], memory["torch"], MEMORY_TARGET),
-        memory_row("train-step memory", memory["bnadapt"], memory["none"], None),
-        "",
-        f"| variant | {memory_unit} after warm-up | peak | delta |",
-        "|---|---|---|---|",
+        "| measurement | bnadapt | baseline | ratio | target | met | CPU-time ratio |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for result in memory.values():
-        lines.append(
-            f"| {result.variant} | {result.after_warmup_mib:.0f} MiB "
-            f"| {result.peak_mib:.0f} MiB | {result.delta_mib:.0f} MiB |"
-        )
+    rows = {
+        "train": ("train step (fwd + bwd + SGD)", "torch", TRAIN_TARGET),
+        "compiled": ("compiled train step", "torch compiled", COMPILED_TARGET),
+        "adapt": ("no-grad adaptation step", "unwrapped", ADAPT_TARGET),
+    }
+    for key, timing in timings.items():
+        lines.append(timing_row(*rows[key][:2], timing, rows[key][2]))
+    if memory:
+        lines += [
+            memory_row("train-step memory", memory["bnadapt"], memory["torch"], MEMORY_TARGET),
+            memory_row("train-step memory", memory["bnadapt"], memory["none"], None),
+            "",
+            f"| variant | {memory_unit} after warm-up | peak | delta |",
+            "|---|---|---|---|",
+        ]
+        for result in memory.values():
+            lines.append(
+                f"| {result.variant} | {result.after_warmup_mib:.0f} MiB "
+                f"| {result.peak_mib:.0f} MiB | {result.delta_mib:.0f} MiB |"
+            )
     return "\n".join(lines)
 
 
@@ -394,12 +417,26 @@ def main() -> None:
         "--profile", action="store_true", help="profile eager train steps of both variants"
     )
     parser.add_argument(
+        "--measure",
+        nargs="+",
+        choices=MEASUREMENTS,
+        default=list(MEASUREMENTS),
+        help="which measurements to run (default: all)",
+    )
+    parser.add_argument(
+        "--pairs", type=int, help="pairs for every timing (default: the plan's, 100-120)"
+    )
+    parser.add_argument(
         "--variant",
         choices=VARIANTS,
         help="internal: measure this variant's train-step memory and print it as JSON",
     )
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
+    if args.pairs is not None:
+        plan = dataclasses.replace(
+            plan, train_pairs=args.pairs, compiled_pairs=args.pairs, adapt_pairs=args.pairs
+        )
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -412,34 +449,41 @@ def main() -> None:
         return
 
     load_at_start = os.getloadavg()[0]
+    measure = set(args.measure)
     # Memory first: a child's ru_maxrss starts at its parent's RSS (Linux keeps it across fork
     # and exec), so the parent must still be no bigger than torch's import when they run.
-    memory = {v: memory_in_fresh_process(v, args.quick, args.threads) for v in VARIANTS}
+    memory = {}
+    if "memory" in measure:
+        memory = {v: memory_in_fresh_process(v, args.quick, args.threads) for v in VARIANTS}
     torch.manual_seed(SEED)
     model = ResNet().to(device)
     x, y = make_batch(BATCH, device)
-    train = time_paired(
-        train_step(make_variant(model, "bnadapt"), x, y),
-        train_step(make_variant(model, "torch"), x, y),
-        plan.train_pairs,
-        plan.warmup_steps,
-        device,
-    )
-    compiled = time_paired(
-        train_step(make_variant(model, "bnadapt"), x, y, compiled=True),
-        train_step(make_variant(model, "torch"), x, y, compiled=True),
-        plan.compiled_pairs,
-        plan.warmup_steps,
-        device,
-    )
-    adapt = time_paired(
-        adaptation_step(make_variant(model, "bnadapt"), x),
-        adaptation_step(make_variant(model, "none"), x),
-        plan.adapt_pairs,
-        plan.warmup_steps,
-        device,
-    )
-    print(report(train, compiled, adapt, memory, plan, device, args.threads))
+    timings: dict[str, PairedTiming] = {}
+    if "train" in measure:
+        timings["train"] = time_paired(
+            train_step(make_variant(model, "bnadapt"), x, y),
+            train_step(make_variant(model, "torch"), x, y),
+            plan.train_pairs,
+            plan.warmup_steps,
+            device,
+        )
+    if "compiled" in measure:
+        timings["compiled"] = time_paired(
+            train_step(make_variant(model, "bnadapt"), x, y, compiled=True),
+            train_step(make_variant(model, "torch"), x, y, compiled=True),
+            plan.compiled_pairs,
+            plan.warmup_steps,
+            device,
+        )
+    if "adapt" in measure:
+        timings["adapt"] = time_paired(
+            adaptation_step(make_variant(model, "bnadapt"), x),
+            adaptation_step(make_variant(model, "none"), x),
+            plan.adapt_pairs,
+            plan.warmup_steps,
+            device,
+        )
+    print(report(timings, memory, plan, device, args.threads))
     print(
         f"\n1-minute load average: {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} "
         f"at the end, on {os.cpu_count()} CPUs (other work on the machine widens the quartiles)."

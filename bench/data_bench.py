@@ -10,7 +10,11 @@ bare loop over the same data in memory.
 fresh process): (1) a full adapt pass through ``compute()`` on a memory-mapped uint8 npz of
 (N, 3, 64, 64) against a bare loop over the same array in memory; (2) a full adapt pass on a
 tar of JPEGs (resize, centre crop, normalise) with 0, 1 and 2 loader processes against a bare
-``DataLoader`` that decodes the same way (Pillow, per sample) with as many processes.
+``DataLoader`` that decodes the same way (Pillow, per sample) with as many processes. Each
+ratio is the median of ``--pairs`` interleaved job/bare pairs, with its quartiles, beside the
+CPU time per sample of each side, loader processes included (NOTE [ Comparing passes under
+load ]). The job's pass is timed from the start of its adapt phase to its last batch, the
+bare loop's from its first batch to its last: both include starting the loader processes.
 
 Each set is (N, 3, 224, 224) uint8 images with int64 labels, written as an uncompressed npz
 (what np.savez writes) without holding it in memory. The whole service runs as processes
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -184,7 +189,7 @@ print(json.dumps({'imports_s': start - t0, 'open_and_first_batch_s': first_read,
 """
 
 BARE = r"""
-import json, sys, time
+import json, resource, sys, time
 import numpy as np, torch
 torch.set_num_threads(int(sys.argv[3]))
 from api_schemas import JobPayload
@@ -197,11 +202,15 @@ n = int(sys.argv[4]) if len(sys.argv) > 4 else None  # the first n samples, or a
 x = np.array(open_arrays(store.local_path(payload.dataset.sha256)).x[:n])  # in memory
 model = load_model(payload, store).train()
 b = payload.params.batch_size
+cpu = resource.getrusage(resource.RUSAGE_SELF)
 start = time.perf_counter()
 with torch.no_grad():
     for i in range(0, len(x), b):
         model(torch.from_numpy(x[i:i + b]).to(torch.float32).div_(255))
-print(json.dumps({'compute_s': time.perf_counter() - start, 'samples': len(x)}))
+end = time.perf_counter()
+done = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({'compute_s': end - start, 'samples': len(x),
+  'cpu_s': done.ru_utime + done.ru_stime - cpu.ru_utime - cpu.ru_stime, 'children_cpu_s': 0.0}))
 """
 
 
@@ -242,26 +251,40 @@ def submit(client: httpx.Client, model_id: str, dataset_id: str, params: dict) -
 
 
 PASS = r"""
-import json, sys, time
+import json, resource, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[3]))
 from api_schemas import JobPayload
 from service.store.local import LocalStore
 from workers.running.compute import compute
 payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
+def cpu():
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 class Hooks:
-    def start_phase(self, phase, total, unit, per): pass
-    def report(self, done): pass
+    # The pass: from the start of the adapt phase to its last batch, wall and own CPU time (the
+    # report compute() builds afterwards is no part of it); the loader processes' CPU time to
+    # compute()'s return, when they have been joined, so that RUSAGE_CHILDREN holds them.
+    def start_phase(self, phase, total, unit, per):
+        if phase == 'adapt':
+            self.total, self.cpu, self.start = total, cpu(), time.perf_counter()
+    def report(self, done):
+        if done == self.total: self.end, self.end_cpu = time.perf_counter(), cpu()
     def should_stop(self): return False
-out = compute(payload, LocalStore(sys.argv[2]), Hooks(), measure=False)
-print(json.dumps({'compute_s': out.report.timings.compute_s, 'samples': out.report.samples}))
+hooks = Hooks()
+out = compute(payload, LocalStore(sys.argv[2]), hooks, measure=False)
+children = cpu()[1]
+print(json.dumps({'compute_s': hooks.end - hooks.start, 'samples': out.report.samples,
+  'report_compute_s': out.report.timings.compute_s, 'cpu_s': hooks.end_cpu[0] - hooks.cpu[0],
+  'children_cpu_s': children - hooks.cpu[1]}))
 """
 
 # The bare loops (BARE above, given a sample count, and BARE_IMAGES) run the model as the
 # job's pass does (train mode, no_grad) over the same number of samples (the job's report
 # says how many it adapted on).
 BARE_IMAGES = r"""
-import io, json, sys, tarfile, time
+import io, json, resource, sys, tarfile, time
 import numpy as np, torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -290,13 +313,22 @@ class Images(Dataset):
         image = image.crop((left, top, left + w, top + h))
         x = torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float().div_(255)
         return x.sub_(mean).div_(std)
+def cpu():
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 model = load_model(payload, store).train()
 loader = DataLoader(Images(), batch_size=payload.params.batch_size, num_workers=workers)
+before = cpu()
 start = time.perf_counter()
 with torch.no_grad():
     for xb in loader:
         model(xb)
-print(json.dumps({'compute_s': time.perf_counter() - start, 'samples': len(where)}))
+end = time.perf_counter()
+# The iterator's end joined the loader processes (not persistent), so RUSAGE_CHILDREN holds them.
+own, children = cpu()
+print(json.dumps({'compute_s': end - start, 'samples': len(where), 'cpu_s': own - before[0],
+  'children_cpu_s': children - before[1]}))
 """
 
 
@@ -322,6 +354,78 @@ def write_image_tar(path: Path, samples: int, size: tuple[int, int] = (96, 128))
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 archive.addfile(info, io.BytesIO(data))
+
+
+# NOTE [ Comparing passes under load ]
+# The machine these ratios are taken on is shared, and a neighbour's load moves a pass's wall
+# time by 2-5x. So each ratio is the median of paired ratios (job and bare run back to back,
+# the order alternating), with the quartiles as its spread; and each side's CPU time per
+# sample, its loader processes included, is reported beside it: CPU time moves far less with
+# the load than wall time (it still grows with cache and memory contention), and it says
+# whether the job does more work than the bare loop, whatever the scheduling.
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """Lower quartile, median, upper quartile (the value itself, thrice, for one value)."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    low, median, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, median, high
+
+
+def pass_row(samples: int, job: list[dict], bare: list[dict]) -> dict[str, Any]:
+    """One configuration's paired passes: throughput ratio (bare time over job time, >= 0.9 is
+    the target) and CPU per sample of each side, own process and loader processes."""
+
+    def cpu_us(run: dict) -> float:
+        return (run["cpu_s"] + run["children_cpu_s"]) / samples * 1e6
+
+    ratios = [b["compute_s"] / j["compute_s"] for j, b in zip(job, bare, strict=True)]
+    cpu_ratios = [cpu_us(b) / cpu_us(j) for j, b in zip(job, bare, strict=True)]
+    return {
+        "samples": samples,
+        "pairs": len(ratios),
+        "ratio_quartiles": quartiles(ratios),
+        "job_samples_per_s": samples / statistics.median(j["compute_s"] for j in job),
+        "bare_samples_per_s": samples / statistics.median(b["compute_s"] for b in bare),
+        "cpu_ratio_quartiles": quartiles(cpu_ratios),
+        "job_cpu_us_per_sample": statistics.median(cpu_us(j) for j in job),
+        "bare_cpu_us_per_sample": statistics.median(cpu_us(b) for b in bare),
+        "job_loader_cpu_us_per_sample": statistics.median(
+            j["children_cpu_s"] / samples * 1e6 for j in job
+        ),
+        "bare_loader_cpu_us_per_sample": statistics.median(
+            b["children_cpu_s"] / samples * 1e6 for b in bare
+        ),
+        "job_s": [round(j["compute_s"], 3) for j in job],
+        "bare_s": [round(b["compute_s"], 3) for b in bare],
+        "load_average": os.getloadavg()[0],
+    }
+
+
+def passes_table(results: dict[str, Any]) -> str:
+    """The markdown table of bench/RESULTS.md for ``passes``' results."""
+    rows = [("mmap'd uint8 npz", results["mmap_uint8"])]
+    rows += [
+        (f"JPEG tar, {loaders} loader processes", row)
+        for loaders, row in results["image_tar"].items()
+    ]
+    lines = [
+        "| pass | pairs | ratio, median (quartiles); target >= 0.9 | job / bare samples/s "
+        "| CPU us/sample job / bare (loaders) | CPU ratio bare/job |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, row in rows:
+        low, median, high = row["ratio_quartiles"]
+        cpu_low, cpu_median, cpu_high = row["cpu_ratio_quartiles"]
+        lines.append(
+            f"| {name} | {row['pairs']} | **{median:.3f}** ({low:.3f}-{high:.3f}) "
+            f"| {row['job_samples_per_s']:.0f} / {row['bare_samples_per_s']:.0f} "
+            f"| {row['job_cpu_us_per_sample']:.0f} ({row['job_loader_cpu_us_per_sample']:.0f}) / "
+            f"{row['bare_cpu_us_per_sample']:.0f} ({row['bare_loader_cpu_us_per_sample']:.0f}) "
+            f"| {cpu_median:.3f} ({cpu_low:.3f}-{cpu_high:.3f}) |"
+        )
+    return "\n".join(lines)
 
 
 def passes(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -371,21 +475,27 @@ def passes(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
 
     def ratio(job_code: str, bare_code: str, job: JobPayload, env: dict, *bare_args: str) -> dict:
-        job_s, bare_s, samples = [], [], 0
-        for _ in range(args.repeats):  # alternated, best of each
+        """``args.pairs`` pairs of passes, job and bare, each in a fresh process, the order
+        alternating (the job first in even pairs; its report gives the bare loop its sample
+        count); see NOTE [ Comparing passes under load ]."""
+        runs: dict[str, list[dict]] = {"job": [], "bare": []}
+        samples = 0
+
+        def run_job() -> None:
+            nonlocal samples
             found = run_in(job_code, job, store_dir, env, args.threads)
             samples = found["samples"]
-            job_s.append(found["compute_s"])
-            bare = run_in(bare_code, job, store_dir, env, args.threads, str(samples), *bare_args)
-            bare_s.append(bare["compute_s"])
-        row = {
-            "samples": samples,
-            "job_samples_per_s": samples / min(job_s),
-            "bare_samples_per_s": samples / min(bare_s),
-            "ratio": min(bare_s) / min(job_s),
-            "job_s": job_s,
-            "bare_s": bare_s,
-        }
+            runs["job"].append(found)
+
+        def run_bare() -> None:
+            found = run_in(bare_code, job, store_dir, env, args.threads, str(samples), *bare_args)
+            assert found["samples"] == samples, (found, samples)
+            runs["bare"].append(found)
+
+        for pair in range(args.pairs):
+            for run in (run_job, run_bare) if pair % 2 == 0 else (run_bare, run_job):
+                run()
+        row = pass_row(samples, runs["job"], runs["bare"])
         print(json.dumps(row), flush=True)
         return row
 
@@ -423,12 +533,16 @@ def main() -> None:
     parser.add_argument("--pass-samples", type=int, default=4000)
     parser.add_argument("--image-samples", type=int, default=2000)
     parser.add_argument("--loaders", type=int, nargs="*", default=[0, 1, 2])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--pairs", type=int, default=3, help="--passes: job/bare pairs per configuration"
+    )
     args = parser.parse_args()
     if args.passes:
         work = Path(tempfile.mkdtemp(prefix="data_bench_", dir=args.dir))
         try:
-            print(json.dumps(passes(args, work), indent=2))
+            found = passes(args, work)
+            print(json.dumps(found, indent=2))
+            print(passes_table(found))
         finally:
             subprocess.run(["rm", "-rf", str(work)], check=False)
         return

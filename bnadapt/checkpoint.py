@@ -172,12 +172,21 @@ class _CallState:
         self.records: dict[nn.Module, _Record] = {}
 
     def capture(self, root: nn.Module) -> None:
-        if root in self.records:
-            return  # Its whole tree was recorded when it, or an ancestor, was first seen.
-        for module in root.modules():
-            if module not in self.records:
-                buffers = {name: _clone(buf) for name, buf in module._buffers.items()}
-                self.records[module] = _Record(module.training, dict(module._parameters), buffers)
+        # Each call records a whole tree, so a module already recorded had its tree recorded
+        # with it (as root.modules(), without building the names it would build).
+        records = self.records
+        todo = [root]
+        while todo:
+            module = todo.pop()
+            if module in records:
+                continue
+            buffers = module._buffers
+            records[module] = _Record(
+                module.training,
+                module._parameters.copy(),
+                {name: _clone(buf) for name, buf in buffers.items()} if buffers else {},
+            )
+            todo.extend(child for child in module._modules.values() if child is not None)
 
     def on_forward_pre(self, module: nn.Module, args: Any) -> None:
         # Under torch.compile this hook is traced into the graphs of compiled modules that run
@@ -192,7 +201,9 @@ class _CallState:
 def _clone(buf: torch.Tensor | None) -> torch.Tensor | None:
     if buf is None or is_lazy(buf):
         return None
-    return buf.detach().clone()
+    # A buffer that does not require grad (every usual one) clones without an autograd node,
+    # so the detach, one more operator per buffer and call, is only needed for the others.
+    return buf.detach().clone() if buf.requires_grad else buf.clone()
 
 
 class _FirstForward:
@@ -235,12 +246,23 @@ class _Recomputation:
     def __enter__(self) -> None:
         saved = []
         for module, record in self._state.records.items():
-            real_buffers = dict(module._buffers)
-            saved.append((module, _Record(module.training, dict(module._parameters), real_buffers)))
+            real_buffers = module._buffers.copy()
+            saved.append(
+                (module, _Record(module.training, module._parameters.copy(), real_buffers))
+            )
             module.training = record.training
-            module._parameters.update(record.parameters)
-            for name in record.buffers.keys() | real_buffers.keys():
-                value = record.buffers.get(name)
+            if record.parameters:
+                module._parameters.update(record.parameters)
+            recorded = record.buffers
+            if not recorded and not real_buffers:
+                continue  # most modules: no buffers
+            names = (
+                recorded
+                if recorded.keys() == real_buffers.keys()
+                else recorded.keys() | real_buffers.keys()
+            )
+            for name in names:
+                value = recorded.get(name)
                 if value is None:
                     value = real_buffers.get(name)
                 module._buffers[name] = None if value is None else value.clone()
@@ -254,10 +276,12 @@ class _Recomputation:
     ) -> None:
         for module, real in self._saved.pop():
             module.training = real.training
-            module._parameters.clear()
-            module._parameters.update(real.parameters)
-            module._buffers.clear()
-            module._buffers.update(real.buffers)
+            parameters = module._parameters
+            parameters.clear()
+            parameters.update(real.parameters)
+            if real.buffers or module._buffers:
+                module._buffers.clear()
+                module._buffers.update(real.buffers)
 
 
 class _Both:
