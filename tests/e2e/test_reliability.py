@@ -23,6 +23,7 @@ from service.records.connection import redis_client
 from tests.e2e.test_e2e import created, digits_npz, problem
 from tests.servers import stop_process, wait_for
 from tests.stack import REPO, Client, Stack, running_stack
+from workers.processes.rq_worker import FAULT_DEQUEUE_STOP_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -287,3 +288,70 @@ def _cmdline(pid: int) -> bytes:
             return file.read()
     except FileNotFoundError:
         return b""
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def stopped_rq_worker(stack: Stack) -> int:
+    """The pid of the one RQ worker once it stopped itself with the job it took
+    (``FAULT_DEQUEUE_STOP_ENV``)."""
+    client = redis_client(stack.redis.url)
+
+    def stopped() -> int | None:
+        pids = [w.pid for w in Worker.all(connection=client) if w.pid is not None]
+        return next((pid for pid in pids if _stopped(pid)), None)
+
+    return wait_for(stopped, timeout_s=120, what="the RQ worker to stop with the job it took")
+
+
+def ended_attempts(client: Client, job_id: str) -> list[dict[str, Any]] | None:
+    attempts = client.http.get(f"/v1/jobs/{job_id}").json()["attempts"]
+    return list(attempts) or None
+
+
+@pytest.mark.parametrize(
+    ("moment", "why"),
+    [
+        ("taken", "no worker took it on"),
+        ("held", "its worker is gone"),
+        ("execution", "its worker is gone"),
+    ],
+)
+def test_worker_tree_lost_with_a_job_it_took_from_the_queue(
+    tmp_path: Path, moment: str, why: str
+) -> None:
+    """NOTE [ Dequeued and lost ]: the RQ worker took the job from its queue and stops itself
+    (SIGSTOP, a test-only hook) before the job is marked started: right after RQ's pop, after
+    recording that it holds the job, or once RQ recorded the execution; then its whole tree is
+    SIGKILLed. The attempt ends within the heartbeat bound (not at RQ's 90 s registry expiry,
+    nor never), and the next attempt succeeds on a new worker with one model."""
+    with running_stack(tmp_path, {FAULT_DEQUEUE_STOP_ENV: moment}) as stack:
+        client = stack.client("dequeued")
+        model = created(client.add_model("digits_cnn", {"width": 4}))
+        dataset = created(client.add_dataset(digits_npz(n=32)))
+        body = {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"]}
+        job_id = str(created(client.submit(body), 202)["id"])  # max_attempts: the default, 3
+        stopped_rq_worker(stack)
+        assert client.http.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+        stack.kill_worker_group()
+        attempts = wait_for(
+            lambda: ended_attempts(client, job_id),
+            timeout_s=HEARTBEAT_TIMEOUT_S + SLACK_S,
+            what="the sweep to end the lost attempt",
+        )
+        assert len(attempts) == 1
+        assert "took it from the queue" in attempts[0]["reason"]
+        assert why in attempts[0]["reason"]
+        stack.env_overrides = {}
+        stack.start_worker()
+        done = client.wait(job_id, timeout_s=120)
+        assert done["status"] == "succeeded", done
+        assert len(done["attempts"]) == 1
+        models = client.http.get("/v1/models").json()["items"]
+        assert [m["job_id"] for m in models if m["source"] == "job"] == [job_id]
