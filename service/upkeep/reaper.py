@@ -9,9 +9,10 @@ worker supervisor may sweep at once. How fast: NOTE [ Heartbeat bound ].
 
 A sharded job (see NOTE [ Sharded adaptation ] in workers/sharding/compute.py) has no process of
 its own once its shards are queued: it is judged by its children instead (:func:`judge_sharded`). It
-lives as long as each of them is queued, running with a heartbeat, or done; it fails within a
-heartbeat timeout of a child's process dying, and ends canceled when a cancel was asked for and
-no child is running to notice it.
+lives as long as each of them is queued, running with a heartbeat, or done; a child lost with its
+whole worker is queued again (:func:`rerun_lost_children`) while it has retries left; the job
+fails within a heartbeat timeout of a child's process dying otherwise, and ends canceled when a
+cancel was asked for and no child is running to notice it.
 """
 
 from __future__ import annotations

@@ -290,8 +290,12 @@ def _succeed(run: ChildRun, sharded: ShardedJob, saved: SavedOutcome) -> None:
 # weights are content-addressed, and registering the model goes through ``claim_output``, so
 # a merge or finish killed after registering reuses that model (exactly one model). Once a
 # child's retries are spent, or when it fails by raising, the parent fails as before. A child
-# lost with its whole worker (no RQ worker left to see it die) is still judged by the reaper,
-# which fails the parent: retrying those is not done.
+# lost with its whole worker (no RQ worker left to see it die) is put back on its queue by the
+# sweep instead, within the heartbeat bound (``rerun_lost_children`` in
+# service/upkeep/reaper.py): a running one once its heartbeat and its RQ worker's holds key
+# are gone (using one of its RQ retries, in the same script that requeues it), and one its
+# worker took from the queue and never started (NOTE [ Dequeued and lost ] there) at the front
+# of its queue, without using one.
 
 
 def fail_killed_child(
