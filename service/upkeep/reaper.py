@@ -240,8 +240,11 @@ def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
 # script, so a sweep never reads a half-done hand-over. A job's attempt then ends as an
 # interrupted one (NOTE [ Job attempts ] in service/records/sync.py); a sharded job's child
 # goes back to the front of its queue (NOTE [ Retried children ] in workers/sharding/jobs.py).
-# Either ends within the heartbeat bound: the holds key is gone a TTL after the worker died,
-# and a sweep follows within a sweep interval (NOTE [ Heartbeat bound ]).
+# With a holder, that happens within the heartbeat bound: the holds key is gone a TTL after the
+# worker died, and a sweep follows within a sweep interval (NOTE [ Heartbeat bound ]). With
+# none (the pop's moment is recorded nowhere), the first sweep that sees the job taken starts
+# the clock: within the bound plus one TTL of the worker's death, or of Redis being back for a
+# TTL after an outage.
 
 
 # Queued jobs looked at per script call.
