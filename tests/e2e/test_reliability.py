@@ -29,6 +29,7 @@ from tests.e2e.test_shards_e2e import SHARDS, registered_by_jobs, shard_process
 from tests.servers import stop_process, wait_for
 from tests.stack import REPO, Client, Stack, npz_bytes, running_stack
 from workers.processes.rq_worker import FAULT_DEQUEUE_STOP_ENV
+from workers.running.job import FAULT_START_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -456,3 +457,40 @@ def test_a_shard_taken_from_the_queue_by_a_lost_worker_is_run_again(tmp_path: Pa
 
 def sharded_body(model: dict[str, Any], dataset: dict[str, Any]) -> dict[str, Any]:
     return {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"]}
+
+
+def test_a_shard_killed_before_it_claims_itself_is_run_again(tmp_path: Path) -> None:
+    """NOTE [ Retried children ]: a shard's process is SIGKILLed after RQ forked it and before
+    it claimed the shard (every job process here waits 5 s in that window: a test-only hook).
+    The RQ worker sees it die; the shard, still queued, runs again by RQ's retry instead of
+    failing the job (as it did: seen by the chaos bench), and the job succeeds once."""
+    with running_stack(tmp_path, {FAULT_START_DELAY_ENV: "5"}) as stack:
+        client = stack.client("unclaimed")
+        model = created(client.add_model("digits_cnn", {"width": 8}))
+        dataset = created(client.add_dataset(digits_npz(n=64)))
+        body = {
+            **sharded_body(model, dataset),
+            "params": {"estimator": "cumulative", "batch_size": 16, "shards": 2},
+        }
+        job_id = str(created(client.submit(body), 202)["id"])
+        redis = stack.records().client
+
+        def shard_horse() -> tuple[str, int] | None:
+            for worker in Worker.all(connection=redis):
+                rq_id = worker.get_current_job_id()
+                if rq_id and "-shard-" in rq_id and worker.pid is not None:
+                    forked = children(worker.pid)
+                    if forked:
+                        return rq_id, forked[0]
+            return None
+
+        found = wait_for(shard_horse, timeout_s=120, what="RQ to fork a shard's process")
+        assert found is not None
+        rq_id, pid = found
+        child = rq_id.removeprefix(f"{job_id}-")
+        assert (ShardRecords(redis).children(job_id) or {})[child] is ChildState.QUEUED
+        os.kill(pid, signal.SIGKILL)
+        done = client.wait(job_id, timeout_s=300)
+        assert done["status"] == "succeeded", done
+        assert done["attempts"] == []
+        assert len(registered_by_jobs(client)) == 1

@@ -40,8 +40,9 @@ _LOST_REDIS: Final = (
     "the job's process could not reach Redis for longer than BNADAPT_REDIS_OUTAGE_S and "
     "stopped; check that Redis runs and is reachable from the workers"
 )
-# Fault injection, for tests only: seconds a job's process waits between RQ's fork and marking
-# the job running, so that a test can kill it in that window (tests/e2e/test_reliability.py).
+# Fault injection, for tests only: seconds a job's process (or a sharded job's child's) waits
+# between RQ's fork and marking the job running (claiming the child), so that a test can kill
+# it in that window (tests/e2e/test_reliability.py).
 FAULT_START_DELAY_ENV: Final = "BNADAPT_FAULT_START_DELAY_S"
 
 

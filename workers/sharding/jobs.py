@@ -321,10 +321,14 @@ def fail_killed_child(
     child = names[func_name]()
     shard_records = ShardRecords(records.client)
     error = f"{describe_child(child, len(sharded.plan))} died: {how}"
-    if retries_left and shard_records.requeue(sharded.payload.job_id, child):
-        log.warning(
-            "job %s: %s; run again (%d retries left)", sharded.payload.job_id, error, retries_left
-        )
+    parent_id = sharded.payload.job_id
+    # Killed before it claimed itself (the fork window), it is still queued: RQ's retry alone
+    # runs it again.
+    if retries_left and (
+        shard_records.requeue(parent_id, child)
+        or (shard_records.children(parent_id) or {}).get(child) is ChildState.QUEUED
+    ):
+        log.warning("job %s: %s; run again (%d retries left)", parent_id, error, retries_left)
         return True
     end_parent(records, shard_records, sharded.payload.job_id, JobStatus.FAILED, error)
     shard_records.finish(sharded.payload.job_id, child, ChildState.FAILED)
