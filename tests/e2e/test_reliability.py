@@ -461,10 +461,10 @@ def sharded_body(model: dict[str, Any], dataset: dict[str, Any]) -> dict[str, An
 
 def test_a_shard_killed_before_it_claims_itself_is_run_again(tmp_path: Path) -> None:
     """NOTE [ Retried children ]: a shard's process is SIGKILLed after RQ forked it and before
-    it claimed the shard (every job process here waits 5 s in that window: a test-only hook).
+    it claimed the shard (every shard's process here waits 5 s in that window: a test-only hook).
     The RQ worker sees it die; the shard, still queued, runs again by RQ's retry instead of
     failing the job (as it did: seen by the chaos bench), and the job succeeds once."""
-    with running_stack(tmp_path, {FAULT_START_DELAY_ENV: "5"}) as stack:
+    with running_stack(tmp_path, {FAULT_START_DELAY_ENV: "5:-shard-"}) as stack:
         client = stack.client("unclaimed")
         model = created(client.add_model("digits_cnn", {"width": 8}))
         dataset = created(client.add_dataset(digits_npz(n=64)))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -32,7 +31,7 @@ from service.settings import get_settings
 from service.store import open_store
 from service.store.base import Store
 from workers.errors import JobCanceled
-from workers.running.job import FAULT_START_DELAY_ENV
+from workers.running.job import fault_start_delay
 from workers.running.logs import job_logging
 from workers.running.runtime import JobRuntime
 from workers.running.saving import error_message
@@ -112,8 +111,7 @@ def run_child(
     records = Records(redis_client(settings.redis_url, outage_s=settings.redis_outage_s))
     shard_records = ShardRecords(records.client)
     answer = {"job_id": parent_id, "child": child}
-    if delay := os.environ.get(FAULT_START_DELAY_ENV):  # the fork window, for tests
-        time.sleep(float(delay))
+    fault_start_delay()  # the fork window, for tests
     refused = shard_records.claim(parent_id, child, process_name(), settings.heartbeat_timeout_s)
     if refused is not None:
         log.info("%s of job %s not run: %s", child, parent_id, refused)
