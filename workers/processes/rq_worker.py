@@ -84,12 +84,17 @@ class _Worker(Worker):
         threading.Thread(target=self._beat_holds, name="rq-worker-holds", daemon=True).start()
 
     def _beat_holds(self) -> None:
+        failing = False
         while True:
             try:
                 with self._held_lock:
                     self.holds.beat(self.name, self._held, self.holds_ttl_s)
-            except Exception:  # Redis away: the next beat tries again
-                log.warning("could not refresh what worker %s holds", self.name, exc_info=True)
+                failing = False
+            except Exception:  # Redis away: the next beat tries again; logged once an outage
+                log.warning(
+                    "could not refresh what worker %s holds", self.name, exc_info=not failing
+                )
+                failing = True
             time.sleep(HOLDS_BEAT_S)
 
     def dequeue_job_and_maintain_ttl(
