@@ -102,7 +102,8 @@ def load(args: argparse.Namespace) -> None:
     print(f"models not exactly one: {len(tally.model_problems)}")
     print(
         f"interrupted jobs {tally.interrupted_jobs}, retries {tally.retries}, "
-        f"answered keys re-sent {tally.resent_same_key}"
+        f"answered keys re-sent {tally.resent_same_key}, "
+        f"sharded jobs' children run again {tally.child_reruns}"
     )
     print(
         "| kill | attempts ended | s kill -> attempt end, median | max | "

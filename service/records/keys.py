@@ -35,6 +35,9 @@ __all__ = [
     "job_shard_progress",
     "job_shards",
     "record",
+    "rq_job_holder",
+    "rq_job_unheld_since",
+    "rq_worker_holds",
     "sha_refs",
     "store_deleting",
     "tenant",
@@ -135,6 +138,24 @@ def job_heartbeat(job_id: str) -> str:
     """Refreshed by a running job (or a running shard or merge job of a sharded one, under
     its RQ job id); its absence means the job's process is gone."""
     return f"{PREFIX}:job:{job_id}:heartbeat"
+
+
+def rq_worker_holds(worker_name: str) -> str:
+    """Refreshed by a live RQ worker process: the RQ id of the job it took from its queue and
+    runs, or "" (NOTE [ Dequeued and lost ] in service/upkeep/reaper.py)."""
+    return f"{PREFIX}:rq-worker:{worker_name}:holds"
+
+
+def rq_job_holder(rq_id: str) -> str:
+    """The name of the RQ worker that took RQ job ``rq_id`` from its queue, until it is done
+    with it (NOTE [ Dequeued and lost ])."""
+    return f"{PREFIX}:rq-job:{rq_id}:holder"
+
+
+def rq_job_unheld_since(rq_id: str) -> str:
+    """When a sweep first found RQ job ``rq_id`` taken from its queue with no holder (Redis
+    server time, ms) (NOTE [ Dequeued and lost ])."""
+    return f"{PREFIX}:rq-job:{rq_id}:unheld-since"
 
 
 def job_shards(job_id: str) -> str:

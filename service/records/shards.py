@@ -7,7 +7,8 @@ job that waits for free workers from one whose children died. Per parent job ``P
 - ``keys.job_shards(P)``, a hash: per child (``shard-0`` ... ``shard-{K-1}``, ``merge``, and
   for a dataset with labels ``eval-0`` ... ``eval-{K-1}`` and ``finish``) its
   :class:`ChildState`; ``<child>.process``: host:pid of the process that claimed it;
-  ``dispatched``: set once every child is in the queue; ``merge.weights``: the sha256 of the
+  ``<child>.runs``: how many times it was claimed; ``dispatched``: set once every child is in the
+  queue; ``merge.weights``: the sha256 of the
   merged weights while they wait in the store for the evaluation children (referenced by the
   merge's RQ id until the job ends).
 - ``keys.job_shard_progress(P)``, a hash: each shard's own progress, summed into P's
@@ -78,6 +79,7 @@ if parent ~= 'running' then return 'the job is ' .. (parent or 'gone') end
 local state = redis.call('HGET', KEYS[2], ARGV[1])
 if state ~= 'queued' then return ARGV[1] .. ' is ' .. (state or 'unknown') end
 redis.call('HSET', KEYS[2], ARGV[1], 'running', ARGV[1] .. '.process', ARGV[2])
+redis.call('HINCRBY', KEYS[2], ARGV[1] .. '.runs', 1)
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
 return 'claimed'
 """
@@ -222,6 +224,17 @@ class ShardRecords:
         suffix = ".process"
         return {
             text(k).removesuffix(suffix): text(v)
+            for k, v in raw.items()
+            if text(k).endswith(suffix)
+        }
+
+    def runs(self, parent_id: str) -> dict[str, int]:
+        """How many times each child was claimed (more than once: run again, NOTE [ Retried
+        children ] in workers/sharding/jobs.py)."""
+        raw = self.client.hgetall(keys.job_shards(parent_id))
+        suffix = ".runs"
+        return {
+            text(k).removesuffix(suffix): int(text(v))
             for k, v in raw.items()
             if text(k).endswith(suffix)
         }

@@ -9,9 +9,10 @@ worker supervisor may sweep at once. How fast: NOTE [ Heartbeat bound ].
 
 A sharded job (see NOTE [ Sharded adaptation ] in workers/sharding/compute.py) has no process of
 its own once its shards are queued: it is judged by its children instead (:func:`judge_sharded`). It
-lives as long as each of them is queued, running with a heartbeat, or done; it fails within a
-heartbeat timeout of a child's process dying, and ends canceled when a cancel was asked for and
-no child is running to notice it.
+lives as long as each of them is queued, running with a heartbeat, or done; a child lost with its
+whole worker is queued again (:func:`rerun_lost_children`) while it has retries left; the job
+fails within a heartbeat timeout of a child's process dying otherwise, and ends canceled when a
+cancel was asked for and no child is running to notice it.
 """
 
 from __future__ import annotations
@@ -31,9 +32,16 @@ from rq.job import JobStatus as RqStatus
 
 from api_schemas import JobStatus, utc_now
 from service.records import keys
+from service.records.dequeues import DequeueHolds, Taken
 from service.records.format import text
 from service.records.queue import enqueue_run
-from service.records.shards import ChildState, ShardRecords, describe_child, is_shard
+from service.records.shards import (
+    ChildState,
+    ShardRecords,
+    child_job_id,
+    describe_child,
+    is_shard,
+)
 from service.records.sync import Records
 from service.settings import Settings
 
@@ -44,6 +52,7 @@ __all__ = [
     "judge_sharded",
     "reap_lost_queued_jobs",
     "reap_stale_jobs",
+    "rerun_lost_children",
     "sweep_interval_s",
 ]
 
@@ -99,6 +108,9 @@ def reap_stale_jobs(records: Records, heartbeat_timeout_s: float) -> list[str]:
     for job_id in records.running_jobs():
         children = shard_records.children(job_id)
         if children is not None:
+            children = rerun_lost_children(
+                records, shard_records, job_id, children, heartbeat_timeout_s
+            )
             verdict = judge_sharded(records, shard_records, job_id, children, heartbeat_timeout_s)
             if verdict is not None:
                 status, error = verdict
@@ -162,6 +174,7 @@ def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
     milliseconds of RQ starting it."""
     changed = []
     ttl = timedelta(seconds=heartbeat_key_ttl_s(settings.heartbeat_timeout_s))
+    holds = DequeueHolds(records.client)
     for job_id in _queued_jobs_to_check(records):
         rq_id, retry_at, payload = records.queue_entry(job_id)
         try:
@@ -176,14 +189,16 @@ def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
         if rq_job is not None and retry_at is not None:
             records.mark_enqueued(job_id, rq_id)  # a sweep died after enqueueing it
         rq_status = None if rq_job is None else rq_job.get_status(refresh=False)
-        if (
-            rq_job is not None
-            and rq_status is RqStatus.QUEUED
-            and _dequeued_and_lost(records, rq_job)
-        ):
+        taken, why = (
+            holds.judge(rq_job.id, rq_job.origin, ttl.total_seconds())
+            if rq_job is not None and rq_status is RqStatus.QUEUED
+            else (Taken.WAITING, "")
+        )
+        if taken is Taken.LOST:
+            assert rq_job is not None
             what = (
-                "a worker took it from the queue and was lost before it started it (killed, its "
-                "machine lost, or Redis lost at that moment)"
+                f"a worker took it from the queue and was lost before it started it ({why}: "
+                "killed, its machine lost, or Redis lost at that moment)"
             )
         elif rq_status in _WAITING:
             continue  # waiting for a worker, however long that takes
@@ -199,30 +214,37 @@ def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
             what = "its queue entry is gone (removed from the queue outside bnadapt?)"
         else:
             what = f"its queue entry ended {rq_status.value} before the job started"
-        status = records.interrupt(job_id, (JobStatus.QUEUED,), what)
+        status = records.interrupt(job_id, (JobStatus.QUEUED,), what, rq_id=rq_id)
         if status in (JobStatus.QUEUED, JobStatus.FAILED):
             log.warning("queued job %s: %s; now %s", job_id, what, status, extra={"job_id": job_id})
             changed.append(job_id)
+            if taken is Taken.LOST and rq_job is not None:
+                holds.forget(rq_job.id, rq_job.origin)
     return changed
 
 
 # NOTE [ Dequeued and lost ]
-# RQ takes a job from its queue list and records an execution of it in the queue's started
-# ("wip") registry, with an expiry its worker keeps pushing back, and only then sets the job's
-# status to started. A worker lost between the two steps (SIGKILL, or Redis killed at that
-# moment, so that the append-only file kept the first step only: seen by the chaos bench)
-# leaves a job whose status still says queued but that is in no queue list: RQ's own cleanup
-# of the registry passes over it (it handles started jobs only), so no worker would ever run it.
-# The sweep counts such an attempt as interrupted once the registry entry's expiry has passed:
-# RQ's worker pushes it back while it lives (about 90 s ahead here), so this case ends later
-# than the heartbeat bound, but it ends.
-
-
-def _dequeued_and_lost(records: Records, rq_job: Job) -> bool:
-    """Whether ``rq_job``, queued by its status, has an execution in its queue's started
-    registry whose expiry has passed (NOTE [ Dequeued and lost ])."""
-    expired = records.client.zrangebyscore(f"rq:wip:{rq_job.origin}", "-inf", time.time())
-    return any(text(member).rsplit(":", 1)[0] == rq_job.id for member in expired)
+# RQ's worker pops a job from its queue (onto the queue's intermediate list), records an
+# execution of it in the queue's started ("wip") registry, forks, and only the forked process
+# sets the job's status to started. A worker lost in between (SIGKILL, its machine lost, or a
+# Redis kill: its client then fails and the worker exits) leaves a job whose status still says
+# queued but that is in no queue list: RQ's own cleanups pass over it (the started registry's
+# handles started jobs only, the intermediate list's runs every 10 minutes and fails it), so
+# no worker would run it. So each RQ worker process records what it took
+# (service/records/dequeues.py): right after the pop it names itself the job's holder, and a
+# thread of it keeps ``keys.rq_worker_holds`` (the RQ id it holds) alive with the heartbeat
+# TTL until it is done with the job. A sweep counts a job that RQ still calls queued as lost
+# when its holder no longer holds it (the worker died: its key expired; or it went on
+# without it), or, with no holder (the worker died, or Redis was lost, between the pop and
+# that write), once sweeps have seen it taken for a heartbeat TTL. Both are decided in one
+# script, so a sweep never reads a half-done hand-over. A job's attempt then ends as an
+# interrupted one (NOTE [ Job attempts ] in service/records/sync.py); a sharded job's child
+# goes back to the front of its queue (NOTE [ Retried children ] in workers/sharding/jobs.py).
+# With a holder, that happens within the heartbeat bound: the holds key is gone a TTL after the
+# worker died, and a sweep follows within a sweep interval (NOTE [ Heartbeat bound ]). With
+# none (the pop's moment is recorded nowhere), the first sweep that sees the job taken starts
+# the clock: within the bound plus one TTL of the worker's death, or of Redis being back for a
+# TTL after an outage.
 
 
 # Queued jobs looked at per script call.
@@ -235,8 +257,7 @@ _TO_CHECK_LUA: Final = """
 local waiting = {}
 for status in string.gmatch(ARGV[3], "[^,]+") do waiting[status] = true end
 local found = {}
-local now = tonumber(redis.call("TIME")[1])
-local expired = {}
+local in_queue = {}
 for i = 4, #ARGV do
     local entry = redis.call("HMGET", ARGV[1] .. ARGV[i], "rq_id", "retry_at")
     local rq_id = entry[1] or ARGV[i]
@@ -244,16 +265,16 @@ for i = 4, #ARGV do
     if entry[2] or not status or not waiting[status] then
         table.insert(found, ARGV[i])
     elseif status == "queued" then
-        -- Taken from the queue by a worker that was lost before it marked the job started.
+        -- Queued but no longer in its queue: taken by a worker, maybe one lost before it
+        -- marked the job started (NOTE [ Dequeued and lost ]).
         local origin = redis.call("HGET", ARGV[2] .. rq_id, "origin") or ""
-        if not expired[origin] then
-            expired[origin] = {}
-            local wip = redis.call("ZRANGEBYSCORE", "rq:wip:" .. origin, "-inf", now)
-            for _, member in ipairs(wip) do
-                expired[origin][string.match(member, "^(.*):[^:]*$") or member] = true
+        if not in_queue[origin] then
+            in_queue[origin] = {}
+            for _, id in ipairs(redis.call("LRANGE", "rq:queue:" .. origin, 0, -1)) do
+                in_queue[origin][id] = true
             end
         end
-        if expired[origin][rq_id] then table.insert(found, ARGV[i]) end
+        if not in_queue[origin][rq_id] then table.insert(found, ARGV[i]) end
     end
 end
 return found
@@ -289,6 +310,70 @@ def _enqueue_retry(
         enqueue_run(queue, fields, rq_id, settings.job_timeout_s, f"{job_id} (retry)")
     records.mark_enqueued(job_id, rq_id)
     log.info("job %s: attempt %s queued", job_id, rq_id, extra={"job_id": job_id})
+
+
+def rerun_lost_children(
+    records: Records,
+    shard_records: ShardRecords,
+    job_id: str,
+    children: dict[str, ChildState],
+    heartbeat_timeout_s: float,
+) -> dict[str, ChildState]:
+    """Puts back on their queue the children of the running sharded job ``job_id`` that were
+    lost with their whole worker: running ones whose heartbeat and RQ worker are gone (using
+    one of their RQ retries), and queued ones their lost worker had taken from the queue
+    (NOTE [ Dequeued and lost ], NOTE [ Retried children ] in workers/sharding/jobs.py).
+    Returns ``children`` with the states after."""
+    grace_s = heartbeat_key_ttl_s(heartbeat_timeout_s)
+    holds = DequeueHolds(records.client)
+    now = dict(children)
+    candidates = [
+        c
+        for c, state in children.items()
+        if state is ChildState.QUEUED
+        or (state is ChildState.RUNNING and not shard_records.alive(job_id, c))
+    ]
+    if not candidates:
+        return now
+    rq_jobs = Job.fetch_many(
+        [child_job_id(job_id, c) for c in candidates], connection=records.client, serializer="json"
+    )
+    for child, rq_job in zip(candidates, rq_jobs, strict=True):
+        if rq_job is None:
+            continue
+        rq_status = rq_job.get_status(refresh=False)
+        if children[child] is ChildState.RUNNING:
+            # Its process is gone. A live RQ worker saw it die and runs it again itself
+            # (``fail_killed_child``); with its worker gone too, nobody else would.
+            if rq_status is not RqStatus.STARTED or not rq_job.retries_left:
+                continue
+            taken, why = holds.judge(rq_job.id, rq_job.origin, grace_s, started=True)
+            if taken is not Taken.LOST or not shard_records.requeue(job_id, child):
+                continue
+            now[child] = ChildState.QUEUED
+        elif rq_status is RqStatus.STARTED:
+            # Forked but not claimed: its process claims it within milliseconds of the fork.
+            started = rq_job.started_at
+            if started is None or utc_now() - _aware(started) < timedelta(seconds=grace_s):
+                continue
+        elif rq_status is not RqStatus.QUEUED:
+            continue
+        taken, why = holds.judge(
+            rq_job.id,
+            rq_job.origin,
+            grace_s,
+            requeue=True,
+            started=rq_status is RqStatus.STARTED,
+        )
+        if taken is Taken.REQUEUED:
+            log.warning(
+                "job %s: %s was lost with its worker (%s); queued again",
+                job_id,
+                describe_child(child, sum(1 for c in children if is_shard(c))),
+                why,
+                extra={"job_id": job_id},
+            )
+    return now
 
 
 def judge_sharded(

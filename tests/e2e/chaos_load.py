@@ -41,6 +41,7 @@ import httpx
 from api_schemas import JobStatus
 from service.local.embedded import RedisServer
 from service.records import keys
+from service.records.shards import ShardRecords
 from tests.e2e.test_e2e import created, digits_npz
 from tests.stack import Client, Stack
 
@@ -63,6 +64,8 @@ class LoadTally:
     interrupted_jobs: int = 0
     retries: int = 0
     resent_same_key: int = 0
+    # Runs of sharded jobs' children beyond the first (NOTE [ Retried children ]).
+    child_reruns: int = 0
     # Seconds from a kill to the end of an attempt it interrupted, per kill kind.
     seconds_to_attempt_end: dict[str, list[float]] = field(default_factory=dict)
     # Seconds from the kill to the interrupted job's terminal status (its rerun included).
@@ -411,6 +414,8 @@ def run_load_chaos(
             tally.model_problems.append(f"{job_id}: {models[job_id]} models")
         if job.status is not JobStatus.SUCCEEDED:
             tally.problems.append(f"{job_id} {job.status.value}: {job.error}")
+        runs = ShardRecords(records.client).runs(job_id)
+        tally.child_reruns += sum(n - 1 for n in runs.values())
         if job.attempts:
             tally.interrupted_jobs += 1
             tally.retries += len(job.attempts)

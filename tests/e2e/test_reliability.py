@@ -12,17 +12,24 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from rq import Worker
+from rq.job import Job
 
 from api_schemas import parse_job_create
 from service.api.routes.jobs import _body_sha256
 from service.local.embedded import RedisServer, free_port
 from service.local.up import api_command
+from service.records import keys
 from service.records.connection import redis_client
+from service.records.shards import ChildState, ShardRecords, child_job_id
 from tests.e2e.test_e2e import created, digits_npz, problem
+from tests.e2e.test_shards_e2e import SHARDS, registered_by_jobs, shard_process
 from tests.servers import stop_process, wait_for
-from tests.stack import REPO, Client, Stack, running_stack
+from tests.stack import REPO, Client, Stack, npz_bytes, running_stack
+from workers.processes.rq_worker import FAULT_DEQUEUE_STOP_ENV
+from workers.running.job import FAULT_START_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -287,3 +294,203 @@ def _cmdline(pid: int) -> bytes:
             return file.read()
     except FileNotFoundError:
         return b""
+
+
+def is_stopped(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def stopped_rq_worker(stack: Stack) -> int:
+    """The pid of the one RQ worker once it stopped itself with the job it took
+    (``FAULT_DEQUEUE_STOP_ENV``)."""
+    client = redis_client(stack.redis.url)
+
+    def stopped() -> int | None:
+        pids = [w.pid for w in Worker.all(connection=client) if w.pid is not None]
+        return next((pid for pid in pids if is_stopped(pid)), None)
+
+    return wait_for(stopped, timeout_s=120, what="the RQ worker to stop with the job it took")
+
+
+def ended_attempts(client: Client, job_id: str) -> list[dict[str, Any]] | None:
+    attempts = client.http.get(f"/v1/jobs/{job_id}").json()["attempts"]
+    return list(attempts) or None
+
+
+@pytest.mark.parametrize(
+    ("moment", "why"),
+    [
+        ("taken", "no worker took it on"),
+        ("held", "its worker is gone"),
+        ("execution", "its worker is gone"),
+    ],
+)
+def test_worker_tree_lost_with_a_job_it_took_from_the_queue(
+    tmp_path: Path, moment: str, why: str
+) -> None:
+    """NOTE [ Dequeued and lost ]: the RQ worker took the job from its queue and stops itself
+    (SIGSTOP, a test-only hook) before the job is marked started: right after RQ's pop, after
+    recording that it holds the job, or once RQ recorded the execution; then its whole tree is
+    SIGKILLed. The attempt ends within the heartbeat bound (not at RQ's 90 s registry expiry,
+    nor never), and the next attempt succeeds on a new worker with one model."""
+    with running_stack(tmp_path, {FAULT_DEQUEUE_STOP_ENV: moment}) as stack:
+        client = stack.client("dequeued")
+        model = created(client.add_model("digits_cnn", {"width": 4}))
+        dataset = created(client.add_dataset(digits_npz(n=32)))
+        body = {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"]}
+        job_id = str(created(client.submit(body), 202)["id"])  # max_attempts: the default, 3
+        stopped_rq_worker(stack)
+        assert client.http.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+        stack.kill_worker_group()
+        attempts = wait_for(
+            lambda: ended_attempts(client, job_id),
+            timeout_s=HEARTBEAT_TIMEOUT_S + SLACK_S,
+            what="the sweep to end the lost attempt",
+        )
+        assert len(attempts) == 1
+        assert "took it from the queue" in attempts[0]["reason"]
+        assert why in attempts[0]["reason"]
+        stack.env_overrides = {}
+        stack.start_worker()
+        done = client.wait(job_id, timeout_s=120)
+        assert done["status"] == "succeeded", done
+        assert len(done["attempts"]) == 1
+        models = client.http.get("/v1/models").json()["items"]
+        assert [m["job_id"] for m in models if m["source"] == "job"] == [job_id]
+
+
+BOUND_S = HEARTBEAT_TIMEOUT_S + SLACK_S
+
+
+def test_a_shard_lost_with_its_whole_worker_is_run_again_and_its_job_succeeds_once(
+    tmp_path: Path,
+) -> None:
+    """NOTE [ Retried children ]: the one worker's whole tree (supervisor, RQ worker, and the
+    shard's own process) is SIGKILLed while a shard runs: no RQ worker is left to see it die.
+    The sweep puts the shard back on its queue within the heartbeat bound, a new worker runs
+    it, and the job succeeds once, with one model and no failed attempt."""
+    with running_stack(tmp_path) as stack:
+        client = stack.client("lost-tree")
+        model = created(client.add_model("resnet", {"in_channels": 1, "depth": 4, "width": 32}))
+        x = np.random.default_rng(0).random((1024, 1, 32, 32), dtype=np.float32)
+        dataset = created(client.add_dataset(npz_bytes(x=x)))
+        body = {
+            **sharded_body(model, dataset),
+            "params": {"estimator": "precise", "batch_size": 8, "shards": 2},
+        }
+        job_id = str(created(client.submit(body), 202)["id"])
+        shard_records = ShardRecords(stack.records().client)
+
+        def running() -> tuple[str, int] | None:
+            for child in SHARDS[:2]:
+                pid = shard_process(shard_records, job_id, child)
+                if pid is not None:
+                    return child, pid
+            return None
+
+        found = wait_for(running, timeout_s=300, what="a shard to start")
+        assert found is not None
+        child, pid = found
+        stack.kill_worker_group()
+        os.kill(pid, signal.SIGKILL)  # in a process group of its own, as RQ forks it
+        wait_for(
+            lambda: (shard_records.children(job_id) or {}).get(child) is ChildState.QUEUED,
+            timeout_s=BOUND_S,
+            what=f"the sweep to queue {child} again",
+        )
+        stack.start_worker()
+        done = client.wait(job_id, timeout_s=600)
+        assert done["status"] == "succeeded", done
+        assert done["attempts"] == []
+        assert int(shard_records.processes(job_id)[child].rsplit(":", 1)[1]) != pid
+        assert len(registered_by_jobs(client)) == 1
+        report = client.http.get(done["result"]["report_url"]).json()
+        assert [(s["index"], s["batches"]) for s in report["shards"]] == [(0, 64), (1, 64)]
+
+
+def test_a_shard_taken_from_the_queue_by_a_lost_worker_is_run_again(tmp_path: Path) -> None:
+    """NOTE [ Dequeued and lost ]: the worker took a shard from its queue and stops itself
+    once RQ recorded the execution, before the fork (a test-only hook); its whole tree is
+    SIGKILLed. The sweep puts the shard back at the front of its queue within the heartbeat
+    bound, and the job succeeds once on a new worker."""
+    with running_stack(tmp_path, {FAULT_DEQUEUE_STOP_ENV: "execution:-shard-"}) as stack:
+        client = stack.client("lost-dequeue")
+        model = created(client.add_model("digits_cnn", {"width": 8}))
+        dataset = created(client.add_dataset(digits_npz(n=64)))
+        body = {
+            **sharded_body(model, dataset),
+            "params": {"estimator": "cumulative", "batch_size": 16, "shards": 2},
+        }
+        job_id = str(created(client.submit(body), 202)["id"])
+        redis = stack.records().client
+        worker = wait_for(
+            lambda: next(
+                (w for w in Worker.all(connection=redis) if w.pid and is_stopped(w.pid)), None
+            ),
+            timeout_s=120,
+            what="the RQ worker to stop with the shard it took",
+        )
+        assert worker is not None
+        rq_id = next(
+            child_job_id(job_id, c)
+            for c in SHARDS[:2]
+            if redis.exists(keys.rq_job_holder(child_job_id(job_id, c)))
+        )
+        origin = Job.fetch(rq_id, connection=redis, serializer="json").origin
+        stack.kill_worker_group()
+        wait_for(
+            lambda: redis.lpos(f"rq:queue:{origin}", rq_id) is not None,
+            timeout_s=BOUND_S,
+            what="the sweep to put the shard back on its queue",
+        )
+        stack.env_overrides = {}
+        stack.start_worker()
+        done = client.wait(job_id, timeout_s=300)
+        assert done["status"] == "succeeded", done
+        assert done["attempts"] == []
+        assert len(registered_by_jobs(client)) == 1
+
+
+def sharded_body(model: dict[str, Any], dataset: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"]}
+
+
+def test_a_shard_killed_before_it_claims_itself_is_run_again(tmp_path: Path) -> None:
+    """NOTE [ Retried children ]: a shard's process is SIGKILLed after RQ forked it and before
+    it claimed the shard (every shard's process here waits 5 s in that window: a test-only hook).
+    The RQ worker sees it die; the shard, still queued, runs again by RQ's retry instead of
+    failing the job (as it did: seen by the chaos bench), and the job succeeds once."""
+    with running_stack(tmp_path, {FAULT_START_DELAY_ENV: "5:-shard-"}) as stack:
+        client = stack.client("unclaimed")
+        model = created(client.add_model("digits_cnn", {"width": 8}))
+        dataset = created(client.add_dataset(digits_npz(n=64)))
+        body = {
+            **sharded_body(model, dataset),
+            "params": {"estimator": "cumulative", "batch_size": 16, "shards": 2},
+        }
+        job_id = str(created(client.submit(body), 202)["id"])
+        redis = stack.records().client
+
+        def shard_horse() -> tuple[str, int] | None:
+            for worker in Worker.all(connection=redis):
+                rq_id = worker.get_current_job_id()
+                if rq_id and "-shard-" in rq_id and worker.pid is not None:
+                    forked = children(worker.pid)
+                    if forked:
+                        return rq_id, forked[0]
+            return None
+
+        found = wait_for(shard_horse, timeout_s=120, what="RQ to fork a shard's process")
+        assert found is not None
+        rq_id, pid = found
+        child = rq_id.removeprefix(f"{job_id}-")
+        assert (ShardRecords(redis).children(job_id) or {})[child] is ChildState.QUEUED
+        os.kill(pid, signal.SIGKILL)
+        done = client.wait(job_id, timeout_s=300)
+        assert done["status"] == "succeeded", done
+        assert done["attempts"] == []
+        assert len(registered_by_jobs(client)) == 1

@@ -12,12 +12,14 @@ from rq import Queue
 from rq.job import Job
 
 from api_schemas import AdaptParams, JobPublic, JobStatus, new_id, utc_now
+from service.records import keys
 from service.records.connection import redis_client
+from service.records.dequeues import DequeueHolds
 from service.records.queue import enqueue_run
 from service.records.sync import RETRY_BACKOFF_BASE_S, Records
 from service.settings import Settings
 from service.store.local import LocalStore
-from service.upkeep.reaper import reap_lost_queued_jobs
+from service.upkeep.reaper import heartbeat_key_ttl_s, reap_lost_queued_jobs
 from tests.stack import npz_bytes
 from tests.workers.test_shards import adapt_payload
 
@@ -109,27 +111,73 @@ def test_a_queued_job_whose_queue_entry_is_gone_is_retried(
     assert "queue entry is gone" in job.attempts[0].reason
 
 
+def taken_from_queue(records: Records, settings: Settings, job_id: str) -> None:
+    """What RQ's worker does first with a job: moves it from its queue onto the queue's
+    intermediate list (RQ 3 with Redis >= 6.2), then records an execution of it."""
+    queue = Queue(settings.queue, connection=records.client, serializer="json")
+    assert records.client.lmove(queue.key, f"{queue.key}:intermediate") == job_id.encode()
+    records.client.zadd(f"rq:wip:{settings.queue}", {f"{job_id}:execution1": time.time() + 90})
+
+
 def test_a_job_taken_from_the_queue_by_a_lost_worker_is_retried(
     records: Records, settings: Settings
 ) -> None:
-    """NOTE [ Dequeued and lost ] in service/upkeep/reaper.py: what a worker (or Redis) lost
-    between RQ's two steps of dequeueing leaves: the job out of the queue list with an entry
-    in the started registry, its status still queued."""
+    """NOTE [ Dequeued and lost ] in service/upkeep/reaper.py: a worker took the job from the
+    queue and recorded that it holds it; the job is left alone while the worker's holds key
+    names it, and its attempt ends at the first sweep once that key is gone, long before
+    RQ's registry entry (90 s) expires."""
     job_id = queued_job(records, settings, max_attempts=3)
-    queue = Queue(settings.queue, connection=records.client, serializer="json")
-    wip = f"rq:wip:{settings.queue}"
-    assert records.client.lrem(queue.key, 0, job_id) == 1
-    records.client.zadd(wip, {f"{job_id}:execution1": time.time() + 60})
-    assert reap_lost_queued_jobs(records, settings) == []  # its worker may still start it
-    records.client.zadd(wip, {f"{job_id}:execution1": time.time() - 1})  # no worker pushed it
+    waiting = queued_job(records, settings, max_attempts=3)
+    taken_from_queue(records, settings, job_id)
+    holds = DequeueHolds(records.client)
+    holds.hold("worker-1", job_id, ttl_s=60)
+    assert reap_lost_queued_jobs(records, settings) == []
+    holds.beat("worker-1", "another-rq-job", ttl_s=60)  # went on without it
     assert reap_lost_queued_jobs(records, settings) == [job_id]
     job = records.get_job(TENANT, job_id)
     assert job is not None
     assert job.status is JobStatus.QUEUED
     assert "took it from the queue" in job.attempts[0].reason
-    # A waiting job beside it is left alone.
-    waiting = queued_job(records, settings, max_attempts=3)
+    assert "its worker went on without it" in job.attempts[0].reason
+    # What the lost run left is gone, so RQ's cleanups never act on it; the waiting job
+    # beside it is left alone.
+    assert records.client.lrange(f"rq:queue:{settings.queue}:intermediate", 0, -1) == []
+    assert records.client.zrange(f"rq:wip:{settings.queue}", 0, -1) == []
+    assert not records.client.exists(keys.rq_job_holder(job_id))
     assert waiting not in reap_lost_queued_jobs(records, settings)
+
+
+def test_a_job_whose_holding_worker_died_is_retried(records: Records, settings: Settings) -> None:
+    job_id = queued_job(records, settings, max_attempts=3)
+    taken_from_queue(records, settings, job_id)
+    DequeueHolds(records.client).hold("worker-2", job_id, ttl_s=0.3)
+    assert reap_lost_queued_jobs(records, settings) == []
+    time.sleep(0.4)  # the worker's holds key expired: it died
+    assert reap_lost_queued_jobs(records, settings) == [job_id]
+    job = records.get_job(TENANT, job_id)
+    assert job is not None
+    assert "its worker is gone" in job.attempts[0].reason
+
+
+def test_a_job_taken_with_no_holder_is_retried_after_a_heartbeat_ttl(
+    records: Records, redis_url: str, tmp_path: Path
+) -> None:
+    """The worker died (or Redis was lost) between RQ's pop and writing the holder: the job
+    counts as lost once sweeps have seen it out of its queue and unheld for a heartbeat TTL.
+    Here the pop of a worker of several queues (BLPOP: no intermediate list)."""
+    quick = Settings(
+        redis_url=redis_url, data_dir=tmp_path, queue="attempt-tests", heartbeat_timeout_s=1.2
+    )
+    job_id = queued_job(records, quick, max_attempts=3)
+    waiting = queued_job(records, quick, max_attempts=3)
+    assert records.client.lpop(f"rq:queue:{quick.queue}") == job_id.encode()
+    assert reap_lost_queued_jobs(records, quick) == []  # a worker may write it any moment
+    time.sleep(heartbeat_key_ttl_s(quick.heartbeat_timeout_s) + 0.1)
+    assert reap_lost_queued_jobs(records, quick) == [job_id]
+    job = records.get_job(TENANT, job_id)
+    assert job is not None
+    assert "no worker took it on" in job.attempts[0].reason
+    assert records.get_job(TENANT, waiting).attempts == []  # type: ignore[union-attr]
 
 
 def test_one_output_model_per_job(records: Records) -> None:

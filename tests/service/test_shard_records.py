@@ -23,6 +23,7 @@ from api_schemas import (
 )
 from service.records import keys
 from service.records.connection import redis_client
+from service.records.dequeues import DequeueHolds
 from service.records.shards import FINISH, MERGE, ChildState, ShardRecords, child_job_id
 from service.records.sync import Records
 from service.settings import Settings
@@ -153,6 +154,68 @@ def test_a_dead_shard_fails_its_job_and_cancels_the_queued_ones(
     assert shard_records.claim(sharded.job_id, "shard-1", "host:3", TIMEOUT_S) == (
         "the job is failed"
     )
+
+
+def test_a_shard_lost_with_its_whole_worker_is_queued_again(
+    records: Records, sharded: JobPayload
+) -> None:
+    """NOTE [ Retried children ]: the worker took shard 1 from the queue, RQ marked it started,
+    its process claimed it; then the whole worker died (no beat of the shard, none of the
+    worker's holds key). The sweep puts it back at the front of its queue with one RQ retry
+    used, and the job goes on running."""
+    shard_records = ShardRecords(records.client)
+    rq_id = child_job_id(sharded.job_id, "shard-0")
+    queue = Queue("shard-tests", connection=records.client, serializer="json")
+    assert records.client.lpop(queue.key) == rq_id.encode()
+    rq_job = Job.fetch(rq_id, connection=records.client, serializer="json")
+    rq_job.retries_left = retries = 2  # as for a job of max_attempts 3 (NOTE [ Retried children ])
+    rq_job.save()
+    rq_job.set_status(RQStatus.STARTED)
+    DequeueHolds(records.client).hold("worker-1", rq_id, TIMEOUT_S)
+    assert shard_records.claim(sharded.job_id, "shard-0", "host:1", TIMEOUT_S) is None
+    assert reap_stale_jobs(records, TIMEOUT_S) == []
+    assert shard_records.children(sharded.job_id) == {
+        "shard-0": "running",
+        "shard-1": "queued",
+        MERGE: "queued",
+    }
+    time.sleep(TIMEOUT_S * 2)  # the worker and the shard's process died: no beat since
+    assert reap_stale_jobs(records, TIMEOUT_S) == []
+    assert records.job_status(sharded.job_id) is JobStatus.RUNNING
+    assert shard_records.children(sharded.job_id) == {
+        "shard-0": "queued",
+        "shard-1": "queued",
+        MERGE: "queued",
+    }
+    assert records.client.lrange(queue.key, 0, -1) == [
+        rq_id.encode(),
+        child_job_id(sharded.job_id, "shard-1").encode(),
+    ]
+    rq_job = Job.fetch(rq_id, connection=records.client, serializer="json")
+    assert rq_job.get_status() == RQStatus.QUEUED
+    assert rq_job.retries_left == retries - 1
+    assert shard_records.claim(sharded.job_id, "shard-0", "host:2", TIMEOUT_S) is None
+
+
+def test_a_shard_taken_from_the_queue_by_a_lost_worker_is_queued_again(
+    records: Records, sharded: JobPayload
+) -> None:
+    rq_id = child_job_id(sharded.job_id, "shard-1")
+    queue = Queue("shard-tests", connection=records.client, serializer="json")
+    assert records.client.lrem(queue.key, 0, rq_id) == 1
+    DequeueHolds(records.client).hold("worker-1", rq_id, TIMEOUT_S)
+    assert reap_stale_jobs(records, TIMEOUT_S) == []
+    assert records.client.lrange(queue.key, 0, -1) == [
+        child_job_id(sharded.job_id, "shard-0").encode()
+    ]
+    time.sleep(TIMEOUT_S * 2)  # the worker died before it started it
+    assert reap_stale_jobs(records, TIMEOUT_S) == []
+    assert records.client.lrange(queue.key, 0, -1) == [
+        rq_id.encode(),
+        child_job_id(sharded.job_id, "shard-0").encode(),
+    ]
+    assert not records.client.exists(keys.rq_job_holder(rq_id))
+    assert records.job_status(sharded.job_id) is JobStatus.RUNNING
 
 
 def test_a_cancel_with_no_shard_running_cancels_the_job(

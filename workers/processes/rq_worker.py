@@ -12,19 +12,25 @@ import argparse
 import logging
 import os
 import resource
+import signal
 import socket
-from typing import Any
+import threading
+import time
+from typing import Any, Final
 
 import torch
 from rq import Queue, Worker
+from rq.executions import Execution
 from rq.job import Job
 
 from api_schemas import JobStatus
 from service.log_format import configure_logging
 from service.records.connection import redis_client
+from service.records.dequeues import DequeueHolds
 from service.records.sync import Records
 from service.settings import DEVICE_CLASSES, get_settings
 from service.upkeep.parent_death import die_with_supervisor
+from service.upkeep.reaper import heartbeat_key_ttl_s
 from workers.models.architectures import registry
 from workers.running.compute import WORKER_DEVICE_ENV
 from workers.running.job import load_runners
@@ -39,12 +45,82 @@ log = logging.getLogger(__name__)
 # other (canceled, failed elsewhere, queued again) the line names the status instead.
 _OK_OUTCOMES = frozenset({"succeeded", "running", "done", "skipped"})
 
+# How often the worker refreshes what it holds (NOTE [ Dequeued and lost ]).
+HOLDS_BEAT_S: Final = 0.5
+# Fault injection, for tests only: the RQ worker stops itself (SIGSTOP) with the job it took
+# from its queue, at `taken` (before it records that it holds it), `held` (after) or
+# `execution` (once RQ recorded the execution, before the fork), so that a test can kill it
+# in that window (tests/e2e/test_reliability.py). `<moment>:<text>`: only for an RQ job whose
+# id holds <text>.
+FAULT_DEQUEUE_STOP_ENV: Final = "BNADAPT_FAULT_DEQUEUE_STOP"
+
+
+def _fault_stop(moment: str, rq_id: str) -> None:
+    fault, _, only = os.environ.get(FAULT_DEQUEUE_STOP_ENV, "").partition(":")
+    if fault == moment and only in rq_id:
+        log.warning("fault injection: stopping at %s with %s", moment, rq_id)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
 
 class _Worker(Worker):
-    """RQ's worker, whose log says how a bnadapt job ended: RQ logs "Job OK" whenever the
-    function returned, which for a canceled job read as if it had succeeded."""
+    """RQ's worker, which records the job it took from its queue until it is done with it
+    (NOTE [ Dequeued and lost ] in service/upkeep/reaper.py), and whose log says how a bnadapt
+    job ended: RQ logs "Job OK" whenever the function returned, which for a canceled job read
+    as if it had succeeded."""
 
     outcome: str | None = None
+    holds: DequeueHolds
+    holds_ttl_s: float
+    _held: str | None = None
+    _held_lock: threading.Lock
+
+    def start_holds(self, holds: DequeueHolds, ttl_s: float) -> None:
+        """Starts the thread that keeps ``keys.rq_worker_holds`` of this worker alive (over
+        a client of its own: the forked job processes inherit the main thread's)."""
+        self.holds = holds
+        self.holds_ttl_s = ttl_s
+        self._held_lock = threading.Lock()
+        holds.beat(self.name, None, ttl_s)
+        threading.Thread(target=self._beat_holds, name="rq-worker-holds", daemon=True).start()
+
+    def _beat_holds(self) -> None:
+        failing = False
+        while True:
+            try:
+                with self._held_lock:
+                    self.holds.beat(self.name, self._held, self.holds_ttl_s)
+                failing = False
+            except Exception:  # Redis away: the next beat tries again; logged once an outage
+                log.warning(
+                    "could not refresh what worker %s holds", self.name, exc_info=not failing
+                )
+                failing = True
+            time.sleep(HOLDS_BEAT_S)
+
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[Job, Queue] | None:
+        result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        if result is not None:
+            _fault_stop("taken", result[0].id)
+            with self._held_lock:
+                self._held = result[0].id
+                self.holds.hold(self.name, result[0].id, self.holds_ttl_s)
+            _fault_stop("held", result[0].id)
+        return result
+
+    def prepare_execution(self, job: Job) -> Execution:
+        execution = super().prepare_execution(job)
+        _fault_stop("execution", job.id)
+        return execution
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        try:
+            super().execute_job(job, queue)
+        finally:
+            with self._held_lock:
+                self._held = None
+                self.holds.release(self.name, job.id, self.holds_ttl_s)
 
     def _finalize_success(self, job: Job, queue: Queue, execution: Any, return_value: Any) -> None:
         status = return_value.get("status") if isinstance(return_value, dict) else None
@@ -132,6 +208,10 @@ def main() -> None:
         work_horse_killed_handler=horse_killed,
     )
     worker.log.addFilter(_OutcomeFilter(worker))
+    worker.start_holds(
+        DequeueHolds(redis_client(settings.redis_url)),
+        heartbeat_key_ttl_s(settings.heartbeat_timeout_s),  # NOTE [ Heartbeat bound ]
+    )
     worker.work(burst=args.burst, logging_level="INFO")
 
 

@@ -40,9 +40,18 @@ _LOST_REDIS: Final = (
     "the job's process could not reach Redis for longer than BNADAPT_REDIS_OUTAGE_S and "
     "stopped; check that Redis runs and is reachable from the workers"
 )
-# Fault injection, for tests only: seconds a job's process waits between RQ's fork and marking
-# the job running, so that a test can kill it in that window (tests/e2e/test_reliability.py).
+# Fault injection, for tests only: seconds a job's process (or a sharded job's child's) waits
+# between RQ's fork and marking the job running (claiming the child), so that a test can kill
+# it in that window (tests/e2e/test_reliability.py). `<seconds>:<text>`: only in a process whose
+# RQ job id holds <text>.
 FAULT_START_DELAY_ENV: Final = "BNADAPT_FAULT_START_DELAY_S"
+
+
+def fault_start_delay() -> None:
+    delay, _, only = os.environ.get(FAULT_START_DELAY_ENV, "").partition(":")
+    current = get_current_job()
+    if delay and only in (current.id if current is not None else ""):
+        time.sleep(float(delay))
 
 
 def _worker_name() -> str:
@@ -54,8 +63,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
     job = JobPayload.model_validate(payload)
     records = Records(redis_client(settings.redis_url, outage_s=settings.redis_outage_s))
     store = open_store(settings)
-    if delay := os.environ.get(FAULT_START_DELAY_ENV):
-        time.sleep(float(delay))
+    fault_start_delay()
     if not records.mark_started(job.job_id, _worker_name()):
         status = records.job_status(job.job_id)
         log.info("job %s not started: it is %s", job.job_id, status)

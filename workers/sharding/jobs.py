@@ -290,8 +290,12 @@ def _succeed(run: ChildRun, sharded: ShardedJob, saved: SavedOutcome) -> None:
 # weights are content-addressed, and registering the model goes through ``claim_output``, so
 # a merge or finish killed after registering reuses that model (exactly one model). Once a
 # child's retries are spent, or when it fails by raising, the parent fails as before. A child
-# lost with its whole worker (no RQ worker left to see it die) is still judged by the reaper,
-# which fails the parent: retrying those is not done.
+# lost with its whole worker (no RQ worker left to see it die) is put back on its queue by the
+# sweep instead, within the heartbeat bound (``rerun_lost_children`` in
+# service/upkeep/reaper.py): a running one once its heartbeat and its RQ worker's holds key
+# are gone (using one of its RQ retries, in the same script that requeues it), and one its
+# worker took from the queue and never started (NOTE [ Dequeued and lost ] there) at the front
+# of its queue, without using one.
 
 
 def fail_killed_child(
@@ -317,10 +321,14 @@ def fail_killed_child(
     child = names[func_name]()
     shard_records = ShardRecords(records.client)
     error = f"{describe_child(child, len(sharded.plan))} died: {how}"
-    if retries_left and shard_records.requeue(sharded.payload.job_id, child):
-        log.warning(
-            "job %s: %s; run again (%d retries left)", sharded.payload.job_id, error, retries_left
-        )
+    parent_id = sharded.payload.job_id
+    # Killed before it claimed itself (the fork window), it is still queued: RQ's retry alone
+    # runs it again.
+    if retries_left and (
+        shard_records.requeue(parent_id, child)
+        or (shard_records.children(parent_id) or {}).get(child) is ChildState.QUEUED
+    ):
+        log.warning("job %s: %s; run again (%d retries left)", parent_id, error, retries_left)
         return True
     end_parent(records, shard_records, sharded.payload.job_id, JobStatus.FAILED, error)
     shard_records.finish(sharded.payload.job_id, child, ChildState.FAILED)
