@@ -408,12 +408,23 @@ def main() -> None:
         help="auto against precise, prior and entropy only, on all the test digits, no "
         "separate evaluation jobs",
     )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        nargs="+",
+        help="with --auto: these numbers of target samples instead of all the test digits",
+    )
     parser.add_argument("--json", type=Path, help="also write every accuracy and job count here")
     args = parser.parse_args()
     plan = QUICK if args.quick else AUTO if args.auto else FULL
     command = ".venv/bin/python bench/quality_bench.py" + (
         " --quick" if args.quick else " --auto" if args.auto else ""
     )
+    if args.samples:
+        if not args.auto:
+            parser.error("--samples goes with --auto")
+        plan = dataclasses.replace(plan, sample_counts=tuple(args.samples))
+        command += " --samples " + " ".join(map(str, args.samples))
     with tempfile.TemporaryDirectory(prefix="bnadapt-quality-") as tmp:
         results, facts = run(plan, Path(tmp))
     if args.json is not None:
