@@ -114,6 +114,12 @@ def load(args: argparse.Namespace) -> None:
         ends = tally.seconds_to_attempt_end.get(kind, [])
         terminal = tally.seconds_to_terminal.get(kind, [])
         print(f"| {kind} | {_spread(ends)} | {_spread(terminal)} |")
+    print(
+        "redis: s kill -> server answering again (each):",
+        ", ".join(f"{s:.1f}" for s in tally.redis_outage_s) or "-",
+        "| s server back -> attempt end, n | median | max:",
+        _spread(tally.seconds_after_redis_back),
+    )
     for name in ("lost", "duplicated", "stuck", "model_problems", "problems"):
         items = getattr(tally, name)
         if items:

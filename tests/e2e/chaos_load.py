@@ -70,6 +70,11 @@ class LoadTally:
     seconds_to_attempt_end: dict[str, list[float]] = field(default_factory=dict)
     # Seconds from the kill to the interrupted job's terminal status (its rerun included).
     seconds_to_terminal: dict[str, list[float]] = field(default_factory=dict)
+    # Redis kills: seconds from the kill until the restarted server answered (the outage), and
+    # from then to the end of each attempt the kill interrupted (the bound there is T, NOTE
+    # [ Heartbeat bound ]: heartbeats lost to an outage count only a TTL after Redis is back).
+    redis_outage_s: list[float] = field(default_factory=list)
+    seconds_after_redis_back: list[float] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -113,6 +118,7 @@ class _Chaos:
         self.schedule = schedule
         self.tally = LoadTally(jobs=jobs)
         self.kill_times: list[tuple[float, str]] = []  # (wall time, kind)
+        self.redis_back: dict[float, float] = {}  # a Redis kill's wall time -> when it answered
         self.answered: dict[str, str] = {}  # Idempotency-Key -> job id
         self.lock = threading.Lock()
         self.done_submitting = threading.Event()
@@ -236,7 +242,9 @@ class _Chaos:
             self.stack.redis = RedisServer(
                 self.stack.data_dir / "redis", port=port, password=password
             )
-            self.stack.redis.start()
+            self.stack.redis.start()  # returns once the server answers
+            with self.lock:
+                self.redis_back[self.kill_times[-1][0]] = time.time()
             return True
         raise ValueError(f"unknown kill kind {kind!r}")
 
@@ -404,6 +412,7 @@ def run_load_chaos(
             models[model.job_id] += 1
 
     kill_times = sorted(chaos.kill_times)
+    tally.redis_outage_s = [back - at for at, back in sorted(chaos.redis_back.items())]
     for job_id in job_ids:
         job = records.get_job(tenant, job_id)
         if job is None:
@@ -428,6 +437,8 @@ def run_load_chaos(
                 continue
             at, kind = before[-1]
             tally.seconds_to_attempt_end.setdefault(kind, []).append(ended - at)
+            if kind == "redis" and at in chaos.redis_back:
+                tally.seconds_after_redis_back.append(ended - chaos.redis_back[at])
             if finished is not None:
                 tally.seconds_to_terminal.setdefault(kind, []).append(finished - at)
     return tally
