@@ -419,14 +419,7 @@ def test_a_shard_taken_from_the_queue_by_a_lost_worker_is_run_again(tmp_path: Pa
     SIGKILLed. The sweep puts the shard back at the front of its queue within the heartbeat
     bound, and the job succeeds once on a new worker."""
     with running_stack(tmp_path, {FAULT_DEQUEUE_STOP_ENV: "execution:-shard-"}) as stack:
-        client = stack.client("lost-dequeue")
-        model = created(client.add_model("digits_cnn", {"width": 8}))
-        dataset = created(client.add_dataset(digits_npz(n=64)))
-        body = {
-            **sharded_body(model, dataset),
-            "params": {"estimator": "cumulative", "batch_size": 16, "shards": 2},
-        }
-        job_id = str(created(client.submit(body), 202)["id"])
+        client, job_id = small_sharded_job(stack, "lost-dequeue")
         redis = stack.records().client
         worker = wait_for(
             lambda: next(
@@ -460,20 +453,26 @@ def sharded_body(model: dict[str, Any], dataset: dict[str, Any]) -> dict[str, An
     return {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"]}
 
 
+def small_sharded_job(stack: Stack, tenant: str) -> tuple[Client, str]:
+    """A ``cumulative`` adapt job in 2 shards of 2 batches on 64 digits, submitted by
+    ``tenant``: the client and the job's id."""
+    client = stack.client(tenant)
+    model = created(client.add_model("digits_cnn", {"width": 8}))
+    dataset = created(client.add_dataset(digits_npz(n=64)))
+    body = {
+        **sharded_body(model, dataset),
+        "params": {"estimator": "cumulative", "batch_size": 16, "shards": 2},
+    }
+    return client, str(created(client.submit(body), 202)["id"])
+
+
 def test_a_shard_killed_before_it_claims_itself_is_run_again(tmp_path: Path) -> None:
     """NOTE [ Retried children ]: a shard's process is SIGKILLed after RQ forked it and before
     it claimed the shard (every shard's process here waits 5 s in that window: a test-only hook).
     The RQ worker sees it die; the shard, still queued, runs again by RQ's retry instead of
     failing the job (as it did: seen by the chaos bench), and the job succeeds once."""
     with running_stack(tmp_path, {FAULT_START_DELAY_ENV: "5:-shard-"}) as stack:
-        client = stack.client("unclaimed")
-        model = created(client.add_model("digits_cnn", {"width": 8}))
-        dataset = created(client.add_dataset(digits_npz(n=64)))
-        body = {
-            **sharded_body(model, dataset),
-            "params": {"estimator": "cumulative", "batch_size": 16, "shards": 2},
-        }
-        job_id = str(created(client.submit(body), 202)["id"])
+        client, job_id = small_sharded_job(stack, "unclaimed")
         redis = stack.records().client
 
         def shard_horse() -> tuple[str, int] | None:
