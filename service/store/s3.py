@@ -570,8 +570,15 @@ class S3Store:
         cached = self.cache.get(sha256)
         if cached is not None:
             return cached
+        key = self.key(sha256)
+        try:
+            size: int = self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
+        except ClientError as exc:
+            if _not_found(exc):
+                raise ObjectNotFoundError(self._missing(sha256)) from None
+            raise
         with self.cache.new_file() as (tmp, file):
-            got = self._download(sha256, file)
+            got = self._download(key, size, file)
             file.close()
             if got != sha256:
                 raise StoreError(
@@ -581,16 +588,10 @@ class S3Store:
                 )
             return self.cache.install(tmp, sha256)
 
-    def _download(self, sha256: str, file: BinaryIO) -> str:
-        """Fills ``file`` with the object in ranged GETs, ``parts_in_flight`` at once, and
-        returns the sha256 of the bytes that came (NOTE [ Downloading into the cache ])."""
-        key = self.key(sha256)
-        try:
-            size: int = self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
-        except ClientError as exc:
-            if _not_found(exc):
-                raise ObjectNotFoundError(self._missing(sha256)) from None
-            raise
+    def _download(self, key: str, size: int, file: BinaryIO) -> str:
+        """Fills ``file`` with the ``size`` bytes of the object under ``key`` in ranged GETs,
+        ``parts_in_flight`` at once, and returns the sha256 of the bytes that came (NOTE
+        [ Downloading into the cache ])."""
         part = self.part_bytes
         starts = range(0, size, part)
         digest = hashlib.sha256()
@@ -745,18 +746,11 @@ class S3Store:
         """Hashes a complete temp object into this machine's cache, installs it under its
         content key (NOTE [ Atomic commit on S3 ]) and deletes the temp key."""
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=temp_key)
-            _check_size(body["ContentLength"], max_bytes)
-            digest = hashlib.sha256()
-            size = 0
+            size: int = self.client.head_object(Bucket=self.bucket, Key=temp_key)["ContentLength"]
+            _check_size(size, max_bytes)
             with self.cache.new_file() as (cache_tmp, file):
-                with contextlib.closing(body["Body"]) as stream:
-                    while chunk := stream.read(_READ_CHUNK):
-                        digest.update(chunk)
-                        file.write(chunk)
-                        size += len(chunk)
+                sha256 = self._download(temp_key, size, file)
                 file.close()
-                sha256 = digest.hexdigest()
                 self._install_temp(temp_key, sha256)
                 self.cache.install(cache_tmp, sha256)
             return sha256, size
