@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import operator
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -119,6 +120,8 @@ __all__ = [
 # caller passed. So _CallState also records each module's _parameters entries (the tensor
 # objects themselves, not clones: they must stay the autograd leaves or nodes of the caller's
 # graph), and the recomputation swaps them in beside the buffers, and back out on exit.
+# A buffer that requires grad is kept the same way, by object, not copied: the gradient goes
+# to it, so the recomputation must read it, as it reads parameters.
 
 # NOTE [ Under torch.compile ]
 #
@@ -157,36 +160,62 @@ class _Record(NamedTuple):
     training: bool
     # The tensors in its _parameters, themselves (see NOTE [ Parameters in the recomputation ]).
     parameters: dict[str, nn.Parameter | None]
-    # A clone of each buffer, or None where there was no value.
-    buffers: dict[str, torch.Tensor | None]
+    # The names of its buffers with a value (not None, nor a Lazy module's not yet
+    # materialised), whose copies are the call's `values` from `first` on, in this order.
+    names: tuple[str, ...]
+    first: int
+    # Its buffers that require grad, themselves: like parameters, the recomputation must read
+    # the tensors the gradient goes to, not copies.
+    leaves: dict[str, torch.Tensor] | None
 
 
 class _CallState:
     """The training flags, parameters and buffer values of every module of one checkpointed
     call, as they were when the call reached that module."""
 
-    __slots__ = ("_owner", "records")
+    __slots__ = ("_owner", "records", "values")
 
     def __init__(self) -> None:
         self._owner = threading.get_ident()
         self.records: dict[nn.Module, _Record] = {}
+        # Copies of the recorded buffers, in the order of the records' names.
+        self.values: list[torch.Tensor] = []
 
     def capture(self, root: nn.Module) -> None:
         # Each call records a whole tree, so a module already recorded had its tree recorded
         # with it (as root.modules(), without building the names it would build).
         records = self.records
+        values = self.values
+        first = len(values)
         todo = [root]
+        tensors: list[torch.Tensor] = []
         while todo:
             module = todo.pop()
             if module in records:
                 continue
+            names: tuple[str, ...] = ()
+            leaves = None
+            start = first + len(tensors)
             buffers = module._buffers
+            if buffers:
+                for name, buf in buffers.items():
+                    if buf is None or is_lazy(buf):
+                        continue
+                    if buf.requires_grad:
+                        leaves = {} if leaves is None else leaves
+                        leaves[name] = buf
+                    else:
+                        names += (name,)
+                        tensors.append(buf)
             records[module] = _Record(
-                module.training,
-                module._parameters.copy(),
-                {name: _clone(buf) for name, buf in buffers.items()} if buffers else {},
+                module.training, module._parameters.copy(), names, start, leaves
             )
-            todo.extend(child for child in module._modules.values() if child is not None)
+            children = module._modules
+            if children:
+                todo.extend(child for child in children.values() if child is not None)
+        if tensors:
+            # One call for all the copies: a clone each from Python costs its dispatch again.
+            values.extend(torch._foreach_clone(tensors))
 
     def on_forward_pre(self, module: nn.Module, args: Any) -> None:
         # Under torch.compile this hook is traced into the graphs of compiled modules that run
@@ -198,12 +227,14 @@ class _CallState:
             self.capture(module)
 
 
-def _clone(buf: torch.Tensor | None) -> torch.Tensor | None:
-    if buf is None or is_lazy(buf):
-        return None
-    # A buffer that does not require grad (every usual one) clones without an autograd node,
-    # so the detach, one more operator per buffer and call, is only needed for the others.
-    return buf.detach().clone() if buf.requires_grad else buf.clone()
+def _same_entries(current: dict[str, Any], recorded: dict[str, Any]) -> bool:
+    """Whether two _parameters dicts hold the same tensor objects under the same names, in the
+    same order (by identity: == on tensors compares values)."""
+    return (
+        len(current) == len(recorded)
+        and all(map(operator.is_, current.values(), recorded.values()))
+        and all(map(operator.eq, current.keys(), recorded.keys()))
+    )
 
 
 class _FirstForward:
@@ -241,36 +272,60 @@ class _Recomputation:
 
     def __init__(self, state: _CallState) -> None:
         self._state = state
-        self._saved: list[list[tuple[nn.Module, _Record]]] = []
+        # Per recomputation entered, per module it changed: the real training flag (None if
+        # unchanged), _parameters (None if unchanged) and _buffers (None if it had none).
+        self._saved: list[
+            list[tuple[nn.Module, bool | None, dict[str, Any] | None, dict[str, Any] | None]]
+        ] = []
 
     def __enter__(self) -> None:
-        saved = []
-        for module, record in self._state.records.items():
-            real_buffers = module._buffers.copy()
-            saved.append(
-                (module, _Record(module.training, module._parameters.copy(), real_buffers))
-            )
-            # Module.__setattr__ costs microseconds (it looks through parameters, buffers and
-            # submodules first), about a third of the wrapper's time per step when called for
-            # every module: set the flag only where it differs.
-            if module.training != record.training:
-                module.training = record.training
-            if record.parameters:
-                module._parameters.update(record.parameters)
-            recorded = record.buffers
-            if not recorded and not real_buffers:
-                continue  # most modules: no buffers
-            names = (
-                recorded
-                if recorded.keys() == real_buffers.keys()
-                else recorded.keys() | real_buffers.keys()
-            )
-            for name in names:
-                value = recorded.get(name)
-                if value is None:
-                    value = real_buffers.get(name)
-                module._buffers[name] = None if value is None else value.clone()
+        state = self._state
+        saved: list[
+            tuple[nn.Module, bool | None, dict[str, Any] | None, dict[str, Any] | None]
+        ] = []
+        # Pushed first, each change noted before it is made: should a copy fail (out of
+        # memory), what was changed is put back before the error goes on.
         self._saved.append(saved)
+        try:
+            copies = torch._foreach_clone(state.values) if state.values else []
+            for module, record in state.records.items():
+                # Module.__setattr__ costs microseconds (it looks through parameters, buffers
+                # and submodules first): the flag is set only where it differs.
+                training = None
+                if module.training != record.training:
+                    training = module.training
+                parameters = None
+                current = module._parameters
+                if record.parameters and not _same_entries(current, record.parameters):
+                    parameters = current.copy()
+                real = module._buffers
+                buffers = real.copy() if real or record.names or record.leaves else None
+                if training is None and parameters is None and buffers is None:
+                    continue
+                saved.append((module, training, parameters, buffers))
+                if training is not None:
+                    module.training = record.training
+                if parameters is not None:
+                    current.update(record.parameters)
+                if buffers is None:
+                    continue
+                names = record.names
+                first = record.first
+                for offset, name in enumerate(names):
+                    real[name] = copies[first + offset]
+                recorded = len(names)
+                if record.leaves:
+                    real.update(record.leaves)
+                    recorded += len(record.leaves)
+                if len(real) != recorded:
+                    # Buffers with no recorded value (not yet materialised then, or registered
+                    # since) get a throwaway copy of their value now.
+                    for name, value in buffers.items():
+                        if name not in names and not (record.leaves and name in record.leaves):
+                            real[name] = None if value is None else value.clone()
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
 
     def __exit__(
         self,
@@ -278,15 +333,17 @@ class _Recomputation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for module, real in self._saved.pop():
-            if module.training != real.training:
-                module.training = real.training
-            parameters = module._parameters
-            parameters.clear()
-            parameters.update(real.parameters)
-            if real.buffers or module._buffers:
-                module._buffers.clear()
-                module._buffers.update(real.buffers)
+        for module, training, parameters, buffers in self._saved.pop():
+            if training is not None:
+                module.training = training
+            if parameters is not None:
+                current = module._parameters
+                current.clear()
+                current.update(parameters)
+            if buffers is not None:
+                real = module._buffers
+                real.clear()
+                real.update(buffers)
 
 
 class _Both:

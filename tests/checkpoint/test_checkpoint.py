@@ -187,6 +187,44 @@ class EMA(nn.Module):
         return x * 2 - self.avg
 
 
+class RegistersOnFirstCall(nn.Module):
+    """Registers its buffer in its first forward (so a call's record may lack it), then keeps
+    a running sum of its input's column means in it, which it also uses in the output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "total" not in self._buffers:
+            self.register_buffer("total", torch.zeros(x.shape[-1], dtype=torch.float64))
+        total = self._buffers["total"]
+        assert total is not None
+        if self.training:
+            with torch.no_grad():
+                total.add_(x.mean(0).double())
+        return x + total.float()
+
+
+class MixedBuffers(nn.Module):
+    """Buffers of several shapes and dtypes, one of which requires grad (and gets one), all
+    updated in train mode and read in the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("matrix", torch.eye(6, dtype=torch.float64).t())  # not contiguous
+        self.register_buffer("counts", torch.zeros(6, dtype=torch.int32))
+        self.register_buffer("flag", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("scale", torch.ones(6, requires_grad=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.matrix.mul_(0.9).add_(torch.outer(x.mean(0), x.mean(0)).double(), alpha=0.1)
+                self.counts += (x > 0).sum(0).int()
+                self.flag.fill_(bool(self.counts.sum() % 2))
+        # Read only in ways that save none of them for backward: a later forward updates them
+        # in place before this one's backward, as without checkpointing.
+        shift = self.matrix.sum(0).float() + self.counts.float() / 100
+        return x * self.scale * (2.0 if bool(self.flag) else 1.0) + shift
+
+
 def layer_cases() -> list[Any]:
     def seq(*layers: nn.Module) -> nn.Module:
         return nn.Sequential(*layers)
@@ -211,6 +249,10 @@ def layer_cases() -> list[Any]:
             lambda: seq(spectral_norm(nn.Linear(6, 6)), nn.Tanh()), (4, 6), id="spectral_norm"
         ),
         pytest.param(lambda: seq(nn.Linear(6, 6), EMA()), (4, 6), id="ema_buffer"),
+        pytest.param(
+            lambda: seq(nn.Linear(6, 6), RegistersOnFirstCall()), (4, 6), id="registers_buffer"
+        ),
+        pytest.param(lambda: seq(nn.Linear(6, 6), MixedBuffers()), (4, 6), id="mixed_buffers"),
         pytest.param(
             lambda: nn.SyncBatchNorm.convert_sync_batchnorm(
                 seq(nn.Linear(6, 6), nn.BatchNorm1d(6))
