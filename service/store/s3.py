@@ -340,7 +340,7 @@ class _S3Writer(HashingWriter):
 
         Over plain HTTP a bytearray: botocore wraps a bytes body in a ``BytesIO`` and reads
         it back in copies (1 MiB ones for its checksum, 128 KiB ones to send it), where it
-        checksums and sends a bytearray as it is, in one ``sendall`` (0.4-0.5 s of CPU less
+        checksums and sends a bytearray as it is, in one ``sendall`` (0.35-0.55 s of CPU less
         per GiB, bench/RESULTS.md, "S3 write: where the client's CPU goes"). Over HTTPS
         bytes: there botocore streams every body through a ``BytesIO`` to append its
         checksum as a trailer, and a ``BytesIO`` copies a bytearray where it shares bytes."""
