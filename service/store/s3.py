@@ -47,6 +47,27 @@ the digest matches (NOTE [ Object cache ] in cache.py); otherwise the temp file 
 and the read fails. Hashing the file after a download would read it all a second time
 (bench/RESULTS.md, "S3 store").
 
+# NOTE [ What checks the bytes of a part ]
+An object's bytes are checked three times: the writer hashes them as they are written (the
+content key is that sha256, and a mismatch with an announced digest stores nothing); the
+server checks each request's body against a checksum sent with it before it keeps it; and a
+download into a cache is hashed again (NOTE [ Downloading into the cache ]). botocore offers
+two per-request checks of a body: a CRC32 header (``x-amz-checksum-crc32``, its default for
+PutObject and UploadPart) and, over plain HTTP only, a SHA-256 of the body in the SigV4
+signature. Over HTTPS it already sends object bytes with the CRC32 alone, TLS guarding them.
+Over plain HTTP it computes both, and the SHA-256 cost 0.7-0.95 s of CPU per GiB written, a
+sixth of the writer's CPU (bench/RESULTS.md, "S3 write: where the client's CPU goes").
+SeaweedFS checks the CRC32 and not the SHA-256: a part changed after it was signed is refused
+(BadDigest) when it has the CRC32 and stored when it has only the SHA-256. AWS S3 checks both.
+So an UploadPart or PutObject that carries a checksum header is signed over that header, not
+over its body (:func:`_sign_body_by_its_checksum`), as botocore does over HTTPS: every part
+is still checked by the server, on AWS and on SeaweedFS. What this gives up, on plain HTTP
+only, is protection against a body changed on purpose on the way (a CRC32 can be forged; a
+signed SHA-256 cannot); such a link leaves downloads unsigned anyway, and a download into a
+cache refuses bytes that do not hash to their key. Requests without a checksum header keep the
+signed SHA-256: CompleteMultipartUpload (its list of parts has no checksum), and every request
+where ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required`` turns the CRC32 off.
+
 # NOTE [ Collecting an S3 store ]
 The local store protects a write racing a collection with mtimes and a rename out of reach
 (NOTE [ Store garbage collection ] in service/store/gc.py). S3 has no rename, so the same two
@@ -64,8 +85,8 @@ after ``DELETE_MARKER_TTL_S`` should its collector die; a collection whose delet
 that long does not exist (one DELETE request, bounded by the client's timeouts and retries).
 An object without a recorded write is as old as its ``LastModified``, also checked.
 
-One backend in one module; its NOTE blocks (atomic commit, downloads, collection on S3)
-map it.
+One backend in one module; its NOTE blocks (atomic commit, downloads, what checks the bytes,
+collection on S3) map it.
 """
 
 from __future__ import annotations
@@ -73,6 +94,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import io
 import os
@@ -174,6 +196,32 @@ def _client_config(parts_in_flight: int) -> Config:
     )
 
 
+def _sign_body_by_its_checksum(unsigned: Config, request: Any, **_: Any) -> None:
+    """Before an UploadPart or PutObject is signed: if botocore put a checksum header on it,
+    the signature covers that header instead of a SHA-256 of the body (NOTE [ What checks
+    the bytes of a part ]). Without such a header, nothing changes."""
+    algorithm = request.context.get("checksum", {}).get("request_algorithm")
+    if (
+        isinstance(algorithm, dict)
+        and algorithm.get("in") == "header"
+        and algorithm.get("name") in request.headers
+    ):
+        # The signer reads `payload_signing_enabled` from the request's client config.
+        request.context["client_config"] = unsigned
+
+
+def _make_client(session: Any, endpoint_url: str | None, parts_in_flight: int) -> Any:
+    """A new client, signing object bytes as NOTE [ What checks the bytes of a part ] says.
+    Called with ``_session_lock`` held (a session is not thread-safe)."""
+    client = session.client("s3", endpoint_url=endpoint_url, config=_client_config(parts_in_flight))
+    config = client.meta.config
+    unsigned = config.merge(Config(s3={**(config.s3 or {}), "payload_signing_enabled": False}))
+    sign = functools.partial(_sign_body_by_its_checksum, unsigned)
+    for operation in ("UploadPart", "PutObject"):
+        client.meta.events.register(f"before-sign.s3.{operation}", sign)
+    return client
+
+
 def _new_client(endpoint_url: str | None, parts_in_flight: int) -> Any:
     """A client for this process: one warm_up made before the fork if there is one (tens of
     milliseconds saved per job), else a new one."""
@@ -185,10 +233,8 @@ def _new_client(endpoint_url: str | None, parts_in_flight: int) -> Any:
         if made is not None:
             _forkable[(name, parts_in_flight)] = made  # the maker's: kept for its children
     session = _session()
-    with _session_lock:  # a session is not thread-safe
-        return session.client(
-            "s3", endpoint_url=endpoint_url, config=_client_config(parts_in_flight)
-        )
+    with _session_lock:
+        return _make_client(session, endpoint_url, parts_in_flight)
 
 
 def warm_up(parts_in_flight: int = DEFAULT_S3_PARTS_IN_FLIGHT) -> None:
@@ -199,7 +245,7 @@ def warm_up(parts_in_flight: int = DEFAULT_S3_PARTS_IN_FLIGHT) -> None:
     session = _session()
     with _session_lock:
         # No endpoint_url: like S3Store's own client, it reads AWS_ENDPOINT_URL itself.
-        client = session.client("s3", config=_client_config(parts_in_flight))
+        client = _make_client(session, None, parts_in_flight)
         _forkable[("", parts_in_flight)] = (os.getpid(), client)
 
 
@@ -263,6 +309,7 @@ class _S3Writer(HashingWriter):
         self.spooled = False
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tls = str(store.client.meta.endpoint_url).startswith("https:")
 
     def _put(self, chunk: bytes) -> None:
         self._cache_file.write(chunk)
@@ -288,9 +335,16 @@ class _S3Writer(HashingWriter):
                 if self._buffered == part_bytes and self.expected_sha256 is not None:
                     self._send(self._take_buffer())
 
-    def _take_buffer(self) -> bytes:
-        """The bytes buffered for the next part, joined (their one copy on this path)."""
-        part = b"".join(self._pieces)
+    def _take_buffer(self) -> bytes | bytearray:
+        """The bytes buffered for the next part, joined (their one copy on this path).
+
+        Over plain HTTP a bytearray: botocore wraps a bytes body in a ``BytesIO`` and reads
+        it back in copies (1 MiB ones for its checksum, 128 KiB ones to send it), where it
+        checksums and sends a bytearray as it is, in one ``sendall`` (0.35-0.55 s of CPU less
+        per GiB, bench/RESULTS.md, "S3 write: where the client's CPU goes"). Over HTTPS
+        bytes: there botocore streams every body through a ``BytesIO`` to append its
+        checksum as a trailer, and a ``BytesIO`` copies a bytearray where it shares bytes."""
+        part = (b"" if self._tls else bytearray()).join(self._pieces)
         self._drop_buffer()
         return part
 
@@ -318,7 +372,7 @@ class _S3Writer(HashingWriter):
         )["UploadId"]
         self._pool = concurrent.futures.ThreadPoolExecutor(store.parts_in_flight)
 
-    def _send(self, part: bytes) -> None:
+    def _send(self, part: bytes | bytearray) -> None:
         store = self._store
         if self._pool is None:
             self._start()
@@ -340,7 +394,7 @@ class _S3Writer(HashingWriter):
         assert self._pool is not None
         self._parts.append(self._pool.submit(self._upload_part, number, part))
 
-    def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
+    def _upload_part(self, number: int, part: bytes | bytearray) -> dict[str, Any]:
         store = self._store
         reply = store.client.upload_part(
             Bucket=store.bucket,
@@ -373,7 +427,7 @@ class _S3Writer(HashingWriter):
         )
         self._upload_id = None
 
-    def take_single_part(self) -> bytes | None:
+    def take_single_part(self) -> bytes | bytearray | None:
         """The whole object, if it fits in one part (once)."""
         if self._pool is None and not self.already_there and not self.spooled:
             return self._take_buffer()
@@ -509,7 +563,7 @@ class S3Store:
                 )
             time.sleep(_MARKER_POLL_S)
 
-    def _install_bytes(self, data: bytes, sha256: str) -> None:
+    def _install_bytes(self, data: bytes | bytearray, sha256: str) -> None:
         self._record_write(sha256)
         self.client.put_object(Bucket=self.bucket, Key=self.key(sha256), Body=data)
 

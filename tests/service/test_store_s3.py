@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from botocore.exceptions import ClientError
 
 from service.errors import (
     ObjectNotFoundError,
@@ -258,6 +260,77 @@ def test_an_exception_mid_write_leaves_nothing(
     assert pending_uploads(s3_server, s3_bucket) == []
     assert store.cache.size_bytes() == 0
     assert list((store.cache.root / "tmp").iterdir()) == []
+
+
+def signed_payloads(store: S3Store, *operations: str) -> dict[str, list[tuple[str, bool]]]:
+    """For each of ``operations``: the X-Amz-Content-SHA256 of every request ``store``'s
+    client sends, and whether the request carries a CRC32 header."""
+    seen: dict[str, list[tuple[str, bool]]] = {operation: [] for operation in operations}
+    for operation in operations:
+        store.client.meta.events.register(
+            f"before-send.s3.{operation}",
+            lambda request, event_name, **_: seen[event_name.rpartition(".")[2]].append(
+                (
+                    request.headers["X-Amz-Content-SHA256"].decode(),
+                    "x-amz-checksum-crc32" in request.headers,
+                )
+            ),
+        )
+    return seen
+
+
+def test_object_bytes_are_signed_over_their_crc32(store: S3Store) -> None:
+    # NOTE [ What checks the bytes of a part ]: over plain HTTP, botocore would sign a SHA-256
+    # of every body; a body that carries a CRC32 is signed over that checksum instead, and a
+    # request without one (the list of parts) keeps the SHA-256.
+    seen = signed_payloads(store, "UploadPart", "PutObject", "CompleteMultipartUpload")
+    data = os.urandom(11 * MIB)
+    write_announced(store, data, sha(data))
+    store.put_bytes(b"small")
+    assert seen["UploadPart"] == [("UNSIGNED-PAYLOAD", True)] * 3
+    assert seen["PutObject"] == [("UNSIGNED-PAYLOAD", True)]
+    [(completion, has_crc32)] = seen["CompleteMultipartUpload"]
+    assert re.fullmatch("[0-9a-f]{64}", completion) and not has_crc32
+
+
+def change_a_byte_on_the_way(store: S3Store, operation: str, number: int) -> None:
+    """Changes one byte of the body of the ``number``-th ``operation`` request after it was
+    signed, as a faulty link would."""
+    sent = [0]
+
+    def change(request: Any, **_: Any) -> None:
+        sent[0] += 1
+        if sent[0] == number:
+            body = bytearray(request.body)
+            body[len(body) // 2] ^= 0xFF
+            request.body = bytes(body)
+
+    store.client.meta.events.register(f"before-send.s3.{operation}", change)
+
+
+def test_a_part_changed_on_the_way_is_refused_and_nothing_is_stored(
+    store: S3Store, s3_server: S3Server, s3_bucket: str
+) -> None:
+    # The server checks each part against its CRC32 (NOTE [ What checks the bytes of a
+    # part ]): the write fails, the upload is aborted, and neither the bucket nor the cache
+    # keeps anything.
+    data = os.urandom(11 * MIB)
+    change_a_byte_on_the_way(store, "UploadPart", 2)
+    with pytest.raises(ClientError, match="BadDigest"):
+        write_announced(store, data, sha(data))
+    assert bucket_keys(s3_server, s3_bucket) == []
+    assert pending_uploads(s3_server, s3_bucket) == []
+    assert store.cache.size_bytes() == 0
+
+
+def test_a_small_object_changed_on_the_way_is_refused(
+    store: S3Store, s3_server: S3Server, s3_bucket: str
+) -> None:
+    change_a_byte_on_the_way(store, "PutObject", 1)
+    with pytest.raises(ClientError, match="BadDigest"):
+        store.put_bytes(b"one part, one PUT")
+    assert bucket_keys(s3_server, s3_bucket) == []
+    assert store.cache.size_bytes() == 0
 
 
 def test_size_limit(store: S3Store, s3_server: S3Server, s3_bucket: str) -> None:
