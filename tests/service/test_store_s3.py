@@ -168,6 +168,11 @@ def test_chunks_across_part_boundaries_from_a_reused_buffer(
     assert writer.sha256 == sha(data)
     body = s3_server.client().get_object(Bucket=s3_bucket, Key=f"pre/objects/{sha(data)}")
     assert body["Body"].read() == data
+    # The cache's copy too, written past the page cache every 16 MiB (NOTE [ Copies past the
+    # page cache ]): whole, from the buffer's bytes as they were written.
+    cached = store.cache.get(sha(data))
+    assert cached is not None
+    assert cached.read_bytes() == data
 
 
 def count_calls(store: S3Store, *operations: str) -> list[str]:
