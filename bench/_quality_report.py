@@ -114,7 +114,10 @@ def verdicts(results: Results, clean: str) -> list[Verdict]:
     n = results.num_test
     clean_acc = results.source[clean]
     found: list[Verdict] = []
-    for shift in PRECISE_SHIFTS:
+    # The targets of `precise` on all the shifted digits; a plan without n = all has none.
+    precise_shifts = PRECISE_SHIFTS if n in results.sample_counts else ()
+    noise_shifts = [NOISE_SHIFT] if n in results.sample_counts else []
+    for shift in precise_shifts:
         for condition in _severities(results, shift):
             acc = results.adapted.get((condition, "precise", n))
             gap = None if acc is None else 100 * (clean_acc - acc)
@@ -127,7 +130,7 @@ def verdicts(results: Results, clean: str) -> list[Verdict]:
                     gap is not None and gap <= PRECISE_WITHIN_CLEAN_POINTS,
                 )
             )
-    for condition in _severities(results, NOISE_SHIFT):
+    for condition in [c for shift in noise_shifts for c in _severities(results, shift)]:
         acc = results.adapted.get((condition, "precise", n))
         source = results.source[condition]
         gain = None if acc is None else 100 * (acc - source)
