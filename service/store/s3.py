@@ -24,7 +24,9 @@ A content key is only ever written whole, and only with bytes that hash to it:
 - a larger one whose sha256 is not known beforehand goes, while it is hashed, only to the
   writer's cache file (which every write fills anyway); once the write ends and the digest is
   known, that file is uploaded in parts to the content key, a multipart upload that is again
-  invisible until completed whole. The upload starts only after the last byte was written
+  invisible until completed whole (each part read from the file by the thread that sends it,
+  into the buffer that is sent: no transfer manager's copies, the same signing as the
+  announced path). The upload starts only after the last byte was written
   (no overlap with a slow sender), but nothing is copied on the server: the bytes cross the
   network and the server once, not twice as with a temp key and a server-side copy (what
   this path did before, bench/RESULTS.md, "S3 store").
@@ -104,7 +106,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, BinaryIO, Final
+from typing import Any, BinaryIO, Final, NamedTuple
 from urllib.parse import urlsplit
 
 import boto3
@@ -151,6 +153,8 @@ _WRITE_SLICE: Final = 256 * 1024
 _COPY_SINGLE_MAX: Final = 4 * 1024**3
 _COPY_PART: Final = 512 * 1024**2
 _MAX_PARTS: Final = 10_000
+# A part read from a file goes straight into the bytearray that is sent (see _FileRange).
+_CAN_READ_INTO: Final = hasattr(os, "preadv")
 
 # The marker is set only if no write was recorded at or after the cutoff (NOTE [ Collecting an
 # S3 store ]). KEYS: written zset, marker; ARGV: sha256, cutoff, token, ttl ms.
@@ -286,6 +290,102 @@ class _BodyReader(io.RawIOBase):
         super().close()
 
 
+def _over_tls(client: Any) -> bool:
+    return str(client.meta.endpoint_url).startswith("https:")
+
+
+class _FileRange(NamedTuple):
+    """Bytes ``[offset, offset + size)`` of an open file, read by the thread that sends them."""
+
+    fd: int
+    offset: int
+    size: int
+
+    def read(self, as_bytes: bool) -> bytes | bytearray:
+        if as_bytes or not _CAN_READ_INTO:
+            data: bytes | bytearray = os.pread(self.fd, self.size, self.offset)
+        else:
+            data = bytearray(self.size)
+            got = os.preadv(self.fd, [data], self.offset)
+            del data[got:]
+        if len(data) != self.size:
+            raise StoreError(
+                f"read {len(data)} bytes at offset {self.offset} of a cache file, expected "
+                f"{self.size}: the file was changed while it was uploaded; write it again"
+            )
+        return data
+
+
+class _PartUpload:
+    """A multipart upload to one content key, invisible in the bucket until :meth:`complete`
+    and gone after :meth:`abort`. Its parts are sent by ``parts_in_flight`` threads; at most
+    that many are in memory or on the wire at once (:meth:`send` waits for a free one)."""
+
+    def __init__(self, store: S3Store, key: str) -> None:
+        self._store = store
+        self._key = key
+        self._upload_id: str | None = store.client.create_multipart_upload(
+            Bucket=store.bucket, Key=key
+        )["UploadId"]
+        self._pool = concurrent.futures.ThreadPoolExecutor(store.parts_in_flight)
+        self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
+        # Over plain HTTP a bytearray body is sent as it is, over HTTPS bytes are (see
+        # _S3Writer._take_buffer).
+        self.tls = _over_tls(store.client)
+
+    def send(self, part: bytes | bytearray | _FileRange) -> None:
+        store = self._store
+        if len(self._parts) >= _MAX_PARTS:
+            raise StoreError(
+                f"object needs more than {_MAX_PARTS} parts of {store.part_bytes} bytes; raise "
+                "BNADAPT_S3_PART_BYTES"
+            )
+        pending = [f for f in self._parts if not f.done()]
+        if len(pending) >= store.parts_in_flight:
+            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in self._parts:
+            if future.done():
+                future.result()  # an upload that failed fails the write now
+        number = len(self._parts) + 1
+        self._parts.append(self._pool.submit(self._upload_part, number, part))
+
+    def _upload_part(self, number: int, part: bytes | bytearray | _FileRange) -> dict[str, Any]:
+        store = self._store
+        body = part.read(self.tls) if isinstance(part, _FileRange) else part
+        reply = store.client.upload_part(
+            Bucket=store.bucket,
+            Key=self._key,
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=body,
+        )
+        return {"PartNumber": number, "ETag": reply["ETag"]}
+
+    def close_pool(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def complete(self) -> None:
+        parts = [future.result() for future in self._parts]
+        store = self._store
+        store.client.complete_multipart_upload(
+            Bucket=store.bucket,
+            Key=self._key,
+            UploadId=self._upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+        self._upload_id = None
+
+    def abort(self) -> None:
+        for future in self._parts:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        if self._upload_id is not None:
+            with contextlib.suppress(ClientError):
+                self._store.client.abort_multipart_upload(
+                    Bucket=self._store.bucket, Key=self._key, UploadId=self._upload_id
+                )
+
+
 class _S3Writer(HashingWriter):
     """Copies chunks to the cache file while it uploads them in parts to the object's content
     key when its digest was announced (a multipart upload is invisible until completed, and is
@@ -302,14 +402,11 @@ class _S3Writer(HashingWriter):
         # Pieces of the written chunks not yet sent, `_buffered` bytes: at most one part.
         self._pieces: list[memoryview] = []
         self._buffered = 0
-        self._upload_id: str | None = None
-        self.upload_key = ""  # where the parts go, once the first part is sent
+        self._upload: _PartUpload | None = None  # once the first part is sent
         self.already_there = False  # the announced object exists: nothing is uploaded
         # Digest unknown and more than one part: the whole object is in the cache file only.
         self.spooled = False
-        self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._tls = str(store.client.meta.endpoint_url).startswith("https:")
+        self._tls = _over_tls(store.client)
 
     def _put(self, chunk: bytes) -> None:
         self._cache_file.write(chunk)
@@ -354,100 +451,50 @@ class _S3Writer(HashingWriter):
         self._pieces.clear()
         self._buffered = 0
 
-    def _start(self) -> None:
-        """Opens the multipart upload of an announced digest, at the first full part (an
-        object of one part is one PUT, and asks nothing before)."""
-        store = self._store
-        assert self.expected_sha256 is not None  # else the write is spooled
-        # Recorded before looking, so that a collection cannot take the object between the
-        # look and the end of this write (NOTE [ Collecting an S3 store ]).
-        store._record_write(self.expected_sha256)
-        if store._exists_remote(self.expected_sha256):
-            self.already_there = True
-            self._drop_buffer()
-            return
-        self.upload_key = store.key(self.expected_sha256)
-        self._upload_id = store.client.create_multipart_upload(
-            Bucket=store.bucket, Key=self.upload_key
-        )["UploadId"]
-        self._pool = concurrent.futures.ThreadPoolExecutor(store.parts_in_flight)
-
     def _send(self, part: bytes | bytearray) -> None:
-        store = self._store
-        if self._pool is None:
-            self._start()
-            if self._pool is None:
-                return  # already there
-        if len(self._parts) >= _MAX_PARTS:
-            raise StoreError(
-                f"object needs more than {_MAX_PARTS} parts of {store.part_bytes} bytes; raise "
-                "BNADAPT_S3_PART_BYTES"
-            )
-        # At most `parts_in_flight` parts in memory: wait for one to finish before the next.
-        pending = [f for f in self._parts if not f.done()]
-        if len(pending) >= store.parts_in_flight:
-            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-        for future in self._parts:
-            if future.done():
-                future.result()  # an upload that failed fails the write now
-        number = len(self._parts) + 1
-        assert self._pool is not None
-        self._parts.append(self._pool.submit(self._upload_part, number, part))
-
-    def _upload_part(self, number: int, part: bytes | bytearray) -> dict[str, Any]:
-        store = self._store
-        reply = store.client.upload_part(
-            Bucket=store.bucket,
-            Key=self.upload_key,
-            UploadId=self._upload_id,
-            PartNumber=number,
-            Body=part,
-        )
-        return {"PartNumber": number, "ETag": reply["ETag"]}
+        """Sends a full part of an announced digest; the first one opens the multipart upload
+        (an object of one part is one PUT, and asks nothing before)."""
+        if self._upload is None:
+            store = self._store
+            assert self.expected_sha256 is not None  # else the write is spooled
+            # Recorded before looking, so that a collection cannot take the object between
+            # the look and the end of this write (NOTE [ Collecting an S3 store ]).
+            store._record_write(self.expected_sha256)
+            if store._exists_remote(self.expected_sha256):
+                self.already_there = True
+                self._drop_buffer()
+                return
+            self._upload = _PartUpload(store, store.key(self.expected_sha256))
+        self._upload.send(part)
 
     def finish(self) -> str:
         """Ends the write: the sha256 is known and checked; past one part of an announced
         digest, every part is uploaded (the upload is completed by :meth:`complete`, once the
         write is recorded)."""
         digest = super().finish()
-        if self._pool is None:
+        if self._upload is None:
             return digest  # one part (still in self._pieces), spooled, or already there
         if self._buffered:
             self._send(self._take_buffer())
         return digest
 
     def complete(self) -> None:
-        parts = [future.result() for future in self._parts]
-        store = self._store
-        store.client.complete_multipart_upload(
-            Bucket=store.bucket,
-            Key=self.upload_key,
-            UploadId=self._upload_id,
-            MultipartUpload={"Parts": parts},
-        )
-        self._upload_id = None
+        assert self._upload is not None
+        self._upload.complete()
 
     def take_single_part(self) -> bytes | bytearray | None:
         """The whole object, if it fits in one part (once)."""
-        if self._pool is None and not self.already_there and not self.spooled:
+        if self._upload is None and not self.already_there and not self.spooled:
             return self._take_buffer()
         return None
 
     def abort(self) -> None:
-        store = self._store
-        if self._pool is not None:
-            for future in self._parts:
-                future.cancel()
-            self._pool.shutdown(wait=True)
-        if self._upload_id is not None:
-            with contextlib.suppress(ClientError):
-                store.client.abort_multipart_upload(
-                    Bucket=store.bucket, Key=self.upload_key, UploadId=self._upload_id
-                )
+        if self._upload is not None:
+            self._upload.abort()
 
     def close_pool(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self._upload is not None:
+            self._upload.close_pool()
 
 
 class S3Store:
@@ -484,11 +531,6 @@ class S3Store:
         self._transfer = TransferConfig(
             multipart_threshold=_COPY_SINGLE_MAX,
             multipart_chunksize=_COPY_PART,
-            max_concurrency=max(parts_in_flight, 4),
-        )
-        self._part_transfer = TransferConfig(
-            multipart_threshold=part_bytes,
-            multipart_chunksize=part_bytes,
             max_concurrency=max(parts_in_flight, 4),
         )
 
@@ -572,14 +614,24 @@ class S3Store:
         ``sha256`` as they were written, under its content key unless the object is there:
         a write of unknown digest past one part, or one whose announced object was there
         already (the recorded write keeps it for the grace period; should a collection have
-        taken it meanwhile, a write longer than that, it is uploaded again)."""
+        taken it meanwhile, a write longer than that, it is uploaded again). The parts are
+        read from the file by the threads that send them (NOTE [ Atomic commit on S3 ])."""
         self._record_write(sha256)
-        if not self._exists_remote(sha256):
-            # From an open file: a part read by name could miss a temp file unlinked meanwhile.
-            with cache_tmp.open("rb") as file:
-                self.client.upload_fileobj(
-                    file, self.bucket, self.key(sha256), Config=self._part_transfer
-                )
+        if self._exists_remote(sha256):
+            return
+        # From an open file: a part read by name could miss a temp file unlinked meanwhile.
+        with cache_tmp.open("rb", buffering=0) as file:
+            fd = file.fileno()
+            size = os.fstat(fd).st_size
+            upload = _PartUpload(self, self.key(sha256))
+            try:
+                for offset in range(0, size, self.part_bytes):
+                    upload.send(_FileRange(fd, offset, min(self.part_bytes, size - offset)))
+                upload.close_pool()
+                upload.complete()
+            except BaseException:
+                upload.abort()
+                raise
 
     def _install_temp(self, temp_key: str, sha256: str) -> None:
         """Copies a complete temp object to its content key (unless it is there) and deletes
