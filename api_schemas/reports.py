@@ -192,8 +192,9 @@ class AutoCandidate(_ReportModel):
     """One candidate the ``auto`` estimator scored on its held-out samples. ``name`` is
     ``source`` (the input statistics), ``precise``, ``prior`` (then ``prior_strength`` is the
     N the ``prior`` estimator would take for the same estimation samples, ``source_weight``
-    the source's share) or ``entropy``. ``eligible``: its mean entropy is below the source's;
-    ``score``: marginal entropy minus mean entropy (higher is better)."""
+    the source's share) or ``entropy``. ``score``: marginal entropy minus mean entropy (higher
+    is better); ``eligible``: it passed the rule's gates against the source (the report's
+    ``criterion``), so it could be kept (the source always is)."""
 
     name: str
     prior_strength: float | None = None

@@ -19,13 +19,21 @@ import torch
 from pydantic import ValidationError
 
 from api_schemas import AdaptParams, JobPayload
-from api_schemas.reports import AutoChoice, Report
+from api_schemas.reports import AutoChoice, Predictions, Report
 from service.local.demo import digits_split
 from service.store.local import LocalStore
 from tests.stack import Stack, npz_bytes, running_stack
 from tests.workers.test_shards import assert_same_adaptation
 from workers.errors import AdaptError
-from workers.estimators.auto import SOURCE_WEIGHTS
+from workers.estimators.auto import (
+    MARGINAL_GAIN,
+    SCORE_MARGIN,
+    SOURCE_WEIGHTS,
+    TENT_MARGINS,
+    margin_for,
+    statistics_eligible,
+    tent_replaces,
+)
 from workers.estimators.precise import collect_statistics
 from workers.estimators.running import select_batchnorm
 from workers.models.architectures import build_model
@@ -113,19 +121,69 @@ def accuracy(report: Report, when: str) -> float:
 
 
 def assert_rule_holds(report: Report) -> None:
-    """The kept candidate is the highest-scoring eligible one (the source always eligible;
-    ties to the earlier), eligible meaning a lower held-out mean entropy than the source."""
+    """The kept candidate follows NOTE [ Choosing without labels ], read here from the table
+    alone: margin m = 0.1 / sqrt(held-out n); a statistics candidate is eligible when its score
+    beats the source's by m and it lowers the mean entropy or raises the marginal entropy by
+    0.25; the best eligible score (or the source) is kept, ties to the earlier; entropy then
+    replaces it when it beats the source by 4 m and entropy's score beats it by m."""
     auto = report.auto
     assert auto is not None
     source = auto.candidates[0]
     assert source.name == "source" and source.eligible and source.changed_fraction == 0
-    for candidate in auto.candidates[1:]:
-        below = candidate.predictions.mean_entropy < source.predictions.mean_entropy
-        assert candidate.eligible == below
-    scores = [c.score if c.eligible else -np.inf for c in auto.candidates]
-    assert auto.chosen_index == int(np.argmax(scores))
+    m = 0.1 / auto.held_out_samples**0.5
+    best = 0
+    for index, candidate in enumerate(auto.candidates[1:], start=1):
+        if candidate.name == "entropy":
+            continue
+        lowers = candidate.predictions.mean_entropy < source.predictions.mean_entropy
+        spreads = (
+            candidate.predictions.marginal_entropy > source.predictions.marginal_entropy + 0.25
+        )
+        ok = candidate.score > source.score + m and (lowers or spreads)
+        assert candidate.eligible == ok, (index, candidate)
+        if ok and candidate.score > auto.candidates[best].score:
+            best = index
+    for index, candidate in enumerate(auto.candidates):
+        if candidate.name == "entropy":
+            chosen = auto.candidates[best].score
+            ok = best != 0 and chosen > source.score + 4 * m and candidate.score > chosen + m
+            assert candidate.eligible == ok, candidate
+            best = index if ok else best
+    assert auto.chosen_index == best
     assert auto.chosen == auto.candidates[auto.chosen_index].name
     assert auto.kept_source == (auto.chosen_index == 0)
+
+
+def test_choice_rule_parts() -> None:
+    """Each gate of NOTE [ Choosing without labels ] on its own: the margin shrinks with the
+    held-out samples; a statistics candidate needs a score above the source's by the margin and
+    a lower mean entropy or a marginal entropy raised by 0.25 nats; entropy (TENT) replaces the
+    choice only when that choice beats the source by 4 margins and TENT beats it by one more."""
+    assert margin_for(4) == pytest.approx(SCORE_MARGIN / 2)
+    assert margin_for(100) == pytest.approx(SCORE_MARGIN / 10)
+    m = margin_for(16)  # 0.025
+
+    def seen(mean_entropy: float, marginal_entropy: float) -> Predictions:
+        return Predictions(
+            mean_entropy=mean_entropy, mean_max_probability=0.5, marginal_entropy=marginal_entropy
+        )
+
+    source = seen(1.0, 2.0)  # score 1.0
+    # A score above the margin with a lower mean entropy: eligible; within the margin: not.
+    assert statistics_eligible(1.0, source, 1.0 + 2 * m, seen(0.9, 1.9 + 2 * m), m)
+    assert not statistics_eligible(1.0, source, 1.0 + m / 2, seen(0.9, 1.9 + m / 2), m)
+    # A higher mean entropy is let in only by predictions spread by more than MARGINAL_GAIN.
+    assert not statistics_eligible(1.0, source, 1.1, seen(1.1, 2.2), m)
+    spread = seen(1.2, 2.0 + MARGINAL_GAIN + 0.1)
+    assert statistics_eligible(1.0, source, spread.marginal_entropy - 1.2, spread, m)
+    # A lower mean entropy with a collapse of the marginal lowers the score: not eligible.
+    assert not statistics_eligible(1.0, source, 0.5, seen(0.5, 1.0), m)
+    # TENT's gate.
+    strong = 1.0 + TENT_MARGINS * m + 0.01
+    assert tent_replaces(1.0, strong, strong + 2 * m, m)
+    assert not tent_replaces(1.0, strong, strong + m / 2, m)  # not better by a margin
+    weak = 1.0 + (TENT_MARGINS - 1) * m
+    assert not tent_replaces(1.0, weak, weak + 10 * m, m)  # the choice's evidence too weak
 
 
 def test_auto_options_are_checked() -> None:
