@@ -4,11 +4,16 @@ The model: a stem, 8 residual blocks (4 of 32 channels at 32x32, 4 of 64 channel
 a linear head over 10 classes; a batch is 32 RGB images of 32x32. Every residual block is
 checkpointed. Four measurements, each a ratio against a baseline measured in the same run:
 
-1. Train step (forward, cross-entropy, backward, SGD step): the model under
-   ``apply_checkpointing`` over torch's non-reentrant checkpoint applied to the same blocks.
-   Both copies of the model live in one process and are timed alternately, one step each, in
-   alternating order after a warm-up; the result is the median of the paired ratios, with the
-   quartiles as the spread. Target <= 1.01.
+1. Train step (forward, cross-entropy, backward, SGD step): bnadapt's checkpoint wrapper over
+   torch's non-reentrant checkpoint on the same blocks of one model. Every block sits behind
+   both (``Switched``: the same block object is the child of a ``CheckpointWrapper`` and of a
+   module that calls torch's checkpoint), so the two variants run the very same parameters,
+   buffers, optimizer and memory, and differ in the checkpoint code only; steps are timed
+   alternately, one of each, in alternating order after a warm-up. The result is the median
+   of the paired ratios, with the quartiles as the spread and a distribution-free 95 %
+   confidence interval of the median (order statistics of the binomial). Target <= 1.01.
+   ``control`` times torch's checkpoint against itself the same way: how far from 1.000 the
+   method itself lands, and how wide its interval is, on the machine of the day.
 1b. Compiled train step: the same two models, each under ``torch.compile`` (inductor, whole
    model), timed the same way after compiling. Target <= 1.02.
 2. Peak memory of train steps, one fresh process per variant: ``none`` (no checkpointing),
@@ -39,6 +44,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import os
 import resource
 import statistics
@@ -59,7 +65,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bnadapt.checkpoint import apply_checkpointing  # noqa: E402
+from bnadapt.checkpoint import apply_checkpointing, checkpoint_wrapper  # noqa: E402
 
 # One of the 2 cores of the machine the results were taken on, fixed for every run: it is
 # shared, and with 2 intra-op threads any other runnable process stalls OpenMP's barrier, so
@@ -75,7 +81,8 @@ MEMORY_TARGET = 1.01
 COMPILE_BACKEND = "inductor"
 
 VARIANTS = ("none", "torch", "bnadapt")
-MEASUREMENTS = ("train", "compiled", "adapt", "memory")
+MEASUREMENTS = ("train", "control", "compiled", "adapt", "memory")
+DEFAULT_MEASUREMENTS = ("train", "compiled", "adapt", "memory")
 
 # glibc keeps freed blocks above its (self-raising) mmap threshold in the heap, so the peak RSS
 # of a run that frees and reallocates activations, as recomputation does, would count heap
@@ -126,6 +133,43 @@ class TorchCheckpointed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch_checkpoint(self.block, x, use_reentrant=False)
         return out
+
+
+class Switched(nn.Module):
+    """One block behind both checkpoints; ``use`` says which one runs."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.ours = checkpoint_wrapper(block)
+        self.theirs = TorchCheckpointed(block)
+        self.use = "bnadapt"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = (self.ours if self.use == "bnadapt" else self.theirs)(x)
+        return out
+
+
+def switched_steps(
+    model: ResNet, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, Callable[[], None]]:
+    """Train steps of one copy of ``model`` whose blocks are :class:`Switched`, by variant
+    (``bnadapt``, ``torch``): each step first points every block at its variant."""
+    model = copy.deepcopy(model)
+    switches = []
+    for i, block in enumerate(model.blocks):
+        switches.append(Switched(block))
+        model.blocks[i] = switches[-1]
+    step = train_step(model, x, y)
+
+    def step_of(variant: str) -> Callable[[], None]:
+        def run() -> None:
+            for switch in switches:
+                switch.use = variant
+            step()
+
+        return run
+
+    return {variant: step_of(variant) for variant in ("bnadapt", "torch")}
 
 
 def make_variant(model: ResNet, variant: str) -> ResNet:
@@ -203,6 +247,17 @@ class PairedTiming:
             return ratios[0], ratios[0], ratios[0]
         low, median, high = statistics.quantiles(ratios, n=4, method="inclusive")
         return low, median, high
+
+    def median_interval(self) -> tuple[float, float]:
+        """A distribution-free 95 % confidence interval of the median wall-clock ratio: the
+        order statistics at n/2 -+ 1.96 sqrt(n)/2 (the normal approximation of the binomial
+        count of ratios below the median), clamped to the sample."""
+        ratios = sorted(m / b for m, b in zip(self.measured_s, self.baseline_s, strict=True))
+        n = len(ratios)
+        half_width = 1.96 * math.sqrt(n) / 2
+        low = max(math.floor(n / 2 - half_width), 0)
+        high = min(math.ceil(n / 2 + half_width), n - 1)
+        return ratios[low], ratios[high]
 
 
 def time_paired(
@@ -291,13 +346,28 @@ def verdict(ratio: float, target: float) -> str:
     return "yes" if ratio <= target else "**no**"
 
 
-def timing_row(name: str, baseline: str, timing: PairedTiming, target: float) -> str:
+def interval_verdict(interval: tuple[float, float], target: float | None) -> str:
+    """What the median's 95 % interval says of the target: below it, above it, or neither."""
+    if target is None:
+        return "-"
+    if interval[1] <= target:
+        return "met"
+    if interval[0] > target:
+        return "**missed**"
+    return "not resolved"
+
+
+def timing_row(name: str, baseline: str, timing: PairedTiming, target: float | None) -> str:
     low, median, high = timing.ratio_quartiles()
     cpu_low, cpu_median, cpu_high = timing.ratio_quartiles(cpu=True)
+    interval = timing.median_interval()
+    goal = "-" if target is None else f"<= {target}"
+    met = "-" if target is None else verdict(median, target)
     return (
         f"| {name} | {statistics.median(timing.measured_s) * 1e3:.1f} ms "
         f"| {baseline} {statistics.median(timing.baseline_s) * 1e3:.1f} ms "
-        f"| **{median:.3f}** ({low:.3f}-{high:.3f}) | <= {target} | {verdict(median, target)} "
+        f"| **{median:.3f}** ({low:.3f}-{high:.3f}) | {interval[0]:.3f}-{interval[1]:.3f} "
+        f"| {goal} | {met} | {interval_verdict(interval, target)} "
         f"| {cpu_median:.3f} ({cpu_low:.3f}-{cpu_high:.3f}) |"
     )
 
@@ -332,17 +402,24 @@ def report(
         f"{plan.memory_batch}, {plan.memory_steps} train steps, {memory_unit} over that after "
         "the warm-up.",
         "",
-        "| measurement | bnadapt | baseline | ratio | target | met | CPU-time ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| measurement | measured | baseline | ratio (quartiles) | 95 % interval of the median "
+        "| target | median met | interval says | CPU-time ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    rows = {
-        "train": ("train step (fwd + bwd + SGD)", "torch", TRAIN_TARGET),
+    rows: dict[str, tuple[str, str, float | None]] = {
+        "train": ("train step (fwd + bwd + SGD), one model", "torch", TRAIN_TARGET),
+        "control": ("control: torch's checkpoint against itself", "torch", None),
         "compiled": ("compiled train step", "torch compiled", COMPILED_TARGET),
         "adapt": ("no-grad adaptation step", "unwrapped", ADAPT_TARGET),
     }
     for key, timing in timings.items():
         lines.append(timing_row(*rows[key][:2], timing, rows[key][2]))
     if memory:
+        lines.append("")
+        lines += [
+            "| measurement | bnadapt | baseline | ratio | target | met |",
+            "|---|---|---|---|---|---|",
+        ]
         lines += [
             memory_row("train-step memory", memory["bnadapt"], memory["torch"], MEMORY_TARGET),
             memory_row("train-step memory", memory["bnadapt"], memory["none"], None),
@@ -420,8 +497,8 @@ def main() -> None:
         "--measure",
         nargs="+",
         choices=MEASUREMENTS,
-        default=list(MEASUREMENTS),
-        help="which measurements to run (default: all)",
+        default=list(DEFAULT_MEASUREMENTS),
+        help="which measurements to run (default: all but control)",
     )
     parser.add_argument(
         "--pairs", type=int, help="pairs for every timing (default: the plan's, 100-120)"
@@ -460,12 +537,14 @@ def main() -> None:
     x, y = make_batch(BATCH, device)
     timings: dict[str, PairedTiming] = {}
     if "train" in measure:
+        steps = switched_steps(model, x, y)
         timings["train"] = time_paired(
-            train_step(make_variant(model, "bnadapt"), x, y),
-            train_step(make_variant(model, "torch"), x, y),
-            plan.train_pairs,
-            plan.warmup_steps,
-            device,
+            steps["bnadapt"], steps["torch"], plan.train_pairs, plan.warmup_steps, device
+        )
+    if "control" in measure:
+        steps = switched_steps(model, x, y)
+        timings["control"] = time_paired(
+            steps["torch"], steps["torch"], plan.train_pairs, plan.warmup_steps, device
         )
     if "compiled" in measure:
         timings["compiled"] = time_paired(

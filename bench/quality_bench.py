@@ -81,7 +81,8 @@ from service.client import Client, new_model_id  # noqa: E402
 from service.local.demo import TRAIN_PARAMS, digits_split, train_digits_cnn, write_npz  # noqa: E402
 from tests.servers import new_redis_server  # noqa: E402
 
-SEED: Final = 0  # of the noise; the split, the model's init and training use 0 too
+# The default seed of the noise and the adapt jobs; the split, the model's init and training use 0.
+SEED: Final = 0
 # "layerwise" is `precise` with `layerwise: true`; "auto_backward" is `auto` with
 # `allow_backward: true` (entropy among its candidates).
 ESTIMATORS: Final = (
@@ -121,6 +122,7 @@ class Plan:
     # Evaluate every adapted model in its own job and compare with the adapt job's metrics;
     # without, accuracies are the adapt jobs' own `metrics_after` (the same computation).
     cross_check: bool = True
+    seed: int = SEED  # of the noise and of the adapt jobs (their holdout draws)
 
 
 FULL: Final = Plan(tuple(condition_names(mixed=True)), (16, 64, 256, None), TRAIN_PARAMS["epochs"])
@@ -141,11 +143,11 @@ AUTO: Final = Plan(
 )
 
 
-def adapt_params(estimator: str, n: int | None) -> dict[str, Any]:
+def adapt_params(estimator: str, n: int | None, seed: int = SEED) -> dict[str, Any]:
     """The adapt job's params for ``n`` target samples (the first ``n`` of the dataset)."""
     batch = BATCH_SIZE if n is None else min(n, BATCH_SIZE)
     name = {"layerwise": "precise", "auto_backward": "auto"}.get(estimator, estimator)
-    params: dict[str, Any] = {"estimator": name, "batch_size": batch, "seed": SEED}
+    params: dict[str, Any] = {"estimator": name, "batch_size": batch, "seed": seed}
     if n is not None:
         params["max_batches"] = math.ceil(n / batch)
     if estimator == "layerwise":
@@ -209,7 +211,7 @@ def run(plan: Plan, root: Path) -> tuple[Results, dict[str, Any]]:
     files.mkdir(parents=True)
     train_file = write_npz(files / "train.npz", split.x_train, split.y_train)
     test_files = {
-        c: write_npz(files / f"{c}.npz", shifted(split.x_test, c, SEED), split.y_test)
+        c: write_npz(files / f"{c}.npz", shifted(split.x_test, c, plan.seed), split.y_test)
         for c in plan.conditions
     }
     counts = [num_test if n is None else n for n in plan.sample_counts]
@@ -223,7 +225,10 @@ def run(plan: Plan, root: Path) -> tuple[Results, dict[str, Any]]:
         datasets = {c: client.add_dataset(f, c).id for c, f in test_files.items()}
 
         keys = [(c, e, n) for c in plan.conditions for e in plan.estimators for n in counts]
-        params = {key: adapt_params(key[1], None if key[2] == num_test else key[2]) for key in keys}
+        params = {
+            key: adapt_params(key[1], None if key[2] == num_test else key[2], plan.seed)
+            for key in keys
+        }
         # Evaluations in the adapt jobs' batch size, which they measure in: like with like.
         source_jobs = [
             client.submit("evaluate", source_id, datasets[c], {"batch_size": BATCH_SIZE})
@@ -301,6 +306,7 @@ def run(plan: Plan, root: Path) -> tuple[Results, dict[str, Any]]:
         "worker_cpu_s": worker_cpu_s,
         "mismatches": mismatches,
         "cross_check": plan.cross_check,
+        "seed": plan.seed,
         "source_model": source_id,
     }
     return results, facts
@@ -327,7 +333,8 @@ def markdown(results: Results, facts: dict[str, Any], command: str) -> str:
             f"{os.cpu_count()} cores, torch {torch.__version__}; one worker. {facts['jobs']} "
             f"jobs through the service (1 train job, {facts['train_s']:.0f} s) in "
             f"{facts['elapsed_s'] / 60:.1f} minutes, worker CPU {facts['worker_cpu_s']:.0f} s. "
-            f"Seeds: split 0, model init 0, training 0, noise {SEED}, adapt jobs {SEED}. "
+            f"Seeds: split 0, model init 0, training 0, noise {facts['seed']}, adapt jobs "
+            f"{facts['seed']}. "
             f"Accuracy in % of the {n} test digits (one digit is {100 / n:.2f} points), always "
             f"measured on the whole test set of the condition; adapt jobs in batches of "
             f"{BATCH_SIZE} (fewer for n = 16), `ema` one pass, `prior` N = "
@@ -419,6 +426,13 @@ def main() -> None:
         help="with --auto: these numbers of target samples instead of all the test digits "
         "(each adapted model then evaluated on the whole test set)",
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=SEED,
+        help="seed of the noise and of the adapt jobs' holdout draws (default 0); the model "
+        "and its training keep seed 0",
+    )
     parser.add_argument("--json", type=Path, help="also write every accuracy and job count here")
     args = parser.parse_args()
     plan = QUICK if args.quick else AUTO if args.auto else FULL
@@ -432,6 +446,9 @@ def main() -> None:
         # digits measures itself on those n only, so every adapted model gets an evaluate job.
         plan = dataclasses.replace(plan, sample_counts=tuple(args.samples), cross_check=True)
         command += " --samples " + " ".join(map(str, args.samples))
+    if args.seed != SEED:
+        plan = dataclasses.replace(plan, seed=args.seed)
+        command += f" --seed {args.seed}"
     with tempfile.TemporaryDirectory(prefix="bnadapt-quality-") as tmp:
         results, facts = run(plan, Path(tmp))
     if args.json is not None:
