@@ -214,6 +214,16 @@ class AutoChoice(_ReportModel):
     criterion: str
     estimation_samples: int = Field(ge=1)
     held_out_samples: int = Field(ge=1)
+    # Cross-fitting (a few held-out samples): the candidates were also estimated without each
+    # of folds - 1 further folds of the estimation samples and scored on it, so the scores are
+    # over scored_samples (all the job's samples); 1 fold: the held-out samples only.
+    folds: int = Field(default=1, ge=1)
+    scored_samples: int | None = Field(default=None, ge=1)
+
+    def scored(self) -> int:
+        """How many samples the scores are over."""
+        return self.held_out_samples if self.scored_samples is None else self.scored_samples
+
     candidates: list[AutoCandidate]
     chosen: str
     chosen_index: int = Field(ge=0)
@@ -279,8 +289,13 @@ class Report(_ReportModel):
             auto = self.auto
             lines.append(
                 f"auto: {len(auto.candidates)} candidates estimated on "
-                f"{auto.estimation_samples} samples, scored on {auto.held_out_samples} held out "
-                f"({auto.criterion})"
+                f"{auto.estimation_samples} samples, scored on {auto.held_out_samples} held out"
+                + (
+                    f" and cross-fitted over {auto.folds} folds ({auto.scored()} samples scored)"
+                    if auto.folds > 1
+                    else ""
+                )
+                + f" ({auto.criterion})"
             )
             lines.append("  candidate                 mean entropy  score    changed  eligible")
             for index, candidate in enumerate(auto.candidates):

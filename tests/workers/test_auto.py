@@ -30,6 +30,7 @@ from workers.estimators.auto import (
     SCORE_MARGIN,
     SOURCE_WEIGHTS,
     TENT_MARGINS,
+    cross_fit_folds,
     margin_for,
     statistics_eligible,
     tent_replaces,
@@ -122,7 +123,7 @@ def accuracy(report: Report, when: str) -> float:
 
 def assert_rule_holds(report: Report) -> None:
     """The kept candidate follows NOTE [ Choosing without labels ], read here from the table
-    alone: margin m = 0.1 / sqrt(held-out n); a statistics candidate is eligible when its score
+    alone: margin m = 0.1 / sqrt(samples scored); a statistics candidate is eligible when its score
     beats the source's by m and it lowers the mean entropy or raises the marginal entropy by
     0.25; the best eligible score (or the source) is kept, ties to the earlier; entropy then
     replaces it when it beats the source by 4 m and entropy's score beats it by m."""
@@ -130,7 +131,7 @@ def assert_rule_holds(report: Report) -> None:
     assert auto is not None
     source = auto.candidates[0]
     assert source.name == "source" and source.eligible and source.changed_fraction == 0
-    m = 0.1 / auto.held_out_samples**0.5
+    m = 0.1 / auto.scored() ** 0.5  # over every sample scored (NOTE [ Cross-fitting ])
     best = 0
     for index, candidate in enumerate(auto.candidates[1:], start=1):
         if candidate.name == "entropy":
@@ -279,6 +280,65 @@ def test_auto_adapts_a_global_shift_and_equals_the_fixed_estimator(
     assert same.report.samples == auto.estimation_samples
     assert all(torch.equal(v, same.state_dict[k]) for k, v in outcome.state_dict.items())
     assert same.report.diagnostics == found
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["statistics", "with-entropy"])
+def test_few_samples_are_cross_fitted(
+    store: LocalStore, digits: dict[str, Any], backward: bool
+) -> None:
+    """16 target samples hold out 4: every candidate is estimated again without each of 3
+    more folds of 4 and predicts it, so the scores are over all 16 samples; the kept candidate
+    is still the one estimated on the 12 estimation samples, bitwise the fixed estimator with
+    the same holdout and seed; the progress units add up; deterministic."""
+    x = (digits["split"].x_test * 0.05).astype(np.float32)  # the job uses the first 16
+    extra: dict[str, Any] = {"allow_backward": True, "steps": 4, "lr": 1e-3} if backward else {}
+    extra |= {"batch_size": 16, "max_batches": 1}
+    outcome = run_adapt(store, digits, x, estimator="auto", seed=3, **extra)
+    auto = outcome.report.auto
+    assert auto is not None
+    assert (auto.held_out_samples, auto.estimation_samples) == (4, 12)
+    assert (auto.folds, auto.scored(), auto.scored_samples) == (4, 16, 16)
+    assert_rule_holds(outcome.report)
+    assert "cross-fitted over 4 folds (16 samples scored)" in "\n".join(
+        outcome.report.summary_lines()
+    )
+    again = run_adapt(store, digits, x, estimator="auto", seed=3, **extra)
+    assert again.report.auto == auto
+    kept = auto.candidates[auto.chosen_index]
+    if kept.name in ("precise", "prior"):
+        fixed: dict[str, Any] = {"estimator": kept.name, "holdout": 0.25, "seed": 3}
+        if kept.name == "prior":
+            fixed |= {"prior_strength": kept.prior_strength, "prior_base": "precise"}
+        same = run_adapt(store, digits, x, batch_size=16, max_batches=1, **fixed)
+        assert all(torch.equal(v, same.state_dict[k]) for k, v in outcome.state_dict.items())
+    # 64 held out and more: one fold, the held-out samples only.
+    wide = run_adapt(store, digits, x, estimator="auto", seed=3, max_batches=4).report.auto
+    assert wide is not None and (wide.folds, wide.scored()) == (1, wide.held_out_samples) == (1, 64)
+
+
+def test_cross_fit_folds_partition_the_samples() -> None:
+    """The folds come from the held-out draw's permutation: fold 0 is the held-out set, the
+    others cut the estimation samples, and each fold's estimation set is every other sample."""
+    x = torch.arange(40.0).reshape(40, 1)
+    split = split_target(x, 8, None, 0.25, 7)
+    assert split.order is not None and len(split.held_out) == 10
+
+    class Task:
+        params = AdaptParams(estimator="auto", batch_size=8)
+
+    task = Task()
+    task.x = x  # type: ignore[attr-defined]
+    folds = cross_fit_folds(task, split)  # type: ignore[arg-type]
+    assert len(folds) == 3
+    seen = [set(split.held_out.flatten().tolist())]
+    for train, fold in folds:
+        fold_set, train_set = set(fold.flatten().tolist()), set(train.flatten().tolist())
+        assert fold_set.isdisjoint(train_set) and len(fold_set | train_set) == 40
+        assert fold.flatten().tolist() == sorted(fold_set)  # the dataset's order
+        assert train.flatten().tolist() == sorted(train_set)
+        seen.append(fold_set)
+    assert sorted(len(f) for f in seen) == [10, 10, 10, 10]
+    assert set().union(*seen) == set(range(40))
 
 
 def test_allow_backward_adds_entropy(store: LocalStore, digits: dict[str, Any]) -> None:

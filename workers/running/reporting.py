@@ -185,6 +185,9 @@ class TargetSplit:
     estimation: Data
     held_out: Data
     is_held_out: bool
+    # The seeded permutation of the used samples that drew them (the first len(held_out) are
+    # held out), None when nothing is held out: the auto estimator's folds come from it.
+    order: torch.Tensor | None = None
 
 
 def split_target(
@@ -205,7 +208,7 @@ def split_target(
     order = torch.randperm(used, generator=generator)  # (used,)
     held_out = order[:held].sort().values
     estimation = order[held:].sort().values
-    return TargetSplit(x[estimation], x[held_out], is_held_out=True)
+    return TargetSplit(x[estimation], x[held_out], is_held_out=True, order=order)
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,19 @@ class PredictionSums:
         and the predictions spread over the classes (the auto estimator's score)."""
         found = self.predictions()
         return found.marginal_entropy - found.mean_entropy
+
+    @staticmethod
+    def pooled(parts: Sequence[PredictionSums]) -> PredictionSums:
+        """The sums over the samples of all ``parts``, in their order (the predictions of
+        several models on disjoint samples, as cross-fitting scores them)."""
+        first = parts[0]
+        return PredictionSums(
+            sum(p.samples for p in parts),
+            sum(p.entropy_sum for p in parts),
+            sum(p.max_probability_sum for p in parts),
+            sum((p.probability_sum for p in parts[1:]), first.probability_sum),
+            torch.cat([p.predicted for p in parts]),
+        )
 
     def changed_fraction(self, other: PredictionSums) -> float:
         """The fraction of samples whose predicted class differs in ``other`` (same samples)."""

@@ -383,7 +383,9 @@ function autoView(auto) {
     el("div", { class: "card span-all" }, el("h3", {}, "auto estimator"),
       el("p", { id: "auto-choice" }, el("strong", {}, choice)),
       el("p", { class: "muted" }, `${auto.candidates.length} candidates estimated on ${auto.estimation_samples} samples, ` +
-        `scored on ${auto.held_out_samples} held out; the rule: ${auto.criterion}`),
+        `scored on ${auto.held_out_samples} held out` +
+        (auto.folds > 1 ? ` and cross-fitted over ${auto.folds} folds (${auto.scored_samples} samples scored)` : "") +
+        `; the rule: ${auto.criterion}`),
       el("div", { class: "scroll" }, table)),
     chart);
 }
