@@ -446,6 +446,26 @@ def test_sharded_auto_equals_one_worker(
     assert all(layer.consistent for layer in sharded.report.batchnorm)
 
 
+def test_sharded_auto_cross_fits_as_one_worker(store: LocalStore, digits: dict[str, Any]) -> None:
+    """40 faint digits in batches of 8 hold out 10: the merge of 2 shards runs the folds'
+    extra passes itself and chooses as one worker, with the same folds and samples scored."""
+    x = (digits["split"].x_test * 0.05).astype(np.float32)
+    job = adapt_payload(
+        store, digits, x, estimator="auto", seed=2, shards=2, batch_size=8, max_batches=5
+    )
+    params = job.params
+    assert isinstance(params, AdaptParams)
+    single = compute(job, store)
+    plan = plan_shards(params.estimation_batches(len(x)), 2)
+    results = [collect_shard(job, store, shard) for shard in plan]
+    sharded = compute_merged(job, store, results)
+    got, want = sharded.report.auto, single.report.auto
+    assert got is not None and want is not None
+    assert (got.folds, got.scored(), got.held_out_samples) == (4, 40, 10)
+    assert_same_choice(got, want)
+    assert_rule_holds(sharded.report)
+
+
 def test_sharded_auto_refuses_entropy_and_too_few_batches(
     store: LocalStore, digits: dict[str, Any]
 ) -> None:
