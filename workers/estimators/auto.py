@@ -362,22 +362,29 @@ def _run_candidates(
             )
         )
         predictions.append(score())
-    if params.allow_backward:
-        check_stop(hooks.should_stop, done)
+
+    def tent_from_source(batches: list[torch.Tensor], tent_steps: int) -> AdaptStats:
+        """TENT's steps on ``batches`` from the source statistics, counted as progress."""
+        nonlocal done
         _load_layer_state(selected, source_state)
         base = done
-        tent = entropy_adapt(
+        result = entropy_adapt(
             model,
-            views,
+            batches,
             layers=layers,
             lr=params.lr,
-            steps=steps,
+            steps=tent_steps,
             optimizer=params.optimizer,
             reset=False,
             progress=lambda n: hooks.report(base + n),
             should_stop=hooks.should_stop,
         )
-        done += steps
+        done += tent_steps
+        return result
+
+    if params.allow_backward:
+        check_stop(hooks.should_stop, done)
+        tent = tent_from_source(views, steps)
         candidates.append(_Candidate("entropy", _layer_state(selected), tent, reset=False))
         predictions.append(score())
 
@@ -410,21 +417,9 @@ def _run_candidates(
             mix_with_source(model, layers, weight / (1.0 - weight) * len(train), apply_again)
             found.append(score(fold))
         if params.allow_backward:
-            _load_layer_state(selected, source_state)
-            base = done
-            fold_steps = params.steps or train_batches
-            entropy_adapt(
-                model,
-                list(iter_batches(train, params.batch_size)),
-                layers=layers,
-                lr=params.lr,
-                steps=fold_steps,
-                optimizer=params.optimizer,
-                reset=False,
-                progress=lambda n: hooks.report(base + n),
-                should_stop=hooks.should_stop,
+            tent_from_source(
+                list(iter_batches(train, params.batch_size)), params.steps or train_batches
             )
-            done += fold_steps
             found.append(score(fold))
         return found
 
