@@ -154,6 +154,20 @@ __all__ = [
 _WRAPPED_NAME = "_checkpoint_wrapped_module"
 
 
+# torch._foreach_clone clones a list in one dispatch (a clone each from Python costs its
+# dispatch again); some torch releases that bnadapt supports (2.11) lack it.
+_FOREACH_CLONE: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = getattr(
+    torch, "_foreach_clone", None
+)
+
+
+def _clone_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A clone of each of ``tensors``, in one call where torch has one."""
+    if _FOREACH_CLONE is not None:
+        return _FOREACH_CLONE(tensors)
+    return [tensor.clone() for tensor in tensors]
+
+
 class _Record(NamedTuple):
     """One module as the call found it."""
 
@@ -215,7 +229,7 @@ class _CallState:
                 todo.extend(child for child in children.values() if child is not None)
         if tensors:
             # One call for all the copies: a clone each from Python costs its dispatch again.
-            values.extend(torch._foreach_clone(tensors))
+            values.extend(_clone_all(tensors))
 
     def on_forward_pre(self, module: nn.Module, args: Any) -> None:
         # Under torch.compile this hook is traced into the graphs of compiled modules that run
@@ -287,7 +301,7 @@ class _Recomputation:
         # memory), what was changed is put back before the error goes on.
         self._saved.append(saved)
         try:
-            copies = torch._foreach_clone(state.values) if state.values else []
+            copies = _clone_all(state.values) if state.values else []
             for module, record in state.records.items():
                 # Module.__setattr__ costs microseconds (it looks through parameters, buffers
                 # and submodules first): the flag is set only where it differs.

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
+import bnadapt.checkpoint
 from tests.checkpoint.checkpoint_harness import assert_same, check_equivalent, run
 from workers.checkpoint import (
     CheckpointWrapper,
@@ -136,6 +137,16 @@ def test_call_patterns_match_unwrapped(
     }
     # Each BN saw each batch once: 1 for the retain_graph scenario, 5 otherwise.
     assert counts == {1 if scenario is retain_graph_twice else 5}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_call_patterns_match_without_foreach_clone(
+    scenario: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch releases without torch._foreach_clone (2.11, seen on a GPU machine) take the
+    wrapper's one-clone-each path, with the same guarantee."""
+    monkeypatch.setattr(bnadapt.checkpoint, "_FOREACH_CLONE", None)
+    check_equivalent(fresh_net(momentum=0.1), wrap_blocks, scenario, images(grad=True))
 
 
 @pytest.mark.parametrize("momentum", MOMENTA)
