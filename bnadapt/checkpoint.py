@@ -45,6 +45,7 @@ import enum
 import functools
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
@@ -108,7 +109,8 @@ __all__ = [
 # not depend on those buffers' values, as for LazyBatchNorm in train mode.
 #
 # The records cost one clone of the region's buffers per call, freed with the autograd graph;
-# for BatchNorm that is a few floats per channel, against whole activation maps saved.
+# for BatchNorm that is a few floats per channel, against whole activation maps saved. BatchNorm
+# in train mode skips them: NOTE [ BatchNorm in train mode ].
 
 # NOTE [ Parameters in the recomputation ]
 #
@@ -181,6 +183,65 @@ class _Record(NamedTuple):
     # Its buffers that require grad, themselves: like parameters, the recomputation must read
     # the tensors the gradient goes to, not copies.
     leaves: dict[str, torch.Tensor] | None
+    # A BatchNorm in train mode: nothing recorded, the recomputation writes scratch buffers
+    # (NOTE [ BatchNorm in train mode ]).
+    scratch: bool = False
+
+
+# NOTE [ BatchNorm in train mode ]
+#
+# In train mode BatchNorm normalises by the batch's own statistics: its output reads the
+# running statistics not at all, it only writes them. So its recomputation needs no copy of
+# their recorded values, only somewhere harmless to write: each such module gets scratch
+# buffers, made once (clones of its buffers as it had them) and reused by every recomputation
+# while the module keeps the same buffer objects. That saves the two clones per call (first
+# forward and recomputation) that cost most on CUDA, where every clone is a kernel launch on
+# the step's critical path. Concurrent or repeated recomputations may write the same scratch:
+# nothing reads it, and autograd keeps no version check on BatchNorm's running statistics.
+# Only modules whose forward is torch's own (_BatchNorm's or SyncBatchNorm's) with
+# track_running_stats, exactly its three buffers, none lazy or requiring grad, and no forward
+# hooks of their own qualify; anything else is recorded and copied as above.
+
+_BATCH_NORM_FORWARDS = frozenset(
+    {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
+)
+_BATCH_NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+# Per module: the buffer objects its scratch was made for, and the scratch.
+_SCRATCH: weakref.WeakKeyDictionary[
+    nn.Module, tuple[tuple[torch.Tensor | None, ...], dict[str, torch.Tensor | None]]
+] = weakref.WeakKeyDictionary()
+
+
+def _recomputes_on_scratch(module: nn.Module, buffers: dict[str, torch.Tensor | None]) -> bool:
+    """NOTE [ BatchNorm in train mode ]: whether ``module`` (in train mode) qualifies."""
+    if type(module).forward not in _BATCH_NORM_FORWARDS or not getattr(
+        module, "track_running_stats", False
+    ):
+        return False
+    if module._forward_hooks or module._forward_pre_hooks:
+        return False
+    if tuple(buffers) != _BATCH_NORM_BUFFERS:
+        return False
+    return all(
+        buf is not None and not buf.requires_grad and not is_lazy(buf) for buf in buffers.values()
+    )
+
+
+def _scratch_for(
+    module: nn.Module, buffers: dict[str, torch.Tensor | None]
+) -> dict[str, torch.Tensor | None]:
+    """The scratch buffers of NOTE [ BatchNorm in train mode ] for ``module``'s ``buffers``."""
+    current = tuple(buffers.values())
+    cached = _SCRATCH.get(module)
+    if (
+        cached is not None
+        and len(cached[0]) == len(current)
+        and all(map(operator.is_, cached[0], current))
+    ):
+        return cached[1]
+    scratch = {name: None if buf is None else buf.detach().clone() for name, buf in buffers.items()}
+    _SCRATCH[module] = (current, scratch)
+    return scratch
 
 
 class _CallState:
@@ -211,7 +272,10 @@ class _CallState:
             leaves = None
             start = first + len(tensors)
             buffers = module._buffers
-            if buffers:
+            scratch = False
+            if buffers and module.training and _recomputes_on_scratch(module, buffers):
+                scratch = True
+            elif buffers:
                 for name, buf in buffers.items():
                     if buf is None or is_lazy(buf):
                         continue
@@ -222,7 +286,7 @@ class _CallState:
                         names += (name,)
                         tensors.append(buf)
             records[module] = _Record(
-                module.training, module._parameters.copy(), names, start, leaves
+                module.training, module._parameters.copy(), names, start, leaves, scratch
             )
             children = module._modules
             if children:
@@ -322,6 +386,9 @@ class _Recomputation:
                 if parameters is not None:
                     current.update(record.parameters)
                 if buffers is None:
+                    continue
+                if record.scratch:
+                    real.update(_scratch_for(module, buffers))
                     continue
                 names = record.names
                 first = record.first

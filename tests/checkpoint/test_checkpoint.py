@@ -149,6 +149,42 @@ def test_call_patterns_match_without_foreach_clone(
     check_equivalent(fresh_net(momentum=0.1), wrap_blocks, scenario, images(grad=True))
 
 
+def _scales_by_running_mean(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    running_mean = module.running_mean
+    assert isinstance(running_mean, torch.Tensor)
+    return output * (1 + running_mean.view(1, -1, 1, 1))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_batchnorm_whose_hook_reads_its_statistics_is_recorded(
+    scenario: Callable[..., Any],
+) -> None:
+    """NOTE [ BatchNorm in train mode ]: a forward hook that reads the running statistics makes
+    the output depend on them, so that BatchNorm is recorded and copied, not given scratch."""
+    model = fresh_net(momentum=0.1)
+    for block in model.blocks:
+        block.bn1.register_forward_hook(_scales_by_running_mean)
+    check_equivalent(model, wrap_blocks, scenario, images(grad=True))
+
+
+class OwnForwardBatchNorm(nn.BatchNorm2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def test_only_torchs_own_train_mode_batchnorm_skips_the_copies() -> None:
+    """NOTE [ BatchNorm in train mode ]: a train-mode BatchNorm2d records no copies; in eval mode
+    it does, and so does a subclass with a forward of its own, in either mode."""
+    block = Block(4)
+    block.bn2 = OwnForwardBatchNorm(4)
+    for training, copies in ((True, 3), (False, 6)):
+        state = bnadapt.checkpoint._CallState()
+        state.capture(block.train(training))
+        assert len(state.values) == copies
+        assert state.records[block.bn1].scratch is training
+        assert not state.records[block.bn2].scratch
+
+
 @pytest.mark.parametrize("momentum", MOMENTA)
 def test_no_grad_adaptation_moves_the_statistics(momentum: float | None) -> None:
     # Not vacuous: the statistics really change, in the wrapped model as in the plain one.
