@@ -22,6 +22,7 @@ import torch
 from rq import Queue, Worker
 from rq.executions import Execution
 from rq.job import Job
+from rq.worker import WorkerStatus
 
 from api_schemas import JobStatus
 from service.log_format import configure_logging
@@ -29,7 +30,7 @@ from service.records.connection import redis_client
 from service.records.dequeues import DequeueHolds
 from service.records.sync import Records
 from service.settings import DEVICE_CLASSES, get_settings
-from service.upkeep.parent_death import die_with_supervisor
+from service.upkeep.parent_death import SUPERVISOR_PID_ENV, die_with_supervisor
 from service.upkeep.reaper import heartbeat_key_ttl_s
 from workers.models.architectures import registry
 from workers.running.compute import WORKER_DEVICE_ENV
@@ -150,6 +151,33 @@ class _OutcomeFilter(logging.Filter):
         return True
 
 
+# When its supervisor dies the worker gets SIGTERM (die_with_supervisor) and RQ's warm shutdown
+# tears it down: it registers its death and leaves its pub/sub channel. That teardown was seen
+# to hang past a minute once in the test suite's kills, after "unsubscribing from channel"
+# (the handler raises StopRequested wherever the main thread is, a Redis call included). An
+# orphan must end all the same: once its supervisor is gone and it has been idle this long,
+# it exits (the reaper handles what it leaves, as for any lost worker).
+ORPHAN_GRACE_S: Final = 15.0
+
+
+def _end_when_orphaned(worker: Worker, supervisor_pid: int) -> None:
+    """Daemon thread: exit once the supervisor is gone and ``worker`` idle for ORPHAN_GRACE_S
+    (a job at hand is finished first, as the warm shutdown does)."""
+    idle_since: float | None = None
+    while True:
+        time.sleep(1.0)
+        if os.getppid() == supervisor_pid:
+            continue
+        if worker.get_state() == WorkerStatus.BUSY:
+            idle_since = None
+            continue
+        idle_since = idle_since if idle_since is not None else time.monotonic()
+        if time.monotonic() - idle_since >= ORPHAN_GRACE_S:
+            log.warning("supervisor gone and shutdown not done in %.0f s: exiting", ORPHAN_GRACE_S)
+            logging.shutdown()
+            os._exit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run one bnadapt RQ worker.")
     parser.add_argument("--device", default=os.environ.get(WORKER_DEVICE_ENV, "auto"))
@@ -212,6 +240,11 @@ def main() -> None:
         DequeueHolds(redis_client(settings.redis_url)),
         heartbeat_key_ttl_s(settings.heartbeat_timeout_s),  # NOTE [ Heartbeat bound ]
     )
+    supervisor = os.environ.get(SUPERVISOR_PID_ENV)
+    if supervisor is not None:
+        threading.Thread(
+            target=_end_when_orphaned, args=(worker, int(supervisor)), daemon=True
+        ).start()
     worker.work(burst=args.burst, logging_level="INFO")
 
 
