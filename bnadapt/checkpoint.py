@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import itertools
 import operator
 import threading
 import weakref
@@ -170,12 +171,12 @@ def _clone_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [tensor.clone() for tensor in tensors]
 
 
-class _Record(NamedTuple):
-    """One module as the call found it."""
+class _Buffers(NamedTuple):
+    """How the recomputation treats one module's buffers, as the call found them."""
 
-    training: bool
-    # The tensors in its _parameters, themselves (see NOTE [ Parameters in the recomputation ]).
-    parameters: dict[str, nn.Parameter | None]
+    # A BatchNorm in train mode: its scratch buffers, nothing recorded (NOTE [ BatchNorm in
+    # train mode ]); None otherwise.
+    scratch: dict[str, torch.Tensor | None] | None
     # The names of its buffers with a value (not None, nor a Lazy module's not yet
     # materialised), whose copies are the call's `values` from `first` on, in this order.
     names: tuple[str, ...]
@@ -183,9 +184,6 @@ class _Record(NamedTuple):
     # Its buffers that require grad, themselves: like parameters, the recomputation must read
     # the tensors the gradient goes to, not copies.
     leaves: dict[str, torch.Tensor] | None
-    # A BatchNorm in train mode: nothing recorded, the recomputation writes scratch buffers
-    # (NOTE [ BatchNorm in train mode ]).
-    scratch: bool = False
 
 
 # NOTE [ BatchNorm in train mode ]
@@ -212,88 +210,104 @@ _SCRATCH: weakref.WeakKeyDictionary[
 ] = weakref.WeakKeyDictionary()
 
 
-def _recomputes_on_scratch(module: nn.Module, buffers: dict[str, torch.Tensor | None]) -> bool:
-    """NOTE [ BatchNorm in train mode ]: whether ``module`` (in train mode) qualifies."""
-    if type(module).forward not in _BATCH_NORM_FORWARDS or not getattr(
-        module, "track_running_stats", False
-    ):
-        return False
-    if module._forward_hooks or module._forward_pre_hooks:
-        return False
-    if tuple(buffers) != _BATCH_NORM_BUFFERS:
-        return False
-    return all(
-        buf is not None and not buf.requires_grad and not is_lazy(buf) for buf in buffers.values()
-    )
-
-
 def _scratch_for(
     module: nn.Module, buffers: dict[str, torch.Tensor | None]
-) -> dict[str, torch.Tensor | None]:
-    """The scratch buffers of NOTE [ BatchNorm in train mode ] for ``module``'s ``buffers``."""
-    current = tuple(buffers.values())
-    cached = _SCRATCH.get(module)
+) -> dict[str, torch.Tensor | None] | None:
+    """NOTE [ BatchNorm in train mode ]: the scratch buffers for ``module`` (in train mode) with
+    ``buffers``, or None if it does not qualify."""
     if (
-        cached is not None
-        and len(cached[0]) == len(current)
-        and all(map(operator.is_, cached[0], current))
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or type(module).forward not in _BATCH_NORM_FORWARDS
+        or not getattr(module, "track_running_stats", False)
+        or tuple(buffers) != _BATCH_NORM_BUFFERS
     ):
+        return None
+    current = tuple(buffers.values())
+    if any(buf is None or buf.requires_grad for buf in current):
+        return None
+    cached = _SCRATCH.get(module)
+    # The same objects as when the scratch was made: not lazy then, so not lazy now.
+    if cached is not None and all(map(operator.is_, cached[0], current)):
         return cached[1]
-    scratch = {name: None if buf is None else buf.detach().clone() for name, buf in buffers.items()}
+    if any(buf is not None and is_lazy(buf) for buf in current):
+        return None
+    scratch: dict[str, torch.Tensor | None] = {
+        name: None if buf is None else buf.detach().clone() for name, buf in buffers.items()
+    }
     _SCRATCH[module] = (current, scratch)
     return scratch
 
 
 class _CallState:
     """The training flags, parameters and buffer values of every module of one checkpointed
-    call, as they were when the call reached that module."""
+    call, as they were when the call reached that module.
 
-    __slots__ = ("_owner", "records", "values")
+    Kept as parallel lists, one entry per module in the order recorded, because the
+    recomputation compares them all at once (NOTE [ The cost of a call ])."""
+
+    __slots__ = ("_owner", "buffers", "modules", "parameters", "seen", "trainings", "values")
 
     def __init__(self) -> None:
         self._owner = threading.get_ident()
-        self.records: dict[nn.Module, _Record] = {}
+        # None is "seen" from the start: a None in a module's _modules is no module.
+        self.seen: set[nn.Module | None] = {None}
+        self.modules: list[nn.Module] = []
+        self.trainings: list[bool] = []
+        # Each module's _parameters entries, themselves (NOTE [ Parameters in the
+        # recomputation ]).
+        self.parameters: list[dict[str, nn.Parameter | None]] = []
+        # Each module's _Buffers, None where it had none.
+        self.buffers: list[_Buffers | None] = []
         # Copies of the recorded buffers, in the order of the records' names.
         self.values: list[torch.Tensor] = []
 
     def capture(self, root: nn.Module) -> None:
         # Each call records a whole tree, so a module already recorded had its tree recorded
         # with it (as root.modules(), without building the names it would build).
-        records = self.records
-        values = self.values
-        first = len(values)
-        todo = [root]
+        seen = self.seen
+        if root in seen:
+            return
+        seen.add(root)
+        found = [root]
+        for module in found:  # grows as it goes: breadth first
+            children = module._modules
+            if children:
+                for child in children.values():
+                    if child not in seen:
+                        seen.add(child)
+                        found.append(child)  # type: ignore[arg-type]
+        self.modules += found
+        self.trainings += [module.training for module in found]
+        self.parameters += [module._parameters.copy() for module in found]
+        records = self.buffers
+        first = len(self.values)
         tensors: list[torch.Tensor] = []
-        while todo:
-            module = todo.pop()
-            if module in records:
+        for module in found:
+            buffers = module._buffers
+            if not buffers:
+                records.append(None)
+                continue
+            scratch = _scratch_for(module, buffers) if module.training else None
+            if scratch is not None:
+                records.append(_Buffers(scratch, (), 0, None))
                 continue
             names: tuple[str, ...] = ()
             leaves = None
             start = first + len(tensors)
-            buffers = module._buffers
-            scratch = False
-            if buffers and module.training and _recomputes_on_scratch(module, buffers):
-                scratch = True
-            elif buffers:
-                for name, buf in buffers.items():
-                    if buf is None or is_lazy(buf):
-                        continue
-                    if buf.requires_grad:
-                        leaves = {} if leaves is None else leaves
-                        leaves[name] = buf
-                    else:
-                        names += (name,)
-                        tensors.append(buf)
-            records[module] = _Record(
-                module.training, module._parameters.copy(), names, start, leaves, scratch
-            )
-            children = module._modules
-            if children:
-                todo.extend(child for child in children.values() if child is not None)
+            for name, buf in buffers.items():
+                if buf is None or is_lazy(buf):
+                    continue
+                if buf.requires_grad:
+                    leaves = {} if leaves is None else leaves
+                    leaves[name] = buf
+                else:
+                    names += (name,)
+                    tensors.append(buf)
+            records.append(_Buffers(None, names, start, leaves))
         if tensors:
             # One call for all the copies: a clone each from Python costs its dispatch again.
-            values.extend(_clone_all(tensors))
+            self.values.extend(_clone_all(tensors))
 
     def on_forward_pre(self, module: nn.Module, args: Any) -> None:
         # Under torch.compile this hook is traced into the graphs of compiled modules that run
@@ -305,9 +319,26 @@ class _CallState:
             self.capture(module)
 
 
+def _same_parameters(current: list[dict[str, Any]], recorded: list[dict[str, Any]]) -> bool:
+    """Whether every module holds the same tensor objects under the same names, in the same
+    order, as recorded (by identity: == on tensors compares values). One pass over all of
+    them, in C: the recomputation's common case."""
+    return (
+        list(map(len, current)) == list(map(len, recorded))
+        and all(
+            map(
+                operator.is_,
+                itertools.chain.from_iterable(map(dict.values, current)),
+                itertools.chain.from_iterable(map(dict.values, recorded)),
+            )
+        )
+        and list(itertools.chain.from_iterable(current))
+        == list(itertools.chain.from_iterable(recorded))
+    )
+
+
 def _same_entries(current: dict[str, Any], recorded: dict[str, Any]) -> bool:
-    """Whether two _parameters dicts hold the same tensor objects under the same names, in the
-    same order (by identity: == on tensors compares values)."""
+    """:func:`_same_parameters` for one module."""
     return (
         len(current) == len(recorded)
         and all(map(operator.is_, current.values(), recorded.values()))
@@ -316,17 +347,14 @@ def _same_entries(current: dict[str, Any], recorded: dict[str, Any]) -> bool:
 
 
 class _FirstForward:
-    """Context of the first forward: records the region's modules before they run."""
+    """Context of the first forward of a plain function: records the modules it reaches
+    before they run (a region with a root module is recorded before it starts)."""
 
-    def __init__(self, state: _CallState, root: nn.Module | None) -> None:
+    def __init__(self, state: _CallState) -> None:
         self._state = state
-        self._root = root
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> None:
-        if self._root is not None:
-            self._state.capture(self._root)
-            return
         self._handles.append(
             nn.modules.module.register_module_forward_pre_hook(self._state.on_forward_pre)
         )
@@ -341,6 +369,11 @@ class _FirstForward:
             self._handles.pop().remove()
 
 
+# Per recomputation entered: the training flags it changed, with their real values, and the
+# dicts (_parameters, _buffers) it changed, with copies of their real contents.
+_Changes = tuple[list[tuple[nn.Module, bool]], list[tuple[dict[str, Any], dict[str, Any]]]]
+
+
 class _Recomputation:
     """Context of the recomputation: recorded flags and throwaway buffers in, real ones back.
 
@@ -350,59 +383,55 @@ class _Recomputation:
 
     def __init__(self, state: _CallState) -> None:
         self._state = state
-        # Per recomputation entered, per module it changed: the real training flag (None if
-        # unchanged), _parameters (None if unchanged) and _buffers (None if it had none).
-        self._saved: list[
-            list[tuple[nn.Module, bool | None, dict[str, Any] | None, dict[str, Any] | None]]
-        ] = []
+        self._saved: list[_Changes] = []
 
     def __enter__(self) -> None:
         state = self._state
-        saved: list[
-            tuple[nn.Module, bool | None, dict[str, Any] | None, dict[str, Any] | None]
-        ] = []
+        flags: list[tuple[nn.Module, bool]] = []
+        dicts: list[tuple[dict[str, Any], dict[str, Any]]] = []
         # Pushed first, each change noted before it is made: should a copy fail (out of
         # memory), what was changed is put back before the error goes on.
-        self._saved.append(saved)
+        self._saved.append((flags, dicts))
         try:
+            modules = state.modules
+            # Module.__setattr__ costs microseconds (it looks through parameters, buffers
+            # and submodules first): a flag is set only where it differs.
+            if [module.training for module in modules] != state.trainings:
+                for module, training in zip(modules, state.trainings, strict=True):
+                    if module.training != training:
+                        flags.append((module, module.training))
+                        module.training = training
+            current = [module._parameters for module in modules]
+            if not _same_parameters(current, state.parameters):
+                for now, then in zip(current, state.parameters, strict=True):
+                    if then and not _same_entries(now, then):
+                        dicts.append((now, now.copy()))
+                        now.update(then)
             copies = _clone_all(state.values) if state.values else []
-            for module, record in state.records.items():
-                # Module.__setattr__ costs microseconds (it looks through parameters, buffers
-                # and submodules first): the flag is set only where it differs.
-                training = None
-                if module.training != record.training:
-                    training = module.training
-                parameters = None
-                current = module._parameters
-                if record.parameters and not _same_entries(current, record.parameters):
-                    parameters = current.copy()
+            for module, record in zip(modules, state.buffers, strict=True):
                 real = module._buffers
-                buffers = real.copy() if real or record.names or record.leaves else None
-                if training is None and parameters is None and buffers is None:
+                if record is None and not real:
                     continue
-                saved.append((module, training, parameters, buffers))
-                if training is not None:
-                    module.training = record.training
-                if parameters is not None:
-                    current.update(record.parameters)
-                if buffers is None:
+                buffers = real.copy()
+                dicts.append((real, buffers))
+                if record is None:
+                    names: tuple[str, ...] = ()
+                    leaves = None
+                elif record.scratch is not None:
+                    real.update(record.scratch)
                     continue
-                if record.scratch:
-                    real.update(_scratch_for(module, buffers))
-                    continue
-                names = record.names
-                first = record.first
-                for offset, name in enumerate(names):
-                    real[name] = copies[first + offset]
-                recorded = len(names)
-                if record.leaves:
-                    real.update(record.leaves)
-                    recorded += len(record.leaves)
-                if len(real) != recorded:
+                else:
+                    names, leaves = record.names, record.leaves
+                    first = record.first
+                    for offset, name in enumerate(names):
+                        real[name] = copies[first + offset]
+                    if leaves:
+                        real.update(leaves)
+                if len(real) != len(names) + (len(leaves) if leaves else 0):
                     # Buffers with no recorded value (not yet materialised then, or registered
                     # since) get a throwaway copy of their value now.
                     for name, value in buffers.items():
-                        if name not in names and not (record.leaves and name in record.leaves):
+                        if name not in names and not (leaves and name in leaves):
                             real[name] = None if value is None else value.clone()
         except BaseException as exc:
             self.__exit__(type(exc), exc, exc.__traceback__)
@@ -414,17 +443,12 @@ class _Recomputation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for module, training, parameters, buffers in self._saved.pop():
-            if training is not None:
-                module.training = training
-            if parameters is not None:
-                current = module._parameters
-                current.clear()
-                current.update(parameters)
-            if buffers is not None:
-                real = module._buffers
-                real.clear()
-                real.update(buffers)
+        flags, dicts = self._saved.pop()
+        for module, training in flags:
+            module.training = training
+        for real, contents in dicts:
+            real.clear()
+            real.update(contents)
 
 
 class _Both:
@@ -490,17 +514,34 @@ def checkpoint(
         )
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    root = _root_module(function)
-    options: dict[str, Any] = {
+    options = {
         "preserve_rng_state": preserve_rng_state,
         "determinism_check": determinism_check,
         "debug": debug,
         "early_stop": early_stop,
     }
+    return _checkpointed(function, _root_module(function), args, kwargs, context_fn, options)
+
+
+# Entered as the first forward's context where the region's root module is known: the root's
+# tree is recorded when torch asks for the contexts, right before the region runs.
+_NOTHING = nullcontext()
+
+
+def _checkpointed(
+    function: Callable[..., Any],
+    root: nn.Module | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context_fn: ContextFn | None,
+    options: dict[str, Any],
+) -> Any:
+    """:func:`checkpoint` with grad enabled, its options checked; ``root`` is the module whose
+    call ``function`` is, if any. The wrapper's forward calls it directly."""
     if torch.compiler.is_compiling():
         if context_fn is not None:
-            options["context_fn"] = context_fn
-        if function is root:
+            options = {**options, "context_fn": context_fn}
+        if root is not None and function is root:
             return _checkpoint_traced(root, args, kwargs, options)
         return _torch_checkpoint.checkpoint(
             function, *args, use_reentrant=False, **options, **kwargs
@@ -508,7 +549,11 @@ def checkpoint(
 
     def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         state = _CallState()
-        forward: AbstractContextManager[Any] = _FirstForward(state, root)
+        forward: AbstractContextManager[Any] = _NOTHING
+        if root is None:
+            forward = _FirstForward(state)
+        else:
+            state.capture(root)
         recompute: AbstractContextManager[Any] = _Recomputation(state)
         if context_fn is not None:
             user_forward, user_recompute = context_fn()
@@ -516,12 +561,7 @@ def checkpoint(
         return forward, recompute
 
     return _torch_checkpoint.checkpoint(
-        function,
-        *args,
-        use_reentrant=False,
-        context_fn=contexts,
-        **options,
-        **kwargs,
+        function, *args, use_reentrant=False, context_fn=contexts, **options, **kwargs
     )
 
 
@@ -665,6 +705,12 @@ class CheckpointImpl(enum.Enum):
 
 # The options of torch's non-reentrant checkpoint that the wrapper passes on to :func:`checkpoint`;
 # ``use_reentrant`` (False only) is read, not passed.
+_DEFAULT_OPTIONS: dict[str, Any] = {
+    "preserve_rng_state": True,
+    "determinism_check": "default",
+    "debug": False,
+    "early_stop": True,
+}
 _PASSED_OPTIONS = frozenset(
     {"preserve_rng_state", "determinism_check", "debug", "early_stop", "context_fn"}
 )
@@ -773,7 +819,11 @@ class CheckpointWrapper(nn.Module):
         self._checkpoint_wrapped_module = module
         self.checkpoint_impl = CheckpointImpl.NO_REENTRANT
         self.offload_to_cpu = bool(offload_to_cpu)
-        self.checkpoint_options = options
+        # As given, and as _checkpointed takes them (every option of torch's, context_fn apart).
+        self._given_options = options
+        self._context_fn: ContextFn | None = options.get("context_fn")
+        self._options = {**_DEFAULT_OPTIONS, **options}
+        self._options.pop("context_fn", None)
         # torch leaves these three registration methods unannotated.
         self.register_state_dict_post_hook(_strip_state_dict_keys)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(_add_state_dict_keys)  # type: ignore[no-untyped-call]
@@ -785,13 +835,22 @@ class CheckpointWrapper(nn.Module):
         assert module is not None
         return module
 
+    @property
+    def checkpoint_options(self) -> dict[str, Any]:
+        """The options passed on to the checkpoint, as given (a copy)."""
+        return dict(self._given_options)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.wrapped_module
-        if not torch.is_grad_enabled() or _checkpointing_disabled():
+        # Every line here runs per call and, on CUDA, on the step's critical path: the wrapped
+        # module is looked up directly, and the options were merged once, in __init__.
+        module = self._modules[_WRAPPED_NAME]
+        assert module is not None
+        if not torch.is_grad_enabled() or _DISABLED.depth:
             return module(*args, **kwargs)
-        offload = _offload_saved_inputs() if self.offload_to_cpu else nullcontext()
-        with offload:
-            return checkpoint(module, *args, **self.checkpoint_options, **kwargs)
+        if self.offload_to_cpu:
+            with _offload_saved_inputs():
+                return _checkpointed(module, module, args, kwargs, self._context_fn, self._options)
+        return _checkpointed(module, module, args, kwargs, self._context_fn, self._options)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -960,10 +1019,6 @@ class _DisabledDepth(threading.local):
 
 
 _DISABLED = _DisabledDepth()
-
-
-def _checkpointing_disabled() -> bool:
-    return _DISABLED.depth > 0
 
 
 @contextlib.contextmanager
