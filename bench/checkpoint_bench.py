@@ -27,6 +27,11 @@ checkpointed. Four measurements, each a ratio against a baseline measured in the
 3. No-grad adaptation step (``model.train()``, a forward under ``torch.no_grad()``, which
    updates BatchNorm's running statistics): the wrapped model over the unwrapped one, timed
    like 1. Target <= 1.02.
+4. ``launch`` (not in the default set): the train step of 1. on a batch of 2 images of 8x8,
+   where every operator is so small that the step is bound by the per-call cost of Python and
+   of torch's dispatch, not by arithmetic, as an eager CUDA step of a small model is bound by
+   the CPU that launches its kernels. It shows the wrapper's fixed cost per block call (the
+   median paired difference over the 8 blocks), which a GPU step pays in full; no target.
 
 Run from the repository root: ``python bench/checkpoint_bench.py`` prints a markdown table;
 ``--quick`` is a smoke run of a few steps, whose numbers mean nothing. torch runs on 1 thread
@@ -81,7 +86,7 @@ MEMORY_TARGET = 1.01
 COMPILE_BACKEND = "inductor"
 
 VARIANTS = ("none", "torch", "bnadapt")
-MEASUREMENTS = ("train", "control", "compiled", "adapt", "memory")
+MEASUREMENTS = ("train", "control", "compiled", "adapt", "memory", "launch")
 DEFAULT_MEASUREMENTS = ("train", "compiled", "adapt", "memory")
 
 # glibc keeps freed blocks above its (self-raising) mmap threshold in the heap, so the peak RSS
@@ -91,6 +96,9 @@ DEFAULT_MEASUREMENTS = ("train", "compiled", "adapt", "memory")
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 RSS_UNIT_BYTES = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, else KiB
 MIB = 2**20
+# The launch-bound batch of measurement 4: 2 images of 8x8.
+LAUNCH_BATCH = 2
+LAUNCH_IMAGE_SIZE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +108,7 @@ class Plan:
     train_pairs: int  # paired ratios of train steps
     compiled_pairs: int  # paired ratios of compiled train steps
     adapt_pairs: int  # paired ratios of adaptation steps, cheaper and with a tighter target
+    launch_pairs: int  # paired ratios of launch-bound train steps, ~25x cheaper than train's
     warmup_steps: int  # untimed steps of each variant before a timing
     memory_batch: int
     memory_steps: int
@@ -109,6 +118,7 @@ FULL = Plan(
     train_pairs=100,
     compiled_pairs=100,
     adapt_pairs=120,
+    launch_pairs=1000,
     warmup_steps=3,
     memory_batch=128,
     memory_steps=2,
@@ -117,6 +127,7 @@ QUICK = Plan(
     train_pairs=3,
     compiled_pairs=3,
     adapt_pairs=3,
+    launch_pairs=3,
     warmup_steps=1,
     memory_batch=BATCH,
     memory_steps=1,
@@ -183,8 +194,10 @@ def make_variant(model: ResNet, variant: str) -> ResNet:
     return model
 
 
-def make_batch(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(size, 3, IMAGE_SIZE, IMAGE_SIZE, device=device)
+def make_batch(
+    size: int, device: torch.device, image_size: int = IMAGE_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(size, 3, image_size, image_size, device=device)
     y = torch.randint(0, CLASSES, (size,), device=device)
     return x, y
 
@@ -396,7 +409,8 @@ def report(
     lines = [
         f"torch {torch.__version__}, device {device}, torch threads: {threads}, batch {BATCH}; "
         f"timings: median of {plan.train_pairs} (train), {plan.compiled_pairs} (compiled "
-        f"train, {COMPILE_BACKEND}) and {plan.adapt_pairs} (adaptation) "
+        f"train, {COMPILE_BACKEND}), {plan.adapt_pairs} (adaptation) and {plan.launch_pairs} "
+        "(launch-bound) "
         f"paired ratios of wall-clock time, quartiles in brackets, after "
         f"{plan.warmup_steps} warm-up steps, and of process CPU time; memory: batch "
         f"{plan.memory_batch}, {plan.memory_steps} train steps, {memory_unit} over that after "
@@ -411,9 +425,24 @@ def report(
         "control": ("control: torch's checkpoint against itself", "torch", None),
         "compiled": ("compiled train step", "torch compiled", COMPILED_TARGET),
         "adapt": ("no-grad adaptation step", "unwrapped", ADAPT_TARGET),
+        "launch": (
+            f"train step, launch-bound ({LAUNCH_BATCH} images of "
+            f"{LAUNCH_IMAGE_SIZE}x{LAUNCH_IMAGE_SIZE})",
+            "torch",
+            None,
+        ),
     }
     for key, timing in timings.items():
         lines.append(timing_row(*rows[key][:2], timing, rows[key][2]))
+    if "launch" in timings:
+        timing = timings["launch"]
+        differences = [m - b for m, b in zip(timing.measured_s, timing.baseline_s, strict=True)]
+        blocks = len(ResNet().blocks)
+        lines += [
+            "",
+            f"Launch-bound: the wrapper's fixed cost per block call (median paired difference "
+            f"over {blocks} blocks): {statistics.median(differences) / blocks * 1e6:.0f} us.",
+        ]
     if memory:
         lines.append("")
         lines += [
@@ -512,7 +541,11 @@ def main() -> None:
     plan = QUICK if args.quick else FULL
     if args.pairs is not None:
         plan = dataclasses.replace(
-            plan, train_pairs=args.pairs, compiled_pairs=args.pairs, adapt_pairs=args.pairs
+            plan,
+            train_pairs=args.pairs,
+            compiled_pairs=args.pairs,
+            adapt_pairs=args.pairs,
+            launch_pairs=args.pairs,
         )
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -553,6 +586,12 @@ def main() -> None:
             plan.compiled_pairs,
             plan.warmup_steps,
             device,
+        )
+    if "launch" in measure:
+        small_x, small_y = make_batch(LAUNCH_BATCH, device, LAUNCH_IMAGE_SIZE)
+        steps = switched_steps(model, small_x, small_y)
+        timings["launch"] = time_paired(
+            steps["bnadapt"], steps["torch"], plan.launch_pairs, plan.warmup_steps, device
         )
     if "adapt" in measure:
         timings["adapt"] = time_paired(

@@ -126,6 +126,19 @@ __all__ = [
 # A buffer that requires grad is kept the same way, by object, not copied: the gradient goes
 # to it, so the recomputation must read it, as it reads parameters.
 
+# NOTE [ The cost of a call ]
+#
+# Everything above runs in Python once per checkpointed call, in the forward and again in the
+# recomputation, on top of torch's own checkpoint. Where a step's operators are large (a CPU
+# train step at batch 32) that is lost in the noise; where they are tiny, as in an eager CUDA
+# step of a small model, which waits on the CPU that launches its kernels, it is not: every
+# microsecond is on the critical path. So the common case is kept short: the records are
+# parallel lists that the recomputation compares in one pass each (flags, parameter objects),
+# changing a module only where they differ; BatchNorm in train mode records nothing and its
+# recomputation swaps one dict; the wrapper merges its options once. bench/checkpoint_bench.py
+# (`launch`) measures what is left per block call; most of it is the module walk and these
+# comparisons, touching every module of the block once per pass.
+
 # NOTE [ Under torch.compile ]
 #
 # Dynamo traces torch's non-reentrant checkpoint as a higher-order op and accepts no context_fn
@@ -204,39 +217,56 @@ _BATCH_NORM_FORWARDS = frozenset(
     {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
 )
 _BATCH_NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
-# Per module: the buffer objects its scratch was made for, and the scratch.
-_SCRATCH: weakref.WeakKeyDictionary[
-    nn.Module, tuple[tuple[torch.Tensor | None, ...], dict[str, torch.Tensor | None]]
-] = weakref.WeakKeyDictionary()
+# By id of module (the entry goes when the module does): its type and the buffer objects its
+# scratch was made for, and the record that hands the scratch to the recomputation.
+_SCRATCH: dict[int, tuple[type[nn.Module], tuple[torch.Tensor | None, ...], _Buffers]] = {}
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_TRAINING = operator.attrgetter("training")
+_PARAMETERS = operator.attrgetter("_parameters")
+_BUFFERS = operator.attrgetter("_buffers")
 
 
-def _scratch_for(
-    module: nn.Module, buffers: dict[str, torch.Tensor | None]
-) -> dict[str, torch.Tensor | None] | None:
-    """NOTE [ BatchNorm in train mode ]: the scratch buffers for ``module`` (in train mode) with
-    ``buffers``, or None if it does not qualify."""
+def _scratch_record(module: nn.Module, buffers: dict[str, torch.Tensor | None]) -> _Buffers | None:
+    """NOTE [ BatchNorm in train mode ]: the record that gives ``module`` (in train mode, with
+    ``buffers``) its scratch, or None if it does not qualify. Runs per call: the checks that
+    cannot change for the same type and buffer objects are made once, when the scratch is."""
+    if module._forward_hooks or module._forward_pre_hooks or tuple(buffers) != _BATCH_NORM_BUFFERS:
+        return None
+    values = tuple(buffers.values())
+    cached = _SCRATCH.get(id(module))
     if (
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or type(module).forward not in _BATCH_NORM_FORWARDS
-        or not getattr(module, "track_running_stats", False)
-        or tuple(buffers) != _BATCH_NORM_BUFFERS
+        cached is None
+        or cached[0] is not type(module)
+        or not all(map(operator.is_, cached[1], values))
+    ):
+        cached = _new_scratch(module, values)
+        if cached is None:
+            return None
+    if not module.track_running_stats or any(map(_REQUIRES_GRAD, values)):
+        return None
+    return cached[2]
+
+
+def _new_scratch(
+    module: nn.Module, values: tuple[torch.Tensor | None, ...]
+) -> tuple[type[nn.Module], tuple[torch.Tensor | None, ...], _Buffers] | None:
+    """The scratch of NOTE [ BatchNorm in train mode ] for ``module``'s buffer ``values``,
+    cached; None for a forward other than torch's BatchNorm's, or a buffer None or lazy."""
+    if type(module).forward not in _BATCH_NORM_FORWARDS or any(
+        value is None or is_lazy(value) for value in values
     ):
         return None
-    current = tuple(buffers.values())
-    if any(buf is None or buf.requires_grad for buf in current):
-        return None
-    cached = _SCRATCH.get(module)
-    # The same objects as when the scratch was made: not lazy then, so not lazy now.
-    if cached is not None and all(map(operator.is_, cached[0], current)):
-        return cached[1]
-    if any(buf is not None and is_lazy(buf) for buf in current):
-        return None
     scratch: dict[str, torch.Tensor | None] = {
-        name: None if buf is None else buf.detach().clone() for name, buf in buffers.items()
+        name: value.detach().clone()
+        for name, value in zip(_BATCH_NORM_BUFFERS, values, strict=True)
+        if value is not None
     }
-    _SCRATCH[module] = (current, scratch)
-    return scratch
+    key = id(module)
+    if key not in _SCRATCH:
+        weakref.finalize(module, _SCRATCH.pop, key, None)
+    entry = (type(module), values, _Buffers(scratch, (), 0, None))
+    _SCRATCH[key] = entry
+    return entry
 
 
 class _CallState:
@@ -246,7 +276,16 @@ class _CallState:
     Kept as parallel lists, one entry per module in the order recorded, because the
     recomputation compares them all at once (NOTE [ The cost of a call ])."""
 
-    __slots__ = ("_owner", "buffers", "modules", "parameters", "seen", "trainings", "values")
+    __slots__ = (
+        "_owner",
+        "bare",
+        "buffered",
+        "modules",
+        "parameters",
+        "seen",
+        "trainings",
+        "values",
+    )
 
     def __init__(self) -> None:
         self._owner = threading.get_ident()
@@ -257,8 +296,10 @@ class _CallState:
         # Each module's _parameters entries, themselves (NOTE [ Parameters in the
         # recomputation ]).
         self.parameters: list[dict[str, nn.Parameter | None]] = []
-        # Each module's _Buffers, None where it had none.
-        self.buffers: list[_Buffers | None] = []
+        # The modules that had buffers, with their _buffers and their record, and those that
+        # had none (the recomputation looks whether they have some since).
+        self.buffered: list[tuple[nn.Module, dict[str, torch.Tensor | None], _Buffers]] = []
+        self.bare: list[nn.Module] = []
         # Copies of the recorded buffers, in the order of the records' names.
         self.values: list[torch.Tensor] = []
 
@@ -278,19 +319,21 @@ class _CallState:
                         seen.add(child)
                         found.append(child)  # type: ignore[arg-type]
         self.modules += found
-        self.trainings += [module.training for module in found]
-        self.parameters += [module._parameters.copy() for module in found]
-        records = self.buffers
+        # map and attrgetter rather than comprehensions: no frame per comprehension (3.11),
+        # and this runs per call (NOTE [ The cost of a call ]).
+        self.trainings += map(_TRAINING, found)
+        self.parameters += map(dict.copy, map(_PARAMETERS, found))
+        self.bare += itertools.compress(found, map(operator.not_, map(_BUFFERS, found)))
+        buffered = self.buffered
         first = len(self.values)
         tensors: list[torch.Tensor] = []
         for module in found:
             buffers = module._buffers
             if not buffers:
-                records.append(None)
                 continue
-            scratch = _scratch_for(module, buffers) if module.training else None
-            if scratch is not None:
-                records.append(_Buffers(scratch, (), 0, None))
+            record = _scratch_record(module, buffers) if module.training else None
+            if record is not None:
+                buffered.append((module, buffers, record))
                 continue
             names: tuple[str, ...] = ()
             leaves = None
@@ -304,7 +347,7 @@ class _CallState:
                 else:
                     names += (name,)
                     tensors.append(buf)
-            records.append(_Buffers(None, names, start, leaves))
+            buffered.append((module, buffers, _Buffers(None, names, start, leaves)))
         if tensors:
             # One call for all the copies: a clone each from Python costs its dispatch again.
             self.values.extend(_clone_all(tensors))
@@ -369,9 +412,27 @@ class _FirstForward:
             self._handles.pop().remove()
 
 
-# Per recomputation entered: the training flags it changed, with their real values, and the
-# dicts (_parameters, _buffers) it changed, with copies of their real contents.
-_Changes = tuple[list[tuple[nn.Module, bool]], list[tuple[dict[str, Any], dict[str, Any]]]]
+def _throwaway_copies(
+    real: dict[str, torch.Tensor | None],
+    buffers: dict[str, torch.Tensor | None],
+    names: tuple[str, ...],
+    leaves: dict[str, torch.Tensor] | None,
+) -> None:
+    """In a module's ``real`` _buffers, a throwaway copy of each of its ``buffers`` with no
+    recorded value (not yet materialised when the call reached it, or registered since)."""
+    for name, value in buffers.items():
+        if name not in names and not (leaves and name in leaves):
+            real[name] = None if value is None else value.clone()
+
+
+# Per recomputation entered: the training flags it changed, with their real values; the dicts
+# (_parameters, _buffers) it changed, with copies of their real contents; and the modules'
+# attribute dicts whose _buffers it replaced, with the _buffers they had.
+_Changes = tuple[
+    list[tuple[nn.Module, bool]],
+    list[tuple[dict[str, Any], dict[str, Any]]],
+    list[tuple[dict[str, Any], dict[str, Any]]],
+]
 
 
 class _Recomputation:
@@ -389,50 +450,50 @@ class _Recomputation:
         state = self._state
         flags: list[tuple[nn.Module, bool]] = []
         dicts: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        swaps: list[tuple[dict[str, Any], dict[str, Any]]] = []
         # Pushed first, each change noted before it is made: should a copy fail (out of
         # memory), what was changed is put back before the error goes on.
-        self._saved.append((flags, dicts))
+        self._saved.append((flags, dicts, swaps))
         try:
             modules = state.modules
             # Module.__setattr__ costs microseconds (it looks through parameters, buffers
             # and submodules first): a flag is set only where it differs.
-            if [module.training for module in modules] != state.trainings:
+            if list(map(_TRAINING, modules)) != state.trainings:
                 for module, training in zip(modules, state.trainings, strict=True):
                     if module.training != training:
                         flags.append((module, module.training))
                         module.training = training
-            current = [module._parameters for module in modules]
+            current = list(map(_PARAMETERS, modules))
             if not _same_parameters(current, state.parameters):
                 for now, then in zip(current, state.parameters, strict=True):
                     if then and not _same_entries(now, then):
                         dicts.append((now, now.copy()))
                         now.update(then)
             copies = _clone_all(state.values) if state.values else []
-            for module, record in zip(modules, state.buffers, strict=True):
-                real = module._buffers
-                if record is None and not real:
+            for module, real, record in state.buffered:
+                if record.scratch is not None:
+                    # Torch's BatchNorm forward only reads its buffers through _buffers: the
+                    # scratch dict stands in for the module's own, swapped back on exit.
+                    attributes = module.__dict__
+                    swaps.append((attributes, attributes["_buffers"]))
+                    attributes["_buffers"] = record.scratch
                     continue
                 buffers = real.copy()
                 dicts.append((real, buffers))
-                if record is None:
-                    names: tuple[str, ...] = ()
-                    leaves = None
-                elif record.scratch is not None:
-                    real.update(record.scratch)
-                    continue
-                else:
-                    names, leaves = record.names, record.leaves
-                    first = record.first
-                    for offset, name in enumerate(names):
-                        real[name] = copies[first + offset]
-                    if leaves:
-                        real.update(leaves)
+                names, leaves = record.names, record.leaves
+                first = record.first
+                for offset, name in enumerate(names):
+                    real[name] = copies[first + offset]
+                if leaves:
+                    real.update(leaves)
                 if len(real) != len(names) + (len(leaves) if leaves else 0):
-                    # Buffers with no recorded value (not yet materialised then, or registered
-                    # since) get a throwaway copy of their value now.
-                    for name, value in buffers.items():
-                        if name not in names and not (leaves and name in leaves):
-                            real[name] = None if value is None else value.clone()
+                    _throwaway_copies(real, buffers, names, leaves)
+            for module in state.bare:
+                real = module._buffers
+                if real:
+                    buffers = real.copy()
+                    dicts.append((real, buffers))
+                    _throwaway_copies(real, buffers, (), None)
         except BaseException as exc:
             self.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -443,12 +504,14 @@ class _Recomputation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        flags, dicts = self._saved.pop()
+        flags, dicts, swaps = self._saved.pop()
         for module, training in flags:
             module.training = training
         for real, contents in dicts:
             real.clear()
             real.update(contents)
+        for attributes, buffers in swaps:
+            attributes["_buffers"] = buffers
 
 
 class _Both:
