@@ -53,6 +53,8 @@ class Stack:
     # Each worker's own data directory, as on machines of their own (the store must then be
     # shared another way: an S3 bucket); None: all share data_dir.
     worker_data_dirs: list[Path] | None = None
+    # The workers' --device: which queue they serve (cpu; cuda on a GPU machine).
+    worker_device: str = "cpu"
     _workers_started: int = 0
 
     @property
@@ -106,7 +108,7 @@ class Stack:
         self.worker_log.parent.mkdir(parents=True, exist_ok=True)
         with self.worker_log.open("ab") as log:  # the child keeps its own descriptor
             return subprocess.Popen(
-                worker_command("cpu"),
+                worker_command(self.worker_device),
                 env=env,
                 cwd=REPO,
                 stdout=log,
@@ -165,13 +167,15 @@ def running_stack(
     env_overrides: Mapping[str, str] | None = None,
     workers: int = 1,
     separate_machines: bool = False,
+    worker_device: str = "cpu",
 ) -> Iterator[Stack]:
     """A Redis-compatible server, ``workers`` workers and the API with all state under
     ``data_dir``; everything stopped on exit. ``separate_machines``: the API keeps its data in
     ``data_dir/api`` and each worker in ``data_dir/worker-<i>``, sharing only Redis and what
-    ``env_overrides`` name (an S3 store)."""
+    ``env_overrides`` name (an S3 store). ``worker_device``: the workers' --device."""
     redis = new_redis_server(data_dir / "redis")
     stack = Stack(data_dir / "api" if separate_machines else data_dir, redis, env_overrides or {})
+    stack.worker_device = worker_device
     if separate_machines:
         stack.worker_data_dirs = [data_dir / f"worker-{i}" for i in range(workers)]
     try:
