@@ -5,6 +5,7 @@ bitwise equal to those of the same model run without checkpointing."""
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -184,6 +185,33 @@ def test_only_torchs_own_train_mode_batchnorm_skips_the_copies() -> None:
         records = {id(buffers): record for _, buffers, record in state.buffered}
         assert (records[id(block.bn1._buffers)].scratch is not None) is training
         assert records[id(block.bn2._buffers)].scratch is None
+
+
+def test_batchnorm_scratch_is_reused_and_goes_with_its_module() -> None:
+    """NOTE [ BatchNorm in train mode ]: the scratch is made once for a module's buffer objects
+    and reused by every recomputation, stands in for its _buffers only while one runs, is made
+    anew for new buffer objects, and its cache entry goes when the module does."""
+    scratches = bnadapt.checkpoint._SCRATCH
+    bn = nn.BatchNorm1d(4)
+    wrapped = checkpoint_wrapper(nn.Sequential(bn))
+    own = bn._buffers
+    x = torch.randn(6, 4, requires_grad=True)
+    wrapped(x).sum().backward()
+    entry = scratches[id(bn)]
+    scratch = entry[2].scratch
+    assert scratch is not None and scratch.keys() == own.keys()
+    assert all(scratch[name] is not own[name] for name in own)
+    wrapped(x).sum().backward()
+    assert scratches[id(bn)] is entry
+    assert bn._buffers is own and int(bn.num_batches_tracked) == 2
+    bn.running_mean = torch.zeros(4)  # a new buffer object, as .to() or a replacing load makes
+    wrapped(x).sum().backward()
+    assert scratches[id(bn)] is not entry and bn._buffers is own
+    assert int(bn.num_batches_tracked) == 3
+    key = id(bn)
+    del wrapped, bn
+    gc.collect()
+    assert key not in scratches
 
 
 @pytest.mark.parametrize("momentum", MOMENTA)
@@ -588,9 +616,11 @@ def test_exception_during_recomputation_restores_buffers() -> None:
     wrapped = checkpoint_wrapper(module)
     out = wrapped(torch.randn(6, 4, requires_grad=True))
     real_mean = module.bn.running_mean
+    own_buffers = module.bn._buffers
     snapshot = real_mean.clone()
     with pytest.raises(RuntimeError, match="recomputation failed"):
         out.sum().backward()
+    assert module.bn._buffers is own_buffers
     assert module.bn.running_mean is real_mean and torch.equal(real_mean, snapshot)
     assert module.training and int(module.bn.num_batches_tracked) == 1
 
