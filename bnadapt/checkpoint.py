@@ -86,7 +86,8 @@ __all__ = [
 # 1. First forward (forward context): it runs on the real buffers, so they are updated exactly
 #    as without checkpointing. Before any module of the region runs, we record its training
 #    flag and a clone of each of its buffers (_CallState.capture). A wrapped module's whole
-#    tree is recorded on entry, so the guarantee covers the modules registered under it (as
+#    tree is recorded when torch asks for the contexts, right before the region runs (nothing
+#    runs in between), so the guarantee covers the modules registered under it (as
 #    state_dict does); one it calls without registering it (kept in a plain list, or passed
 #    in as an argument) is not recorded. A plain function passed to checkpoint has no tree:
 #    the modules it reaches are recorded when first called, through a global forward pre-hook
