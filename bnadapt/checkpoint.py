@@ -110,6 +110,12 @@ __all__ = [
 # instead. They are still never updated twice; the recomputed output is exact whenever it does
 # not depend on those buffers' values, as for LazyBatchNorm in train mode.
 #
+# One order of calls is the exception, by design: an eval-mode call saves BatchNorm's running
+# statistics for backward by reference, and torch updates them inside the kernel in later
+# train-mode calls, which no version counter sees; so unwrapped, that call's backward reads
+# the updated statistics, not those its forward used. The wrapper's recomputation uses the
+# latter: its gradient is that of the function the forward computed.
+#
 # The records cost one clone of the region's buffers per call, freed with the autograd graph;
 # for BatchNorm that is a few floats per channel, against whole activation maps saved. BatchNorm
 # in train mode skips them: NOTE [ BatchNorm in train mode ].
