@@ -214,8 +214,12 @@ class _Buffers(NamedTuple):
 # buffers, made once (clones of its buffers as it had them) and reused by every recomputation
 # while the module keeps the same buffer objects. That saves the two clones per call (first
 # forward and recomputation) that cost most on CUDA, where every clone is a kernel launch on
-# the step's critical path. Concurrent or repeated recomputations may write the same scratch:
-# nothing reads it, and autograd keeps no version check on BatchNorm's running statistics.
+# the step's critical path. The recomputation hands the scratch over in one assignment: the
+# module's _buffers dict is swapped for the scratch dict and back (torch's BatchNorm reaches
+# its buffers only through _buffers). Repeated recomputations (retain_graph) write the same
+# scratch: nothing reads it, and autograd keeps no version check on BatchNorm's running
+# statistics. (Two threads recomputing the same module at once would race on the swap, as
+# they would on every other part of a module's state: one module, one backward at a time.)
 # Only modules whose forward is torch's own (_BatchNorm's or SyncBatchNorm's) with
 # track_running_stats, exactly its three buffers, none lazy or requiring grad, and no forward
 # hooks of their own qualify; anything else is recorded and copied as above.
