@@ -307,8 +307,8 @@ class _CallState:
         # Each module's _parameters entries, themselves (NOTE [ Parameters in the
         # recomputation ]).
         self.parameters: list[dict[str, nn.Parameter | None]] = []
-        # The modules that had buffers, with their _buffers and their record, and those that
-        # had none (the recomputation looks whether they have some since).
+        # The modules that had buffers, with their _buffers then and their record, and those
+        # that had none (the recomputation looks whether they have some since).
         self.buffered: list[tuple[nn.Module, dict[str, torch.Tensor | None], _Buffers]] = []
         self.bare: list[nn.Module] = []
         # Copies of the recorded buffers, in the order of the records' names.
@@ -481,7 +481,7 @@ class _Recomputation:
                         dicts.append((now, now.copy()))
                         now.update(then)
             copies = _clone_all(state.values) if state.values else []
-            for module, real, record in state.buffered:
+            for module, _, record in state.buffered:
                 if record.scratch is not None:
                     # Torch's BatchNorm forward only reads its buffers through _buffers: the
                     # scratch dict stands in for the module's own, swapped back on exit.
@@ -489,6 +489,7 @@ class _Recomputation:
                     swaps.append((attributes, attributes["_buffers"]))
                     attributes["_buffers"] = record.scratch
                     continue
+                real = module._buffers
                 buffers = real.copy()
                 dicts.append((real, buffers))
                 names, leaves = record.names, record.leaves
