@@ -234,7 +234,6 @@ _SCRATCH: dict[int, tuple[type[nn.Module], tuple[torch.Tensor | None, ...], _Buf
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _TRAINING = operator.attrgetter("training")
 _PARAMETERS = operator.attrgetter("_parameters")
-_BUFFERS = operator.attrgetter("_buffers")
 
 
 def _scratch_record(module: nn.Module, buffers: dict[str, torch.Tensor | None]) -> _Buffers | None:
@@ -307,9 +306,9 @@ class _CallState:
         # Each module's _parameters entries, themselves (NOTE [ Parameters in the
         # recomputation ]).
         self.parameters: list[dict[str, nn.Parameter | None]] = []
-        # The modules that had buffers, with their _buffers then and their record, and those
-        # that had none (the recomputation looks whether they have some since).
-        self.buffered: list[tuple[nn.Module, dict[str, torch.Tensor | None], _Buffers]] = []
+        # The modules that had buffers, with their record, and those that had none (the
+        # recomputation looks whether they have some since).
+        self.buffered: list[tuple[nn.Module, _Buffers]] = []
         self.bare: list[nn.Module] = []
         # Copies of the recorded buffers, in the order of the records' names.
         self.values: list[torch.Tensor] = []
@@ -334,17 +333,17 @@ class _CallState:
         # and this runs per call (NOTE [ The cost of a call ]).
         self.trainings += map(_TRAINING, found)
         self.parameters += map(dict.copy, map(_PARAMETERS, found))
-        self.bare += itertools.compress(found, map(operator.not_, map(_BUFFERS, found)))
-        buffered = self.buffered
+        buffered, bare = self.buffered, self.bare
         first = len(self.values)
         tensors: list[torch.Tensor] = []
         for module in found:
             buffers = module._buffers
             if not buffers:
+                bare.append(module)
                 continue
             record = _scratch_record(module, buffers) if module.training else None
             if record is not None:
-                buffered.append((module, buffers, record))
+                buffered.append((module, record))
                 continue
             names: tuple[str, ...] = ()
             leaves = None
@@ -358,7 +357,7 @@ class _CallState:
                 else:
                     names += (name,)
                     tensors.append(buf)
-            buffered.append((module, buffers, _Buffers(None, names, start, leaves)))
+            buffered.append((module, _Buffers(None, names, start, leaves)))
         if tensors:
             # One call for all the copies: a clone each from Python costs its dispatch again.
             self.values.extend(_clone_all(tensors))
@@ -481,7 +480,7 @@ class _Recomputation:
                         dicts.append((now, now.copy()))
                         now.update(then)
             copies = _clone_all(state.values) if state.values else []
-            for module, _, record in state.buffered:
+            for module, record in state.buffered:
                 if record.scratch is not None:
                     # Torch's BatchNorm forward only reads its buffers through _buffers: the
                     # scratch dict stands in for the module's own, swapped back on exit.
@@ -780,12 +779,6 @@ class CheckpointImpl(enum.Enum):
 
 # The options of torch's non-reentrant checkpoint that the wrapper passes on to :func:`checkpoint`;
 # ``use_reentrant`` (False only) is read, not passed.
-_DEFAULT_OPTIONS: dict[str, Any] = {
-    "preserve_rng_state": True,
-    "determinism_check": "default",
-    "debug": False,
-    "early_stop": True,
-}
 _PASSED_OPTIONS = frozenset(
     {"preserve_rng_state", "determinism_check", "debug", "early_stop", "context_fn"}
 )
@@ -894,11 +887,11 @@ class CheckpointWrapper(nn.Module):
         self._checkpoint_wrapped_module = module
         self.checkpoint_impl = CheckpointImpl.NO_REENTRANT
         self.offload_to_cpu = bool(offload_to_cpu)
-        # As given, and as _checkpointed takes them (every option of torch's, context_fn apart).
+        # As given, and as _checkpointed takes them: context_fn apart, and torch's defaults
+        # (those of :func:`checkpoint` too) for the options not given.
         self._given_options = options
         self._context_fn: ContextFn | None = options.get("context_fn")
-        self._options = {**_DEFAULT_OPTIONS, **options}
-        self._options.pop("context_fn", None)
+        self._options = {k: v for k, v in options.items() if k != "context_fn"}
         # torch leaves these three registration methods unannotated.
         self.register_state_dict_post_hook(_strip_state_dict_keys)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(_add_state_dict_keys)  # type: ignore[no-untyped-call]
