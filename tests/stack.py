@@ -174,8 +174,12 @@ def running_stack(
     ``data_dir/api`` and each worker in ``data_dir/worker-<i>``, sharing only Redis and what
     ``env_overrides`` name (an S3 store). ``worker_device``: the workers' --device."""
     redis = new_redis_server(data_dir / "redis")
-    stack = Stack(data_dir / "api" if separate_machines else data_dir, redis, env_overrides or {})
-    stack.worker_device = worker_device
+    stack = Stack(
+        data_dir / "api" if separate_machines else data_dir,
+        redis,
+        env_overrides or {},
+        worker_device=worker_device,
+    )
     if separate_machines:
         stack.worker_data_dirs = [data_dir / f"worker-{i}" for i in range(workers)]
     try:

@@ -20,7 +20,7 @@ import torch
 
 from api_schemas import AdaptParams, TrainParams
 from tests.e2e.test_e2e import created, digits_npz, problem, store_of
-from tests.stack import Stack, job_payload, running_stack
+from tests.stack import Client, Stack, job_payload, running_stack
 from workers.running.compute import compute
 
 pytestmark = pytest.mark.slow
@@ -107,8 +107,17 @@ def test_compile_is_refused_where_it_cannot_help(stack: Stack) -> None:
     )
 
 
-def test_compiled_train_then_entropy_keep_the_statistics_exact(stack: Stack) -> None:
-    client = stack.client("compiled")
+def compiled_train(
+    stack: Stack,
+    client: Client,
+    extra_params: dict[str, Any] | None = None,
+    rtol: float = 1e-3,
+    atol: float = 1e-4,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A compiled train job (2 epochs of 600 digits, ``extra_params`` added) through the API:
+    its finished record and its report, its weights' statistics checked against the same job
+    run eagerly here (within ``rtol``/``atol``)."""
+    params = {"epochs": 2, "batch_size": 50, "lr": 0.02, "compile": True, **(extra_params or {})}
     model = created(client.add_model("digits_cnn", {"width": 8}, seed=1))
     labelled = created(client.add_dataset(digits_npz(n=600)))
     train = created(
@@ -117,7 +126,7 @@ def test_compiled_train_then_entropy_keep_the_statistics_exact(stack: Stack) -> 
                 "kind": "train",
                 "model_id": model["id"],
                 "dataset_id": labelled["id"],
-                "params": {"epochs": 2, "batch_size": 50, "lr": 0.02, "compile": True},
+                "params": params,
             }
         ),
         202,
@@ -127,7 +136,13 @@ def test_compiled_train_then_entropy_keep_the_statistics_exact(stack: Stack) -> 
     report = client.http.get(done["result"]["report_url"]).json()
     check_steps(report, "inductor")
     state = safetensors.torch.load(client.http.get(done["result"]["weights_url"]).content)
-    check_statistics(report, state, eager_reference(stack, train["id"]))
+    check_statistics(report, state, eager_reference(stack, train["id"]), rtol=rtol, atol=atol)
+    return done, report
+
+
+def test_compiled_train_then_entropy_keep_the_statistics_exact(stack: Stack) -> None:
+    client = stack.client("compiled")
+    done, report = compiled_train(stack, client)
 
     # TENT on shifted data, from the trained model: its counters start where training left them.
     shifted = created(client.add_dataset(digits_npz(shifted=True, n=600, labels=False)))
@@ -173,24 +188,5 @@ def test_compiled_train_on_cuda_keeps_the_statistics_exact(cuda_stack: Stack) ->
     and keeps num_batches_tracked exact; its statistics agree with the same job run eagerly on
     CUDA in this process, to the looser rounding of CUDA's kernels (TF32 convolutions in both)."""
     client = cuda_stack.client("compiled-cuda")
-    model = created(client.add_model("digits_cnn", {"width": 8}, seed=1))
-    labelled = created(client.add_dataset(digits_npz(n=600)))
-    params = {"epochs": 2, "batch_size": 50, "lr": 0.02, "compile": True, "device": "cuda"}
-    train = created(
-        client.submit(
-            {
-                "kind": "train",
-                "model_id": model["id"],
-                "dataset_id": labelled["id"],
-                "params": params,
-            }
-        ),
-        202,
-    )
-    done = client.wait(train["id"], timeout_s=COMPILE_TIMEOUT_S)
-    assert done["status"] == "succeeded", done
-    report = client.http.get(done["result"]["report_url"]).json()
+    _, report = compiled_train(cuda_stack, client, {"device": "cuda"}, rtol=1e-2, atol=1e-3)
     assert report["device"] == "cuda"
-    check_steps(report, "inductor")
-    state = safetensors.torch.load(client.http.get(done["result"]["weights_url"]).content)
-    check_statistics(report, state, eager_reference(cuda_stack, train["id"]), rtol=1e-2, atol=1e-3)
