@@ -41,6 +41,13 @@ class ChaosTally:
     problems: list[str] = field(default_factory=list)
 
 
+# Long enough that the job's progress shows the train phase for several publish intervals
+# (PUBLISH_INTERVAL_S, 0.5 s) before it ends, so a round can see it training and fault it
+# then: 6 epochs (192 steps) took ~0.5 s on the 2-core CI machine, shorter than an interval,
+# and the round then waited in vain for a train phase that was never published.
+EPOCHS = 50
+
+
 def _job_body(client: Client) -> dict[str, Any]:
     model = created(client.add_model("digits_cnn", {"width": 16}))
     dataset = created(client.add_dataset(digits_npz(n=1024)))
@@ -48,7 +55,7 @@ def _job_body(client: Client) -> dict[str, Any]:
         "kind": "train",
         "model_id": model["id"],
         "dataset_id": dataset["id"],
-        "params": {"epochs": 6, "batch_size": 32},
+        "params": {"epochs": EPOCHS, "batch_size": 32},
     }
 
 
