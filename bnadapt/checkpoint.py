@@ -43,8 +43,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import itertools
-import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -231,29 +229,34 @@ _BATCH_NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # By id of module (the entry goes when the module does): its type and the buffer objects its
 # scratch was made for, and the record that hands the scratch to the recomputation.
 _SCRATCH: dict[int, tuple[type[nn.Module], tuple[torch.Tensor | None, ...], _Buffers]] = {}
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_TRAINING = operator.attrgetter("training")
-_PARAMETERS = operator.attrgetter("_parameters")
 
 
 def _scratch_record(module: nn.Module, buffers: dict[str, torch.Tensor | None]) -> _Buffers | None:
     """NOTE [ BatchNorm in train mode ]: the record that gives ``module`` (in train mode, with
     ``buffers``) its scratch, or None if it does not qualify. Runs per call: the checks that
     cannot change for the same type and buffer objects are made once, when the scratch is."""
-    if module._forward_hooks or module._forward_pre_hooks or tuple(buffers) != _BATCH_NORM_BUFFERS:
+    if module._forward_hooks or module._forward_pre_hooks or len(buffers) != 3:
         return None
-    values = tuple(buffers.values())
     cached = _SCRATCH.get(id(module))
-    if (
-        cached is None
-        or cached[0] is not type(module)
-        or not all(map(operator.is_, cached[1], values))
-    ):
-        cached = _new_scratch(module, values)
+    if cached is not None and cached[0] is type(module):
+        known_buffers = zip(_BATCH_NORM_BUFFERS, cached[1], strict=True)
+        for (name, value), (known_name, known) in zip(buffers.items(), known_buffers, strict=True):
+            if value is not known or name != known_name:
+                cached = None
+                break
+    else:
+        cached = None
+    if cached is None:
+        if tuple(buffers) != _BATCH_NORM_BUFFERS:
+            return None
+        cached = _new_scratch(module, tuple(buffers.values()))
         if cached is None:
             return None
-    if not module.track_running_stats or any(map(_REQUIRES_GRAD, values)):
+    if not module.track_running_stats:
         return None
+    for value in cached[1]:
+        if value.requires_grad:  # type: ignore[union-attr]
+            return None
     return cached[2]
 
 
@@ -286,16 +289,7 @@ class _CallState:
     Kept as parallel lists, one entry per module in the order recorded, because the
     recomputation compares them all at once (NOTE [ The cost of a call ])."""
 
-    __slots__ = (
-        "_owner",
-        "bare",
-        "buffered",
-        "modules",
-        "parameters",
-        "seen",
-        "trainings",
-        "values",
-    )
+    __slots__ = ("_owner", "buffers", "modules", "parameters", "seen", "trainings", "values")
 
     def __init__(self) -> None:
         self._owner = threading.get_ident()
@@ -306,10 +300,9 @@ class _CallState:
         # Each module's _parameters entries, themselves (NOTE [ Parameters in the
         # recomputation ]).
         self.parameters: list[dict[str, nn.Parameter | None]] = []
-        # The modules that had buffers, with their record, and those that had none (the
-        # recomputation looks whether they have some since).
-        self.buffered: list[tuple[nn.Module, _Buffers]] = []
-        self.bare: list[nn.Module] = []
+        # Each module's buffer record; None where it had no buffers (the recomputation looks
+        # whether it has some since).
+        self.buffers: list[_Buffers | None] = []
         # Copies of the recorded buffers, in the order of the records' names.
         self.values: list[torch.Tensor] = []
 
@@ -321,6 +314,12 @@ class _CallState:
             return
         seen.add(root)
         found = [root]
+        trainings, parameters, records = self.trainings, self.parameters, self.buffers
+        first = len(self.values)
+        tensors: list[torch.Tensor] = []
+        # One plain loop, each module read once: inside a step, where the caches are cold,
+        # that costs less than a pass per field through map and attrgetter (NOTE [ The cost
+        # of a call ]).
         for module in found:  # grows as it goes: breadth first
             children = module._modules
             if children:
@@ -328,22 +327,16 @@ class _CallState:
                     if child not in seen:
                         seen.add(child)
                         found.append(child)  # type: ignore[arg-type]
-        self.modules += found
-        # map and attrgetter rather than comprehensions: no frame per comprehension (3.11),
-        # and this runs per call (NOTE [ The cost of a call ]).
-        self.trainings += map(_TRAINING, found)
-        self.parameters += map(dict.copy, map(_PARAMETERS, found))
-        buffered, bare = self.buffered, self.bare
-        first = len(self.values)
-        tensors: list[torch.Tensor] = []
-        for module in found:
+            training = module.training
+            trainings.append(training)
+            parameters.append(module._parameters.copy())
             buffers = module._buffers
             if not buffers:
-                bare.append(module)
+                records.append(None)
                 continue
-            record = _scratch_record(module, buffers) if module.training else None
+            record = _scratch_record(module, buffers) if training else None
             if record is not None:
-                buffered.append((module, record))
+                records.append(record)
                 continue
             names: tuple[str, ...] = ()
             leaves = None
@@ -357,7 +350,8 @@ class _CallState:
                 else:
                     names += (name,)
                     tensors.append(buf)
-            buffered.append((module, _Buffers(None, names, start, leaves)))
+            records.append(_Buffers(None, names, start, leaves))
+        self.modules += found
         if tensors:
             # One call for all the copies: a clone each from Python costs its dispatch again.
             self.values.extend(_clone_all(tensors))
@@ -372,31 +366,15 @@ class _CallState:
             self.capture(module)
 
 
-def _same_parameters(current: list[dict[str, Any]], recorded: list[dict[str, Any]]) -> bool:
-    """Whether every module holds the same tensor objects under the same names, in the same
-    order, as recorded (by identity: == on tensors compares values). One pass over all of
-    them, in C: the recomputation's common case."""
-    return (
-        list(map(len, current)) == list(map(len, recorded))
-        and all(
-            map(
-                operator.is_,
-                itertools.chain.from_iterable(map(dict.values, current)),
-                itertools.chain.from_iterable(map(dict.values, recorded)),
-            )
-        )
-        and list(itertools.chain.from_iterable(current))
-        == list(itertools.chain.from_iterable(recorded))
-    )
-
-
 def _same_entries(current: dict[str, Any], recorded: dict[str, Any]) -> bool:
-    """:func:`_same_parameters` for one module."""
-    return (
-        len(current) == len(recorded)
-        and all(map(operator.is_, current.values(), recorded.values()))
-        and all(map(operator.eq, current.keys(), recorded.keys()))
-    )
+    """Whether a module's ``current`` _parameters hold the same tensor objects under the same
+    names, in the same order, as ``recorded`` (by identity: == on tensors compares values)."""
+    if len(current) != len(recorded):
+        return False
+    for (name, value), (known_name, known) in zip(current.items(), recorded.items(), strict=True):
+        if value is not known or name != known_name:
+            return False
+    return True
 
 
 class _FirstForward:
@@ -465,30 +443,35 @@ class _Recomputation:
         # memory), what was changed is put back before the error goes on.
         self._saved.append((flags, dicts, swaps))
         try:
-            modules = state.modules
-            # Module.__setattr__ costs microseconds (it looks through parameters, buffers
-            # and submodules first): a flag is set only where it differs.
-            if list(map(_TRAINING, modules)) != state.trainings:
-                for module, training in zip(modules, state.trainings, strict=True):
-                    if module.training != training:
-                        flags.append((module, module.training))
-                        module.training = training
-            current = list(map(_PARAMETERS, modules))
-            if not _same_parameters(current, state.parameters):
-                for now, then in zip(current, state.parameters, strict=True):
-                    if then and not _same_entries(now, then):
+            copies = _clone_all(state.values) if state.values else []
+            # One pass, each module read once (NOTE [ The cost of a call ]). Module.__setattr__
+            # costs microseconds (it looks through parameters, buffers and submodules first):
+            # a flag is set only where it differs, and so are the parameters.
+            for module, training, then, record in zip(
+                state.modules, state.trainings, state.parameters, state.buffers, strict=True
+            ):
+                if module.training != training:
+                    flags.append((module, module.training))
+                    module.training = training
+                if then:
+                    now = module._parameters
+                    if not _same_entries(now, then):
                         dicts.append((now, now.copy()))
                         now.update(then)
-            copies = _clone_all(state.values) if state.values else []
-            for module, record in state.buffered:
+                real = module._buffers
+                if record is None:
+                    if real:  # registered since the call
+                        buffers = real.copy()
+                        dicts.append((real, buffers))
+                        _throwaway_copies(real, buffers, (), None)
+                    continue
                 if record.scratch is not None:
                     # Torch's BatchNorm forward only reads its buffers through _buffers: the
                     # scratch dict stands in for the module's own, swapped back on exit.
                     attributes = module.__dict__
-                    swaps.append((attributes, attributes["_buffers"]))
+                    swaps.append((attributes, real))
                     attributes["_buffers"] = record.scratch
                     continue
-                real = module._buffers
                 buffers = real.copy()
                 dicts.append((real, buffers))
                 names, leaves = record.names, record.leaves
@@ -499,12 +482,6 @@ class _Recomputation:
                     real.update(leaves)
                 if len(real) != len(names) + (len(leaves) if leaves else 0):
                     _throwaway_copies(real, buffers, names, leaves)
-            for module in state.bare:
-                real = module._buffers
-                if real:
-                    buffers = real.copy()
-                    dicts.append((real, buffers))
-                    _throwaway_copies(real, buffers, (), None)
         except BaseException as exc:
             self.__exit__(type(exc), exc, exc.__traceback__)
             raise

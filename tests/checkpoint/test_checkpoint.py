@@ -182,7 +182,7 @@ def test_only_torchs_own_train_mode_batchnorm_skips_the_copies() -> None:
         state = bnadapt.checkpoint._CallState()
         state.capture(block.train(training))
         assert len(state.values) == copies
-        records = dict(state.buffered)
+        records = dict(zip(state.modules, state.buffers, strict=True))
         assert (records[block.bn1].scratch is not None) is training
         assert records[block.bn2].scratch is None
 
