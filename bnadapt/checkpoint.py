@@ -218,9 +218,12 @@ class _Buffers(NamedTuple):
 # scratch: nothing reads it, and autograd keeps no version check on BatchNorm's running
 # statistics. (Two threads recomputing the same module at once would race on the swap, as
 # they would on every other part of a module's state: one module, one backward at a time.)
-# Only modules whose forward is torch's own (_BatchNorm's or SyncBatchNorm's) with
-# track_running_stats, exactly its three buffers, none lazy or requiring grad, and no forward
-# hooks of their own qualify; anything else is recorded and copied as above.
+# Only modules whose forward is torch's own (_BatchNorm's or SyncBatchNorm's) with exactly its
+# three buffers, none None or lazy, and no forward hooks of their own qualify; anything else is
+# recorded and copied as above. Nothing else needs checking per call: with
+# track_running_stats switched off, train mode passes no running statistics to the kernel (the
+# scratch is not even written), and a running statistic that requires grad makes torch's
+# kernel refuse the first forward, before any recomputation.
 
 _BATCH_NORM_FORWARDS = frozenset(
     {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
@@ -252,11 +255,6 @@ def _scratch_record(module: nn.Module, buffers: dict[str, torch.Tensor | None]) 
         cached = _new_scratch(module, tuple(buffers.values()))
         if cached is None:
             return None
-    if not module.track_running_stats:
-        return None
-    for value in cached[1]:
-        if value.requires_grad:  # type: ignore[union-attr]
-            return None
     return cached[2]
 
 
@@ -282,17 +280,42 @@ def _new_scratch(
     return entry
 
 
+def _throwaway_copies(
+    real: dict[str, torch.Tensor | None],
+    buffers: dict[str, torch.Tensor | None],
+    names: tuple[str, ...],
+    leaves: dict[str, torch.Tensor] | None,
+) -> None:
+    """In a module's ``real`` _buffers, a throwaway copy of each of its ``buffers`` with no
+    recorded value (not yet materialised when the call reached it, or registered since)."""
+    for name, value in buffers.items():
+        if name not in names and not (leaves and name in leaves):
+            real[name] = None if value is None else value.clone()
+
+
+# Per recomputation entered: the training flags it changed, with their real values; the dicts
+# (_parameters, _buffers) it changed, with copies of their real contents; and the modules'
+# attribute dicts whose _buffers it replaced, with the _buffers they had.
+_Changes = tuple[
+    list[tuple[nn.Module, bool]],
+    list[tuple[dict[str, Any], dict[str, Any]]],
+    list[tuple[dict[str, Any], dict[str, Any]]],
+]
+
+
 class _CallState:
     """The training flags, parameters and buffer values of every module of one checkpointed
     call, as they were when the call reached that module.
 
-    Kept as parallel lists, one entry per module in the order recorded, because the
-    recomputation compares them all at once (NOTE [ The cost of a call ])."""
+    Kept as parallel lists, one entry per module in the order recorded (NOTE [ The cost of a
+    call ]). Entered, it is the recomputation's context: recorded flags, parameters and
+    throwaway buffers in, the real ones back on exit. Torch may recompute the same call more
+    than once (backward with retain_graph=True), so it is a plain class, reusable, not a
+    generator."""
 
-    __slots__ = ("_owner", "buffers", "modules", "parameters", "seen", "trainings", "values")
+    __slots__ = ("_saved", "buffers", "modules", "parameters", "seen", "trainings", "values")
 
     def __init__(self) -> None:
-        self._owner = threading.get_ident()
         # None is "seen" from the start: a None in a module's _modules is no module.
         self.seen: set[nn.Module | None] = {None}
         self.modules: list[nn.Module] = []
@@ -305,6 +328,8 @@ class _CallState:
         self.buffers: list[_Buffers | None] = []
         # Copies of the recorded buffers, in the order of the records' names.
         self.values: list[torch.Tensor] = []
+        # What each recomputation entered changed, to put back on exit.
+        self._saved: list[_Changes] = []
 
     def capture(self, root: nn.Module) -> None:
         # Each call records a whole tree, so a module already recorded had its tree recorded
@@ -356,86 +381,8 @@ class _CallState:
             # One call for all the copies: a clone each from Python costs its dispatch again.
             self.values.extend(_clone_all(tensors))
 
-    def on_forward_pre(self, module: nn.Module, args: Any) -> None:
-        # Under torch.compile this hook is traced into the graphs of compiled modules that run
-        # inside the region; it must neither break them (threading.get_ident would) nor record
-        # anything, since those modules run as compiled code. See NOTE [ Under torch.compile ].
-        if torch.compiler.is_compiling():
-            return
-        if threading.get_ident() == self._owner:
-            self.capture(module)
-
-
-def _same_entries(current: dict[str, Any], recorded: dict[str, Any]) -> bool:
-    """Whether a module's ``current`` _parameters hold the same tensor objects under the same
-    names, in the same order, as ``recorded`` (by identity: == on tensors compares values)."""
-    if len(current) != len(recorded):
-        return False
-    for (name, value), (known_name, known) in zip(current.items(), recorded.items(), strict=True):
-        if value is not known or name != known_name:
-            return False
-    return True
-
-
-class _FirstForward:
-    """Context of the first forward of a plain function: records the modules it reaches
-    before they run (a region with a root module is recorded before it starts)."""
-
-    def __init__(self, state: _CallState) -> None:
-        self._state = state
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-
     def __enter__(self) -> None:
-        self._handles.append(
-            nn.modules.module.register_module_forward_pre_hook(self._state.on_forward_pre)
-        )
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._handles:
-            self._handles.pop().remove()
-
-
-def _throwaway_copies(
-    real: dict[str, torch.Tensor | None],
-    buffers: dict[str, torch.Tensor | None],
-    names: tuple[str, ...],
-    leaves: dict[str, torch.Tensor] | None,
-) -> None:
-    """In a module's ``real`` _buffers, a throwaway copy of each of its ``buffers`` with no
-    recorded value (not yet materialised when the call reached it, or registered since)."""
-    for name, value in buffers.items():
-        if name not in names and not (leaves and name in leaves):
-            real[name] = None if value is None else value.clone()
-
-
-# Per recomputation entered: the training flags it changed, with their real values; the dicts
-# (_parameters, _buffers) it changed, with copies of their real contents; and the modules'
-# attribute dicts whose _buffers it replaced, with the _buffers they had.
-_Changes = tuple[
-    list[tuple[nn.Module, bool]],
-    list[tuple[dict[str, Any], dict[str, Any]]],
-    list[tuple[dict[str, Any], dict[str, Any]]],
-]
-
-
-class _Recomputation:
-    """Context of the recomputation: recorded flags and throwaway buffers in, real ones back.
-
-    Entered once per recomputation; torch may recompute the same call more than once (backward
-    with retain_graph=True), so it is a plain class, reusable, not a generator.
-    """
-
-    def __init__(self, state: _CallState) -> None:
-        self._state = state
-        self._saved: list[_Changes] = []
-
-    def __enter__(self) -> None:
-        state = self._state
+        state = self
         flags: list[tuple[nn.Module, bool]] = []
         dicts: list[tuple[dict[str, Any], dict[str, Any]]] = []
         swaps: list[tuple[dict[str, Any], dict[str, Any]]] = []
@@ -500,6 +447,50 @@ class _Recomputation:
             real.update(contents)
         for attributes, buffers in swaps:
             attributes["_buffers"] = buffers
+
+
+def _same_entries(current: dict[str, Any], recorded: dict[str, Any]) -> bool:
+    """Whether a module's ``current`` _parameters hold the same tensor objects under the same
+    names, in the same order, as ``recorded`` (by identity: == on tensors compares values)."""
+    if len(current) != len(recorded):
+        return False
+    for (name, value), (known_name, known) in zip(current.items(), recorded.items(), strict=True):
+        if value is not known or name != known_name:
+            return False
+    return True
+
+
+class _FirstForward:
+    """Context of the first forward of a plain function: records the modules it reaches
+    before they run (a region with a root module is recorded before it starts)."""
+
+    def __init__(self, state: _CallState) -> None:
+        self._state = state
+        self._owner = threading.get_ident()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> None:
+        self._handles.append(
+            nn.modules.module.register_module_forward_pre_hook(self.on_forward_pre)
+        )
+
+    def on_forward_pre(self, module: nn.Module, args: Any) -> None:
+        # Under torch.compile this hook is traced into the graphs of compiled modules that run
+        # inside the region; it must neither break them (threading.get_ident would) nor record
+        # anything, since those modules run as compiled code. See NOTE [ Under torch.compile ].
+        if torch.compiler.is_compiling():
+            return
+        if threading.get_ident() == self._owner:
+            self._state.capture(module)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._handles:
+            self._handles.pop().remove()
 
 
 class _Both:
@@ -605,7 +596,7 @@ def _checkpointed(
             forward = _FirstForward(state)
         else:
             state.capture(root)
-        recompute: AbstractContextManager[Any] = _Recomputation(state)
+        recompute: AbstractContextManager[Any] = state
         if context_fn is not None:
             user_forward, user_recompute = context_fn()
             forward, recompute = _Both(forward, user_forward), _Both(recompute, user_recompute)
