@@ -234,55 +234,43 @@ _BATCH_NORM_FORWARDS = frozenset(
     {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
 )
 _BATCH_NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
-# By id of module (the entry goes when the module does): its type and the buffer objects its
-# scratch was made for, and the record that hands the scratch to the recomputation.
-_SCRATCH: dict[int, tuple[type[nn.Module], tuple[torch.Tensor | None, ...], _Buffers]] = {}
 
 
-def _scratch_record(module: nn.Module, buffers: dict[str, torch.Tensor | None]) -> _Buffers | None:
-    """NOTE [ BatchNorm in train mode ]: the record that gives ``module`` (in train mode, with
-    ``buffers``) its scratch, or None if it does not qualify. Runs per call: the checks that
-    cannot change for the same type and buffer objects are made once, when the scratch is."""
-    if module._forward_hooks or module._forward_pre_hooks or len(buffers) != 3:
+class _Scratch(NamedTuple):
+    """A qualifying BatchNorm's scratch (NOTE [ BatchNorm in train mode ]): the type and the
+    three buffer objects it was made for, and the record that hands it to the recomputation."""
+
+    kind: type[nn.Module]
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor
+    record: _Buffers
+
+
+# By id of module; the entry goes when the module does.
+_SCRATCH: dict[int, _Scratch] = {}
+
+
+def _new_scratch(module: nn.Module, buffers: dict[str, torch.Tensor | None]) -> _Buffers | None:
+    """The record of NOTE [ BatchNorm in train mode ] for ``module`` with ``buffers``, its
+    scratch made and cached; None for a forward other than torch's BatchNorm's, other buffers
+    than its three, or one of them None or lazy. The per-call path checks only what can change
+    for the same module and buffer objects (forward hooks)."""
+    if type(module).forward not in _BATCH_NORM_FORWARDS or tuple(buffers) != _BATCH_NORM_BUFFERS:
         return None
-    cached = _SCRATCH.get(id(module))
-    if cached is not None and cached[0] is type(module):
-        known_buffers = zip(_BATCH_NORM_BUFFERS, cached[1], strict=True)
-        for (name, value), (known_name, known) in zip(buffers.items(), known_buffers, strict=True):
-            if value is not known or name != known_name:
-                cached = None
-                break
-    else:
-        cached = None
-    if cached is None:
-        if tuple(buffers) != _BATCH_NORM_BUFFERS:
-            return None
-        cached = _new_scratch(module, tuple(buffers.values()))
-        if cached is None:
-            return None
-    return cached[2]
-
-
-def _new_scratch(
-    module: nn.Module, values: tuple[torch.Tensor | None, ...]
-) -> tuple[type[nn.Module], tuple[torch.Tensor | None, ...], _Buffers] | None:
-    """The scratch of NOTE [ BatchNorm in train mode ] for ``module``'s buffer ``values``,
-    cached; None for a forward other than torch's BatchNorm's, or a buffer None or lazy."""
-    if type(module).forward not in _BATCH_NORM_FORWARDS or any(
-        value is None or is_lazy(value) for value in values
-    ):
+    mean, var, count = buffers.values()
+    if mean is None or var is None or count is None or any(map(is_lazy, (mean, var, count))):
         return None
     scratch: dict[str, torch.Tensor | None] = {
         name: value.detach().clone()
-        for name, value in zip(_BATCH_NORM_BUFFERS, values, strict=True)
-        if value is not None
+        for name, value in zip(_BATCH_NORM_BUFFERS, (mean, var, count), strict=True)
     }
     key = id(module)
     if key not in _SCRATCH:
         weakref.finalize(module, _SCRATCH.pop, key, None)
-    entry = (type(module), values, _Buffers(scratch, (), 0, None))
-    _SCRATCH[key] = entry
-    return entry
+    record = _Buffers(scratch, (), 0, None)
+    _SCRATCH[key] = _Scratch(type(module), mean, var, count, record)
+    return record
 
 
 def _throwaway_copies(
@@ -298,13 +286,18 @@ def _throwaway_copies(
             real[name] = None if value is None else value.clone()
 
 
-# Per recomputation entered: the training flags it changed, with their real values; the dicts
-# (_parameters, _buffers) it changed, with copies of their real contents; and the modules'
-# attribute dicts whose _buffers it replaced, with the _buffers they had.
+# One module as a call found it: the module, its training flag, its _parameters entries (a
+# copy, None where it had none) and its buffer record (None where it had no buffers: the
+# recomputation looks whether it has some since).
+_Record = tuple[nn.Module, bool, "dict[str, Any] | None", "_Buffers | None"]
+
+# Per recomputation entered: the training flags it changed, with their real values; the
+# _buffers dicts it changed, with copies of their real contents; and the modules' attribute
+# dicts whose _parameters or _buffers it replaced, with the name and the dict they had.
 _Changes = tuple[
     list[tuple[nn.Module, bool]],
     list[tuple[dict[str, Any], dict[str, Any]]],
-    list[tuple[dict[str, Any], dict[str, Any]]],
+    list[tuple[dict[str, Any], str, dict[str, Any]]],
 ]
 
 
@@ -312,29 +305,39 @@ class _CallState:
     """The training flags, parameters and buffer values of every module of one checkpointed
     call, as they were when the call reached that module.
 
-    Kept as parallel lists, one entry per module in the order recorded (NOTE [ The cost of a
-    call ]). Entered, it is the recomputation's context: recorded flags, parameters and
-    throwaway buffers in, the real ones back on exit. Torch may recompute the same call more
-    than once (backward with retain_graph=True), so it is a plain class, reusable, not a
-    generator."""
+    One record per module in the order recorded (NOTE [ The cost of a call ]). Entered, it is
+    the recomputation's context: recorded flags, parameters and throwaway buffers in, the real
+    ones back on exit. Torch may recompute the same call more than once (backward with
+    retain_graph=True), so it is a plain class, reusable, not a generator."""
 
-    __slots__ = ("_saved", "buffers", "modules", "parameters", "seen", "trainings", "values")
+    __slots__ = ("_context_fn", "_root", "_saved", "records", "seen", "values")
 
-    def __init__(self) -> None:
+    def __init__(self, root: nn.Module | None = None, context_fn: ContextFn | None = None) -> None:
+        # The region's root module, recorded when torch asks for the contexts (None: a plain
+        # function, whose modules are recorded as it reaches them), and the caller's contexts.
+        self._root = root
+        self._context_fn = context_fn
         # None is "seen" from the start: a None in a module's _modules is no module.
         self.seen: set[nn.Module | None] = {None}
-        self.modules: list[nn.Module] = []
-        self.trainings: list[bool] = []
-        # Each module's _parameters entries, themselves (NOTE [ Parameters in the
-        # recomputation ]).
-        self.parameters: list[dict[str, nn.Parameter | None]] = []
-        # Each module's buffer record; None where it had no buffers (the recomputation looks
-        # whether it has some since).
-        self.buffers: list[_Buffers | None] = []
+        self.records: list[_Record] = []
         # Copies of the recorded buffers, in the order of the records' names.
         self.values: list[torch.Tensor] = []
         # What each recomputation entered changed, to put back on exit.
         self._saved: list[_Changes] = []
+
+    def contexts(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        """The context_fn handed to torch's checkpoint: the first forward's context and the
+        recomputation's, the caller's own entered inside ours."""
+        forward: AbstractContextManager[Any] = _NOTHING
+        if self._root is None:
+            forward = _FirstForward(self)
+        else:
+            self.capture(self._root)
+        recompute: AbstractContextManager[Any] = self
+        if self._context_fn is not None:
+            user_forward, user_recompute = self._context_fn()
+            forward, recompute = _Both(forward, user_forward), _Both(recompute, user_recompute)
+        return forward, recompute
 
     def capture(self, root: nn.Module) -> None:
         # Each call records a whole tree, so a module already recorded had its tree recorded
@@ -344,12 +347,11 @@ class _CallState:
             return
         seen.add(root)
         found = [root]
-        trainings, parameters, records = self.trainings, self.parameters, self.buffers
+        records = self.records
         first = len(self.values)
         tensors: list[torch.Tensor] = []
         # One plain loop, each module read once: inside a step, where the caches are cold,
-        # that costs less than a pass per field through map and attrgetter (NOTE [ The cost
-        # of a call ]).
+        # that costs less than a pass per field (NOTE [ The cost of a call ]).
         for module in found:  # grows as it goes: breadth first
             children = module._modules
             if children:
@@ -357,17 +359,30 @@ class _CallState:
                     if child not in seen:
                         seen.add(child)
                         found.append(child)  # type: ignore[arg-type]
+            parameters = module._parameters
+            then = parameters.copy() if parameters else None
             training = module.training
-            trainings.append(training)
-            parameters.append(module._parameters.copy())
             buffers = module._buffers
             if not buffers:
-                records.append(None)
+                records.append((module, training, then, None))
                 continue
-            record = _scratch_record(module, buffers) if training else None
-            if record is not None:
-                records.append(record)
-                continue
+            if training and not (module._forward_hooks or module._forward_pre_hooks):
+                # NOTE [ BatchNorm in train mode ]: the same module with the same buffer
+                # objects has the scratch made for them.
+                known = _SCRATCH.get(id(module))
+                record = (
+                    known.record
+                    if known is not None
+                    and known.kind is type(module)
+                    and len(buffers) == 3
+                    and buffers.get("running_mean") is known.running_mean
+                    and buffers.get("running_var") is known.running_var
+                    and buffers.get("num_batches_tracked") is known.num_batches_tracked
+                    else _new_scratch(module, buffers)
+                )
+                if record is not None:
+                    records.append((module, training, then, record))
+                    continue
             names: tuple[str, ...] = ()
             leaves = None
             start = first + len(tensors)
@@ -380,36 +395,34 @@ class _CallState:
                 else:
                     names += (name,)
                     tensors.append(buf)
-            records.append(_Buffers(None, names, start, leaves))
-        self.modules += found
+            records.append((module, training, then, _Buffers(None, names, start, leaves)))
         if tensors:
             # One call for all the copies: a clone each from Python costs its dispatch again.
             self.values.extend(_clone_all(tensors))
 
     def __enter__(self) -> None:
-        state = self
         flags: list[tuple[nn.Module, bool]] = []
         dicts: list[tuple[dict[str, Any], dict[str, Any]]] = []
-        swaps: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        swaps: list[tuple[dict[str, Any], str, dict[str, Any]]] = []
         # Pushed first, each change noted before it is made: should a copy fail (out of
         # memory), what was changed is put back before the error goes on.
         self._saved.append((flags, dicts, swaps))
         try:
-            copies = _clone_all(state.values) if state.values else []
+            values = self.values
+            copies = _clone_all(values) if values else values
             # One pass, each module read once (NOTE [ The cost of a call ]). Module.__setattr__
-            # costs microseconds (it looks through parameters, buffers and submodules first):
-            # a flag is set only where it differs, and so are the parameters.
-            for module, training, then, record in zip(
-                state.modules, state.trainings, state.parameters, state.buffers, strict=True
-            ):
+            # costs microseconds (it looks through parameters, buffers and submodules first),
+            # so a flag is set only where it differs. The recorded parameters go in without
+            # being compared first: the recorded dict stands in for the module's _parameters,
+            # one assignment there and one back, which costs less than comparing the entries.
+            for module, training, then, record in self.records:
                 if module.training != training:
                     flags.append((module, module.training))
                     module.training = training
-                if then:
-                    now = module._parameters
-                    if not _same_entries(now, then):
-                        dicts.append((now, now.copy()))
-                        now.update(then)
+                if then is not None:
+                    attributes = module.__dict__
+                    swaps.append((attributes, "_parameters", attributes["_parameters"]))
+                    attributes["_parameters"] = then
                 real = module._buffers
                 if record is None:
                     if real:  # registered since the call
@@ -421,7 +434,7 @@ class _CallState:
                     # Torch's BatchNorm forward only reads its buffers through _buffers: the
                     # scratch dict stands in for the module's own, swapped back on exit.
                     attributes = module.__dict__
-                    swaps.append((attributes, real))
+                    swaps.append((attributes, "_buffers", real))
                     attributes["_buffers"] = record.scratch
                     continue
                 buffers = real.copy()
@@ -450,19 +463,8 @@ class _CallState:
         for real, contents in dicts:
             real.clear()
             real.update(contents)
-        for attributes, buffers in swaps:
-            attributes["_buffers"] = buffers
-
-
-def _same_entries(current: dict[str, Any], recorded: dict[str, Any]) -> bool:
-    """Whether a module's ``current`` _parameters hold the same tensor objects under the same
-    names, in the same order, as ``recorded`` (by identity: == on tensors compares values)."""
-    if len(current) != len(recorded):
-        return False
-    for (name, value), (known_name, known) in zip(current.items(), recorded.items(), strict=True):
-        if value is not known or name != known_name:
-            return False
-    return True
+        for attributes, name, value in swaps:
+            attributes[name] = value
 
 
 class _FirstForward:
@@ -594,21 +596,9 @@ def _checkpointed(
             function, *args, use_reentrant=False, **options, **kwargs
         )
 
-    def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-        state = _CallState()
-        forward: AbstractContextManager[Any] = _NOTHING
-        if root is None:
-            forward = _FirstForward(state)
-        else:
-            state.capture(root)
-        recompute: AbstractContextManager[Any] = state
-        if context_fn is not None:
-            user_forward, user_recompute = context_fn()
-            forward, recompute = _Both(forward, user_forward), _Both(recompute, user_recompute)
-        return forward, recompute
-
+    state = _CallState(root, context_fn)
     return _torch_checkpoint.checkpoint(
-        function, *args, use_reentrant=False, context_fn=contexts, **options, **kwargs
+        function, *args, use_reentrant=False, context_fn=state.contexts, **options, **kwargs
     )
 
 

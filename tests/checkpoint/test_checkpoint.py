@@ -182,7 +182,8 @@ def test_only_torchs_own_train_mode_batchnorm_skips_the_copies() -> None:
         state = bnadapt.checkpoint._CallState()
         state.capture(block.train(training))
         assert len(state.values) == copies
-        records = dict(zip(state.modules, state.buffers, strict=True))
+        records = {module: record for module, _, _, record in state.records}
+        assert records[block.bn1] is not None and records[block.bn2] is not None
         assert (records[block.bn1].scratch is not None) is training
         assert records[block.bn2].scratch is None
 
@@ -198,16 +199,22 @@ def test_batchnorm_scratch_is_reused_and_goes_with_its_module() -> None:
     x = torch.randn(6, 4, requires_grad=True)
     wrapped(x).sum().backward()
     entry = scratches[id(bn)]
-    scratch = entry[2].scratch
+    scratch = entry.record.scratch
     assert scratch is not None and scratch.keys() == own.keys()
     assert all(scratch[name] is not own[name] for name in own)
     wrapped(x).sum().backward()
     assert scratches[id(bn)] is entry
     assert bn._buffers is own and int(bn.num_batches_tracked) == 2
-    bn.running_mean = torch.zeros(4)  # a new buffer object, as .to() or a replacing load makes
-    wrapped(x).sum().backward()
-    assert scratches[id(bn)] is not entry and bn._buffers is own
-    assert int(bn.num_batches_tracked) == 3
+    # A new object for any one of the three buffers, as .to() or a replacing load makes them,
+    # gets a new scratch made for it.
+    for calls, name in enumerate(("running_mean", "running_var", "num_batches_tracked"), 3):
+        setattr(bn, name, getattr(bn, name).clone())
+        wrapped(x).sum().backward()
+        assert scratches[id(bn)] is not entry and bn._buffers is own
+        entry = scratches[id(bn)]
+        assert entry.record.scratch is not None
+        assert all(entry.record.scratch[k] is not v for k, v in own.items())
+        assert int(bn.num_batches_tracked) == calls
     key = id(bn)
     del wrapped, bn
     gc.collect()
