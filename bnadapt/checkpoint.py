@@ -137,17 +137,23 @@ __all__ = [
 # recomputation, on top of torch's own checkpoint. Where a step's operators are large (a CPU
 # train step at batch 32) that is lost in the noise; where they are tiny, as in an eager CUDA
 # step of a small model, which waits on the CPU that launches its kernels, it is not: every
-# microsecond is on the critical path. So the common case is kept short. Inside a step the
-# caches are cold (the operators in between refill them), and there a line costs four to five
-# times what it costs in a warm loop: what counts is how much gets touched, not how many
-# operations run. So the records are parallel lists, one entry per module, made in one plain
-# loop that reads each module once, and the recomputation goes over them in one loop too,
-# changing a module only where it differs from its record (a pass per field through map and
-# attrgetter, faster in a warm loop, was slower in a step); the records are themselves the
-# recomputation's context, one object per call; BatchNorm in train mode records nothing and
-# its recomputation swaps one dict; the wrapper merges its options once.
+# microsecond is on the critical path. Inside a step the caches are cold (the operators in
+# between refill them), and there a line costs four to five times what it costs in a warm
+# loop; the first code to touch a module pays for it, whatever it reads there. So what counts
+# is how much gets touched, not how many operations run, and the common case is kept short:
+# - one record per module (module, flag, parameters, buffer record), made in one plain loop
+#   that reads each module once, and gone over in one loop by the recomputation (a pass per
+#   field through map and attrgetter, faster in a warm loop, was slower in a step);
+# - the recorded parameters are not compared with the module's at the recomputation: the
+#   recorded dict stands in for the module's _parameters (one assignment there and one back);
+# - BatchNorm in train mode records nothing: its cached scratch is found by its three buffer
+#   objects, and its recomputation swaps one dict;
+# - the call's state is itself torch's context_fn and the recomputation's context, one object
+#   per call, and the wrapper merges its options once.
 # bench/checkpoint_bench.py (`launch`) measures what is left per block call: most of it is
-# reading every module of the block twice, once in each pass, which the guarantee needs.
+# reading every module of the block twice, once in each pass, which the guarantee needs (a
+# model switched to eval, or parameters swapped by functional_call, between forward and
+# backward).
 
 # NOTE [ Under torch.compile ]
 #
