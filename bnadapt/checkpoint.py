@@ -45,7 +45,7 @@ import enum
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Any, NamedTuple, Protocol
@@ -358,50 +358,56 @@ class _CallState:
         tensors: list[torch.Tensor] = []
         # One plain loop, each module read once: inside a step, where the caches are cold,
         # that costs less than a pass per field (NOTE [ The cost of a call ]).
-        for module in found:  # grows as it goes: breadth first
-            children = module._modules
-            if children:
-                for child in children.values():
-                    if child not in seen:
-                        seen.add(child)
-                        found.append(child)  # type: ignore[arg-type]
-            parameters = module._parameters
-            then = parameters.copy() if parameters else None
-            training = module.training
-            buffers = module._buffers
-            if not buffers:
-                records.append((module, training, then, None))
-                continue
-            if training and not (module._forward_hooks or module._forward_pre_hooks):
-                # NOTE [ BatchNorm in train mode ]: the same module with the same buffer
-                # objects has the scratch made for them.
-                known = _SCRATCH.get(id(module))
-                record = (
-                    known.record
-                    if known is not None
-                    and known.kind is type(module)
-                    and len(buffers) == 3
-                    and buffers.get("running_mean") is known.running_mean
-                    and buffers.get("running_var") is known.running_var
-                    and buffers.get("num_batches_tracked") is known.num_batches_tracked
-                    else _new_scratch(module, buffers)
-                )
-                if record is not None:
-                    records.append((module, training, then, record))
+        try:
+            for module in found:  # grows as it goes: breadth first
+                children = module._modules
+                if children:
+                    for child in children.values():
+                        if child not in seen:
+                            seen.add(child)
+                            found.append(child)  # type: ignore[arg-type]
+                parameters = module._parameters
+                then = parameters.copy() if parameters else None
+                training = module.training
+                buffers = module._buffers
+                if not buffers:
+                    records.append((module, training, then, None))
                     continue
-            names: tuple[str, ...] = ()
-            leaves = None
-            start = first + len(tensors)
-            for name, buf in buffers.items():
-                if buf is None or is_lazy(buf):
-                    continue
-                if buf.requires_grad:
-                    leaves = {} if leaves is None else leaves
-                    leaves[name] = buf
-                else:
-                    names += (name,)
-                    tensors.append(buf)
-            records.append((module, training, then, _Buffers(None, names, start, leaves)))
+                if training and not (module._forward_hooks or module._forward_pre_hooks):
+                    # NOTE [ BatchNorm in train mode ]: the same module with the same buffer
+                    # objects has the scratch made for them.
+                    known = _SCRATCH.get(id(module))
+                    record = (
+                        known.record
+                        if known is not None
+                        and known.kind is type(module)
+                        and len(buffers) == 3
+                        and buffers.get("running_mean") is known.running_mean
+                        and buffers.get("running_var") is known.running_var
+                        and buffers.get("num_batches_tracked") is known.num_batches_tracked
+                        else _new_scratch(module, buffers)
+                    )
+                    if record is not None:
+                        records.append((module, training, then, record))
+                        continue
+                names: tuple[str, ...] = ()
+                leaves = None
+                start = first + len(tensors)
+                for name, buf in buffers.items():
+                    if buf is None or is_lazy(buf):
+                        continue
+                    if buf.requires_grad:
+                        leaves = {} if leaves is None else leaves
+                        leaves[name] = buf
+                    else:
+                        names += (name,)
+                        tensors.append(buf)
+                records.append((module, training, then, _Buffers(None, names, start, leaves)))
+        except AttributeError:
+            # A TorchScript module's _parameters and _buffers are views of its C++ state,
+            # without the dict methods read here: say so, rather than what was missing.
+            _refuse_torchscript(found)
+            raise
         if tensors:
             # One call for all the copies: a clone each from Python costs its dispatch again.
             self.values.extend(_clone_all(tensors))
@@ -471,6 +477,18 @@ class _CallState:
             real.update(contents)
         for attributes, name, value in swaps:
             attributes[name] = value
+
+
+def _refuse_torchscript(modules: Iterable[nn.Module]) -> None:
+    """Raise a TypeError that says what to do if any of ``modules`` is a TorchScript module."""
+    for module in modules:
+        if isinstance(module, torch.jit.ScriptModule):
+            raise TypeError(
+                f"bnadapt's checkpoint cannot keep the buffers of a TorchScript module exact "
+                f"({type(module).__name__}: its state lives in C++, out of the wrapper's reach; "
+                "TorchScript is deprecated in torch): checkpoint the eager module, and use "
+                "torch.compile if you want it compiled"
+            )
 
 
 class _FirstForward:
@@ -832,6 +850,7 @@ class CheckpointWrapper(nn.Module):
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"checkpoint_wrapper needs an nn.Module, got {type(module).__name__}")
+        _refuse_torchscript(module.modules())
         impl = _impl_name(checkpoint_impl)
         if impl == "REENTRANT":
             raise ValueError(

@@ -151,6 +151,23 @@ def test_what_breaks_the_guarantee_is_refused(
         call(Block(3))
 
 
+def test_torchscript_modules_are_refused_with_what_to_do() -> None:
+    """A TorchScript module keeps its state in C++, where the wrapper cannot record it: wrapping
+    one (or a tree holding one) is refused, and so is a plain function that reaches one with
+    parameters or buffers, with a TypeError that says to use the eager module instead."""
+    says = r"TorchScript module exact .*checkpoint the eager module"
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+    with pytest.raises(TypeError, match=says):
+        checkpoint_wrapper(scripted)
+    with pytest.raises(TypeError, match=says):
+        checkpoint_wrapper(nn.Sequential(nn.Linear(3, 3), scripted))
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(TypeError, match=says):
+        checkpoint(lambda t: scripted(t), x)
+    # The eager module the message points to works.
+    checkpoint_wrapper(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))(x).sum().backward()
+
+
 def test_torch_distributed_attributes() -> None:
     wrapped = checkpoint_wrapper(Block(3), CheckpointImpl.NO_REENTRANT)
     assert wrapped.checkpoint_impl is CheckpointImpl.NO_REENTRANT
