@@ -18,12 +18,17 @@ bnadapt's per-call bookkeeping run against torch's checkpoint, each in the same 
 The variants take turns in rounds, so that the machine's state of the moment falls on all of
 them. Run from the repository root: ``python bench/checkpoint_decompose.py`` prints a markdown
 table (``--pairs N`` per variant and round, ``--rounds R``, ``--threads T``).
+
+``--against FILE`` instead times this checkout's bnadapt/checkpoint.py against another copy of
+it (say ``git show REV:bnadapt/checkpoint.py > /tmp/old.py``) on the same step, every block
+behind both wrappers: the before-and-after of a change, in one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import statistics
 import sys
 from collections.abc import Callable, Iterator
@@ -40,6 +45,7 @@ from checkpoint_bench import (
     make_batch,
     switched_steps,
     time_paired,
+    train_step,
 )
 from torch import nn
 
@@ -102,14 +108,70 @@ def bookkeeping(variant: str) -> Iterator[None]:
             setattr(cls, name, method)
 
 
+class _TwoWrappers(nn.Module):
+    """One block behind two wrappers; ``use`` says which one runs."""
+
+    def __init__(self, first: nn.Module, second: nn.Module) -> None:
+        super().__init__()
+        self.first, self.second, self.use = first, second, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = (self.second if self.use else self.first)(x)
+        return out
+
+
+def against(path: str, pairs: int, rounds: int) -> None:
+    """This checkout's wrapper against the one in ``path``, launch-bound step, paired."""
+    spec = importlib.util.spec_from_file_location("other_checkpoint", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--against {path}: not a Python file")
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    device = torch.device("cpu")
+    x, y = make_batch(LAUNCH_BATCH, device, LAUNCH_IMAGE_SIZE)
+    model = ResNet()
+    switches = []
+    for i, block in enumerate(model.blocks):
+        switches.append(
+            _TwoWrappers(ours.checkpoint_wrapper(block), other.checkpoint_wrapper(block))
+        )
+        model.blocks[i] = switches[-1]
+    step = train_step(model, x, y)
+
+    def step_of(use: int) -> Callable[[], None]:
+        def run() -> None:
+            for switch in switches:
+                switch.use = use
+            step()
+
+        return run
+
+    print(f"| round | this checkout / {path} (quartiles) | 95 % interval | per block call |")
+    print("|---|---|---|---|")
+    for round_ in range(rounds):
+        timing = time_paired(step_of(0), step_of(1), pairs, 20, device)
+        low, median, high = timing.ratio_quartiles()
+        interval = timing.median_interval()
+        differences = [m - b for m, b in zip(timing.measured_s, timing.baseline_s, strict=True)]
+        per_call = statistics.median(differences) / len(switches) * 1e6
+        print(
+            f"| {round_ + 1} | **{median:.4f}** ({low:.3f}-{high:.3f}) "
+            f"| {interval[0]:.4f}-{interval[1]:.4f} | {per_call:+.1f} us |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=400, help="pairs per variant and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--against", metavar="FILE", help="another bnadapt/checkpoint.py")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
+    if args.against:
+        against(args.against, args.pairs, args.rounds)
+        return
     device = torch.device("cpu")
     x, y = make_batch(LAUNCH_BATCH, device, LAUNCH_IMAGE_SIZE)
     model = ResNet()
