@@ -147,12 +147,15 @@ class TorchCheckpointed(nn.Module):
 
 
 class Switched(nn.Module):
-    """One block behind both checkpoints; ``use`` says which one runs."""
+    """One block behind both checkpoints (``theirs``: torch's, unless another wrapper is
+    given); ``use`` says which one runs."""
 
-    def __init__(self, block: nn.Module) -> None:
+    def __init__(
+        self, block: nn.Module, theirs: Callable[[nn.Module], nn.Module] = TorchCheckpointed
+    ) -> None:
         super().__init__()
         self.ours = checkpoint_wrapper(block)
-        self.theirs = TorchCheckpointed(block)
+        self.theirs = theirs(block)
         self.use = "bnadapt"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,14 +164,17 @@ class Switched(nn.Module):
 
 
 def switched_steps(
-    model: ResNet, x: torch.Tensor, y: torch.Tensor
+    model: ResNet,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    theirs: Callable[[nn.Module], nn.Module] = TorchCheckpointed,
 ) -> dict[str, Callable[[], None]]:
     """Train steps of one copy of ``model`` whose blocks are :class:`Switched`, by variant
-    (``bnadapt``, ``torch``): each step first points every block at its variant."""
+    (``bnadapt``, ``torch``: ``theirs``): each step first points every block at its variant."""
     model = copy.deepcopy(model)
     switches = []
     for i, block in enumerate(model.blocks):
-        switches.append(Switched(block))
+        switches.append(Switched(block, theirs))
         model.blocks[i] = switches[-1]
     step = train_step(model, x, y)
 

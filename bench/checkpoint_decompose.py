@@ -45,7 +45,6 @@ from checkpoint_bench import (
     make_batch,
     switched_steps,
     time_paired,
-    train_step,
 )
 from torch import nn
 
@@ -108,18 +107,6 @@ def bookkeeping(variant: str) -> Iterator[None]:
             setattr(cls, name, method)
 
 
-class _TwoWrappers(nn.Module):
-    """One block behind two wrappers; ``use`` says which one runs."""
-
-    def __init__(self, first: nn.Module, second: nn.Module) -> None:
-        super().__init__()
-        self.first, self.second, self.use = first, second, 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = (self.second if self.use else self.first)(x)
-        return out
-
-
 def against(path: str, pairs: int, rounds: int) -> None:
     """This checkout's wrapper against the one in ``path``, launch-bound step, paired."""
     spec = importlib.util.spec_from_file_location("other_checkpoint", path)
@@ -129,31 +116,16 @@ def against(path: str, pairs: int, rounds: int) -> None:
     spec.loader.exec_module(other)
     device = torch.device("cpu")
     x, y = make_batch(LAUNCH_BATCH, device, LAUNCH_IMAGE_SIZE)
-    model = ResNet()
-    switches = []
-    for i, block in enumerate(model.blocks):
-        switches.append(
-            _TwoWrappers(ours.checkpoint_wrapper(block), other.checkpoint_wrapper(block))
-        )
-        model.blocks[i] = switches[-1]
-    step = train_step(model, x, y)
-
-    def step_of(use: int) -> Callable[[], None]:
-        def run() -> None:
-            for switch in switches:
-                switch.use = use
-            step()
-
-        return run
-
+    steps = switched_steps(ResNet(), x, y, theirs=other.checkpoint_wrapper)
+    blocks = len(ResNet().blocks)
     print(f"| round | this checkout / {path} (quartiles) | 95 % interval | per block call |")
     print("|---|---|---|---|")
     for round_ in range(rounds):
-        timing = time_paired(step_of(0), step_of(1), pairs, 20, device)
+        timing = time_paired(steps["bnadapt"], steps["torch"], pairs, 20, device)
         low, median, high = timing.ratio_quartiles()
         interval = timing.median_interval()
         differences = [m - b for m, b in zip(timing.measured_s, timing.baseline_s, strict=True)]
-        per_call = statistics.median(differences) / len(switches) * 1e6
+        per_call = statistics.median(differences) / blocks * 1e6
         print(
             f"| {round_ + 1} | **{median:.4f}** ({low:.3f}-{high:.3f}) "
             f"| {interval[0]:.4f}-{interval[1]:.4f} | {per_call:+.1f} us |"
