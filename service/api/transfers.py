@@ -10,7 +10,7 @@ the settings' (checked against Content-Length first, then byte by byte), and a r
 dropped upload leaves nothing in the store (the writer discards its temp file). A client that
 sends the file's sha256 in ``X-Content-SHA256`` lets an S3 store send it on to its content
 key while it arrives, where an unknown digest waits for the last byte (NOTE [ Atomic commit
-on S3 ] in service/store/s3.py); bytes that hash otherwise are refused with 422 and leave
+on S3 ] in service/store/s3/store.py); bytes that hash otherwise are refused with 422 and leave
 nothing.
 """
 

@@ -67,7 +67,8 @@ FINISHED_JOBS: Final = f"{PREFIX}:jobs:finished"
 # epoch); see NOTE [ Store garbage collection ] in service/store/gc.py.
 STORE_RELEASED: Final = f"{PREFIX}:store:released"
 # Sorted set: S3 store objects scored by when a writer last wrote (or found) them; the S3
-# store's stand-in for a file's mtime (NOTE [ Collecting an S3 store ] in service/store/s3.py).
+# store's stand-in for a file's mtime (NOTE [ Collecting an S3 store ] in
+# service/store/s3/collection.py).
 STORE_WRITTEN: Final = f"{PREFIX}:store:written"
 # Held by the one store collection running (a redis-py lock).
 STORE_GC_LOCK: Final = f"{PREFIX}:store:gc-lock"

@@ -188,6 +188,13 @@ class Store(Protocol):
         None where the store has none (then the API streams the object)."""
         ...
 
+    def warm_up(self) -> None:
+        """Makes ready, without a request, what each job forked from this process would
+        otherwise make on its first use of the store (an RQ worker calls it before forking
+        jobs); nothing where there is nothing to make. Opens no connection a child could
+        inherit."""
+        ...
+
 
 class DirectUpload(NamedTuple):
     """A multipart upload a client sends straight to the bucket, one presigned URL a part."""

@@ -209,6 +209,9 @@ class LocalStore:
     def download_url(self, sha256: str, filename: str) -> str | None:
         return None  # a directory has no URL of its own: the API streams the object
 
+    def warm_up(self) -> None:
+        """Nothing to make: a directory needs no client."""
+
     def cleanup_tmp(self, older_than_s: float = DEFAULT_TMP_MAX_AGE_S) -> int:
         if older_than_s < 0:
             raise ValueError(f"older_than_s must be >= 0, got {older_than_s}")

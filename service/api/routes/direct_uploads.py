@@ -19,7 +19,7 @@ from api_schemas.uploads import (
 )
 from service.api.deps import IdPath, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError
-from service.api.routes.datasets import register_dataset
+from service.datasets.registration import register_dataset
 from service.errors import StoreError, StoreTooLargeError
 from service.records import keys
 from service.records.format import text
@@ -33,7 +33,7 @@ __all__ = ["router"]
 # The API hands out presigned URLs and never sees the bytes: the client PUTs each part to the
 # bucket, then asks the API to complete. Completing reads the object once (sha256, size, the
 # dataset checks of an upload), installs it under its content key like any write (NOTE
-# [ Atomic commit on S3 ] in service/store/s3.py) and registers it. An import copies an
+# [ Atomic commit on S3 ] in service/store/s3/store.py) and registers it. An import copies an
 # existing object server-side into a temp key and goes on the same way. What the API keeps
 # of an upload in progress lives in Redis for the URLs' lifetime.
 
