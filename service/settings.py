@@ -98,7 +98,7 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(default=DEFAULT_MAX_IMAGE_PIXELS, ge=1)
     loader_processes: int = Field(default=2, ge=0, le=64)
     # How long an Idempotency-Key stays reserved for a POST /v1/jobs that has not written its
-    # job yet (NOTE [ Idempotency lease ] in service/api/routes/jobs.py).
+    # job yet (NOTE [ Idempotency lease ] in service/jobs/idempotency.py).
     idempotency_lease_s: float = Field(default=10.0, gt=0)
     # How long a running job keeps retrying its Redis writes (with backoff) through an outage
     # before it stops and its attempt counts as interrupted.

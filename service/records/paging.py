@@ -1,4 +1,4 @@
-"""Cursor pagination over a tenant's index of resources (service/records/sync.py)."""
+"""Cursor pagination over a tenant's index of resources (service/records/resources.py)."""
 
 from __future__ import annotations
 

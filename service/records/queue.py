@@ -1,5 +1,5 @@
 """Putting a job's run on the RQ queue: by the API for a job's first attempt, by the sweep for
-each later one (NOTE [ Job attempts ] in service/records/sync.py)."""
+each later one (NOTE [ Job attempts ] in service/records/retries.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ process. If the worker or the job's process is killed (SIGKILL, out of memory, a
 lost), the key expires and the next sweep marks the job failed. A queued job is compared with
 RQ's view of it (:func:`reap_lost_queued_jobs`): its process may have died after RQ forked it
 and before it marked itself running. Verdicts are compare-and-sets, so the API and every
-worker supervisor may sweep at once. How fast: NOTE [ Heartbeat bound ].
+worker supervisor may sweep at once. How fast: NOTE [ Heartbeat bound ]. What becomes of a
+lost run, a new attempt or a failure, is the retry policy's (NOTE [ Retry policy ] in
+service/records/retries.py).
 
 A sharded job (see NOTE [ Sharded adaptation ] in workers/sharding/compute.py) has no process of
 its own once its shards are queued: it is judged by its children instead (:func:`judge_sharded`). It
@@ -17,8 +19,6 @@ cancel was asked for and no child is running to notice it.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -26,7 +26,7 @@ from typing import Final, cast
 
 import redis
 from rq import Queue
-from rq.exceptions import DuplicateJobError, NoSuchJobError
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.job import JobStatus as RqStatus
 
@@ -34,7 +34,7 @@ from api_schemas import JobStatus, utc_now
 from service.records import keys
 from service.records.dequeues import DequeueHolds, Taken
 from service.records.format import text
-from service.records.queue import enqueue_run
+from service.records.retries import enqueue_attempt
 from service.records.shards import (
     ChildState,
     ShardRecords,
@@ -166,11 +166,11 @@ def _aware(moment: datetime) -> datetime:
 def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
     """Enqueues the attempts whose backoff has passed, and ends the current attempt of every
     queued job that RQ will never run or whose process died between RQ's fork and the job
-    marking itself running (NOTE [ Job attempts ] in service/records/sync.py); returns the ids of
-    the jobs it changed.
+    marking itself running (NOTE [ Job attempts ] in service/records/retries.py); returns the
+    ids of the jobs it changed.
 
     The record and the RQ job of a first attempt are written in one MULTI
-    (service/api/routes/jobs.py); the job's process moves the record to running within
+    (service/jobs/submission.py); the job's process moves the record to running within
     milliseconds of RQ starting it."""
     changed = []
     ttl = timedelta(seconds=heartbeat_key_ttl_s(settings.heartbeat_timeout_s))
@@ -183,7 +183,7 @@ def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
             rq_job = None
         if rq_job is None and retry_at is not None and payload is not None:
             if time.time() >= retry_at:
-                _enqueue_retry(records, settings, job_id, rq_id, payload)
+                enqueue_attempt(records, settings, job_id, rq_id, payload)
                 changed.append(job_id)
             continue
         if rq_job is not None and retry_at is not None:
@@ -238,7 +238,7 @@ def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
 # without it), or, with no holder (the worker died, or Redis was lost, between the pop and
 # that write), once sweeps have seen it taken for a heartbeat TTL. Both are decided in one
 # script, so a sweep never reads a half-done hand-over. A job's attempt then ends as an
-# interrupted one (NOTE [ Job attempts ] in service/records/sync.py); a sharded job's child
+# interrupted one (NOTE [ Job attempts ] in service/records/retries.py); a sharded job's child
 # goes back to the front of its queue (NOTE [ Retried children ] in workers/sharding/jobs.py).
 # With a holder, that happens within the heartbeat bound: the holds key is gone a TTL after the
 # worker died, and a sweep follows within a sweep interval (NOTE [ Heartbeat bound ]). With
@@ -296,20 +296,6 @@ def _queued_jobs_to_check(records: Records) -> list[str]:
         chunk = queued[start : start + _SWEEP_CHUNK]
         found += [text(job_id) for job_id in cast("list[bytes]", script(args=[*prefixes, *chunk]))]
     return found
-
-
-def _enqueue_retry(
-    records: Records, settings: Settings, job_id: str, rq_id: str, payload: str
-) -> None:
-    """Queues the next attempt where the first one waited: the queue of the job's device
-    (NOTE [ Queues by device ] in service/settings.py)."""
-    fields = json.loads(payload)
-    device = str(fields.get("params", {}).get("device", "auto"))
-    queue = Queue(settings.job_queue(device), connection=records.client, serializer="json")
-    with contextlib.suppress(DuplicateJobError):  # another sweep enqueued it a moment ago
-        enqueue_run(queue, fields, rq_id, settings.job_timeout_s, f"{job_id} (retry)")
-    records.mark_enqueued(job_id, rq_id)
-    log.info("job %s: attempt %s queued", job_id, rq_id, extra={"job_id": job_id})
 
 
 def rerun_lost_children(

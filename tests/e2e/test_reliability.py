@@ -18,7 +18,7 @@ from rq import Worker
 from rq.job import Job
 
 from api_schemas import parse_job_create
-from service.api.routes.jobs import _body_sha256
+from service.jobs import idempotency
 from service.local.embedded import RedisServer, free_port
 from service.local.up import api_command
 from service.records import keys
@@ -28,8 +28,7 @@ from tests.e2e.test_e2e import created, digits_npz, problem
 from tests.e2e.test_shards_e2e import SHARDS, registered_by_jobs, shard_process
 from tests.servers import stop_process, wait_for
 from tests.stack import REPO, Client, Stack, npz_bytes, running_stack
-from workers.processes.rq_worker import FAULT_DEQUEUE_STOP_ENV
-from workers.running.job import FAULT_START_DELAY_ENV
+from workers.faults import FAULT_DEQUEUE_STOP_ENV, FAULT_START_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +126,7 @@ def test_idempotency_key_of_a_crashed_request_is_free_after_the_lease(short_leas
     # The first step of a request, done through the same Records call the API makes, and then
     # nothing: the API process "died" before it wrote the job.
     records = short_lease.records()
-    body_sha256 = _body_sha256(parse_job_create(body))
+    body_sha256 = idempotency.body_sha256(parse_job_create(body))
     records.remember_idempotency(tenant, "crash-1", body_sha256, "job_neverwritten", LEASE_S)
     leased = client.submit(body, **{"Idempotency-Key": "crash-1"})
     problem(leased, 409, "still being processed")

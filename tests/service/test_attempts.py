@@ -1,4 +1,4 @@
-"""A job's attempts (NOTE [ Job attempts ] in service/records/sync.py) on a real Redis-compatible
+"""A job's attempts (NOTE [ Job attempts ] in service/records/retries.py) on a real Redis-compatible
 server, with real RQ jobs that no worker takes: the sweep's part is played by calling it."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from service.records import keys
 from service.records.connection import redis_client
 from service.records.dequeues import DequeueHolds
 from service.records.queue import enqueue_run
-from service.records.sync import RETRY_BACKOFF_BASE_S, Records
+from service.records.retries import RETRY_BACKOFF_BASE_S
+from service.records.sync import Records
 from service.settings import Settings
 from service.store.local import LocalStore
 from service.upkeep.reaper import heartbeat_key_ttl_s, reap_lost_queued_jobs

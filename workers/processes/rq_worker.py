@@ -12,16 +12,17 @@ import argparse
 import logging
 import os
 import resource
-import signal
 import socket
 import threading
 import time
-from typing import Any, Final
+from typing import Final
 
+import redis
 import torch
 from rq import Queue, Worker
 from rq.executions import Execution
 from rq.job import Job
+from rq.registry import StartedJobRegistry
 from rq.worker import WorkerStatus
 
 from api_schemas import JobStatus
@@ -30,11 +31,13 @@ from service.records.connection import redis_client
 from service.records.dequeues import DequeueHolds
 from service.records.sync import Records
 from service.settings import DEVICE_CLASSES, get_settings
+from service.store import open_store
 from service.upkeep.parent_death import SUPERVISOR_PID_ENV, die_with_supervisor
 from service.upkeep.reaper import heartbeat_key_ttl_s
+from workers.faults import stop_at
 from workers.models.architectures import registry
-from workers.running.compute import WORKER_DEVICE_ENV
 from workers.running.job import load_runners
+from workers.running.loading import WORKER_DEVICE_ENV
 from workers.sharding.jobs import fail_killed_child
 
 __all__ = ["main"]
@@ -48,19 +51,6 @@ _OK_OUTCOMES = frozenset({"succeeded", "running", "done", "skipped"})
 
 # How often the worker refreshes what it holds (NOTE [ Dequeued and lost ]).
 HOLDS_BEAT_S: Final = 0.5
-# Fault injection, for tests only: the RQ worker stops itself (SIGSTOP) with the job it took
-# from its queue, at `taken` (before it records that it holds it), `held` (after) or
-# `execution` (once RQ recorded the execution, before the fork), so that a test can kill it
-# in that window (tests/e2e/test_reliability.py). `<moment>:<text>`: only for an RQ job whose
-# id holds <text>.
-FAULT_DEQUEUE_STOP_ENV: Final = "BNADAPT_FAULT_DEQUEUE_STOP"
-
-
-def _fault_stop(moment: str, rq_id: str) -> None:
-    fault, _, only = os.environ.get(FAULT_DEQUEUE_STOP_ENV, "").partition(":")
-    if fault == moment and only in rq_id:
-        log.warning("fault injection: stopping at %s with %s", moment, rq_id)
-        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class _Worker(Worker):
@@ -103,16 +93,16 @@ class _Worker(Worker):
     ) -> tuple[Job, Queue] | None:
         result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
         if result is not None:
-            _fault_stop("taken", result[0].id)
+            stop_at("taken", result[0].id)  # for tests (workers/faults.py)
             with self._held_lock:
                 self._held = result[0].id
                 self.holds.hold(self.name, result[0].id, self.holds_ttl_s)
-            _fault_stop("held", result[0].id)
+            stop_at("held", result[0].id)
         return result
 
     def prepare_execution(self, job: Job) -> Execution:
         execution = super().prepare_execution(job)
-        _fault_stop("execution", job.id)
+        stop_at("execution", job.id)
         return execution
 
     def execute_job(self, job: Job, queue: Queue) -> None:
@@ -123,13 +113,24 @@ class _Worker(Worker):
                 self._held = None
                 self.holds.release(self.name, job.id, self.holds_ttl_s)
 
-    def _finalize_success(self, job: Job, queue: Queue, execution: Any, return_value: Any) -> None:
-        status = return_value.get("status") if isinstance(return_value, dict) else None
-        self.outcome = None if status is None else str(status)
+    def handle_job_success(
+        self,
+        job: Job,
+        queue: Queue,
+        started_job_registry: StartedJobRegistry,
+        execution: Execution,
+    ) -> None:
+        # RQ logs "Job OK" right after this returns, in the job's process (forked for this one
+        # job: the outcome never outlives it). The return value is read back from the result
+        # RQ just saved, RQ's public way to it; only a log line depends on it, so a failed
+        # read leaves the line as RQ wrote it rather than failing a job that succeeded.
+        super().handle_job_success(job, queue, started_job_registry, execution)
         try:
-            super()._finalize_success(job, queue, execution, return_value)
-        finally:
-            self.outcome = None
+            returned = job.return_value()
+        except redis.RedisError:
+            returned = None
+        status = returned.get("status") if isinstance(returned, dict) else None
+        self.outcome = None if status is None else str(status)
 
 
 class _OutcomeFilter(logging.Filter):
@@ -217,11 +218,9 @@ def main() -> None:
     # 9-36 ms of each job's load time (bench/RESULTS.md). Builds no model: no torch op runs.
     registry()
     load_runners()  # likewise the job kinds' modules, and torch with them
-    if settings.store_url is not None and settings.store_url.startswith("s3://"):
-        from service.store.s3 import warm_up
-
-        # Likewise boto3's S3 model and the job's client: no request, no connection to inherit.
-        warm_up(settings.s3_parts_in_flight)
+    # Likewise the store's clients (on S3, boto3's model and the job's client): no request, no
+    # connection to inherit.
+    open_store(settings).warm_up()
     # NOTE [ Queues by device ] in service/settings.py: first the jobs that need this class,
     # then those that run anywhere.
     device_class = args.device_class or args.device.partition(":")[0]

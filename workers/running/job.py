@@ -2,7 +2,7 @@
 
 Thin on purpose: it validates the payload, marks the job running, and calls the runner that
 the job-kind table names for the job's kind (NOTE [ The job-kind table ] in
-api_schemas/jobs/kinds.py; the runners are in workers/running/kinds/). A cancel ends the job
+api_schemas/jobs/kinds.py; the runners are in workers/kinds/). A cancel ends the job
 canceled, with nothing registered; an exception marks it failed with its message and
 propagates to RQ.
 """
@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -29,6 +28,7 @@ from service.store.base import Store
 from workers import import_path
 from workers.errors import JobCanceled
 from workers.estimators.dispatch import load_runner
+from workers.faults import delay_start
 from workers.running.logs import job_logging
 from workers.running.saving import error_message
 
@@ -40,18 +40,6 @@ _LOST_REDIS: Final = (
     "the job's process could not reach Redis for longer than BNADAPT_REDIS_OUTAGE_S and "
     "stopped; check that Redis runs and is reachable from the workers"
 )
-# Fault injection, for tests only: seconds a job's process (or a sharded job's child's) waits
-# between RQ's fork and marking the job running (claiming the child), so that a test can kill
-# it in that window (tests/e2e/test_reliability.py). `<seconds>:<text>`: only in a process whose
-# RQ job id holds <text>.
-FAULT_START_DELAY_ENV: Final = "BNADAPT_FAULT_START_DELAY_S"
-
-
-def fault_start_delay() -> None:
-    delay, _, only = os.environ.get(FAULT_START_DELAY_ENV, "").partition(":")
-    current = get_current_job()
-    if delay and only in (current.id if current is not None else ""):
-        time.sleep(float(delay))
 
 
 def _worker_name() -> str:
@@ -63,7 +51,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
     job = JobPayload.model_validate(payload)
     records = Records(redis_client(settings.redis_url, outage_s=settings.redis_outage_s))
     store = open_store(settings)
-    fault_start_delay()
+    delay_start()  # the fork window, for tests (workers/faults.py)
     if not records.mark_started(job.job_id, _worker_name()):
         status = records.job_status(job.job_id)
         log.info("job %s not started: it is %s", job.job_id, status)
@@ -104,7 +92,7 @@ def _run_started(
 
 
 def _rq_id(job: JobPayload) -> str:
-    """The RQ id of this attempt (NOTE [ Job attempts ] in service/records/sync.py)."""
+    """The RQ id of this attempt (NOTE [ Job attempts ] in service/records/retries.py)."""
     current = get_current_job()
     return current.id if current is not None else job.job_id
 

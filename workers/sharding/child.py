@@ -31,7 +31,7 @@ from service.settings import get_settings
 from service.store import open_store
 from service.store.base import Store
 from workers.errors import JobCanceled
-from workers.running.job import fault_start_delay
+from workers.faults import delay_start
 from workers.running.logs import job_logging
 from workers.running.runtime import JobRuntime
 from workers.running.saving import error_message
@@ -111,7 +111,7 @@ def run_child(
     records = Records(redis_client(settings.redis_url, outage_s=settings.redis_outage_s))
     shard_records = ShardRecords(records.client)
     answer = {"job_id": parent_id, "child": child}
-    fault_start_delay()  # the fork window, for tests
+    delay_start()  # the fork window, for tests (workers/faults.py)
     refused = shard_records.claim(parent_id, child, process_name(), settings.heartbeat_timeout_s)
     if refused is not None:
         log.info("%s of job %s not run: %s", child, parent_id, refused)

@@ -17,11 +17,12 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from rq import Queue, Retry
+from rq import Queue
 from rq.job import Dependency, Job
 
 from api_schemas import AdaptParams, JobPayload, JobStatus, Progress, utc_now
 from service.formats.arrays import locate_arrays
+from service.records.retries import child_retry, rerun_killed_child
 from service.records.shards import (
     FINISH,
     MERGE,
@@ -36,7 +37,7 @@ from service.records.sync import Records
 from service.settings import Settings
 from service.store.base import Store
 from workers.errors import AdaptError, JobCanceled
-from workers.running.data import num_batches
+from workers.passes.data import num_batches
 from workers.running.evaluation import MetricSums
 from workers.running.runtime import JobRuntime
 from workers.running.saving import (
@@ -133,9 +134,7 @@ def start_shards(
         "result_ttl": RQ_RESULT_TTL_S,
         "failure_ttl": RQ_FAILURE_TTL_S,
     }
-    attempts = records.max_attempts(job.job_id)
-    if attempts > 1:  # NOTE [ Retried children ]
-        options["retry"] = Retry(max=attempts - 1)
+    options["retry"] = child_retry(records.max_attempts(job.job_id))  # NOTE [ Retried children ]
 
     def enqueue(
         function: str,
@@ -280,7 +279,7 @@ def _succeed(run: ChildRun, sharded: ShardedJob, saved: SavedOutcome) -> None:
 
 # NOTE [ Retried children ]
 # A child whose process dies (SIGKILL, out of memory) while its parent runs is run again, as a
-# job's attempt is (NOTE [ Job attempts ] in service/records/sync.py): each child's RQ job is
+# job's attempt is (NOTE [ Job attempts ] in service/records/retries.py): each child's RQ job is
 # enqueued with RQ's ``Retry`` of the job's ``max_attempts`` - 1, so when the RQ worker sees
 # the process die, ``fail_killed_child`` marks the child queued again (with its heartbeat
 # gone) and RQ puts the same RQ job back on the queue at once. Its dependents (the merge, the
@@ -324,10 +323,7 @@ def fail_killed_child(
     parent_id = sharded.payload.job_id
     # Killed before it claimed itself (the fork window), it is still queued: RQ's retry alone
     # runs it again.
-    if retries_left and (
-        shard_records.requeue(parent_id, child)
-        or (shard_records.children(parent_id) or {}).get(child) is ChildState.QUEUED
-    ):
+    if rerun_killed_child(shard_records, parent_id, child, retries_left):
         log.warning("job %s: %s; run again (%d retries left)", parent_id, error, retries_left)
         return True
     end_parent(records, shard_records, sharded.payload.job_id, JobStatus.FAILED, error)

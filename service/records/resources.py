@@ -1,0 +1,100 @@
+"""The layout that a tenant's models, datasets and jobs share.
+
+A tenant's resource ``<kind>`` is a hash ``keys.record(kind, id)`` with its ``tenant_id`` and
+its public JSON (``data``), listed newest first in the tenant's index
+(``keys.tenant_index``). A lookup for another tenant's resource answers None, exactly like a
+missing one, so the API can only ever say 404.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TypeVar, cast
+
+import redis
+from pydantic import BaseModel
+
+from api_schemas import DatasetPublic, ModelPublic, Page
+from service.records import keys
+from service.records.base import RedisRecords
+from service.records.format import RESOURCE_FIELDS, index_member, owned_resource
+from service.records.paging import newest_first
+from service.records.store_refs import release_sha_ref
+
+__all__ = ["StoredResource", "TenantResources"]
+
+R = TypeVar("R", bound=BaseModel)
+# A resource that is one object in the store, which its record holds a use of.
+StoredResource = ModelPublic | DatasetPublic
+
+
+class TenantResources(RedisRecords):
+    """The writes and reads of the layout above, for the classes of one resource kind."""
+
+    def _put_stored(
+        self, tenant_id: str, kind: keys.ResourceKind, resource: StoredResource
+    ) -> None:
+        """Writes the record of ``resource`` and its use of its store object, at once."""
+        pipe = self.client.pipeline()
+        self._put(pipe, tenant_id, kind, resource.id, resource, resource.created_at)
+        pipe.sadd(keys.sha_refs(resource.sha256), resource.id)
+        pipe.execute()
+
+    def _delete_stored(
+        self, tenant_id: str, kind: keys.ResourceKind, resource: StoredResource
+    ) -> None:
+        """Deletes the record of ``resource`` and drops its use of its store object, which the
+        store's collector deletes once nothing else uses it (NOTE [ Store garbage collection ]
+        in service/store/gc.py)."""
+        pipe = self.client.pipeline()
+        self._delete(pipe, tenant_id, kind, resource.id, resource.created_at)
+        release_sha_ref(pipe, resource.sha256, resource.id)
+        pipe.execute()
+
+    def _put(
+        self,
+        pipe: redis.client.Pipeline,
+        tenant_id: str,
+        kind: keys.ResourceKind,
+        resource_id: str,
+        resource: BaseModel,
+        created_at: datetime,
+    ) -> None:
+        pipe.hset(
+            keys.record(kind, resource_id),
+            mapping={"tenant_id": tenant_id, "data": resource.model_dump_json()},
+        )
+        pipe.zadd(keys.tenant_index(tenant_id, kind), {index_member(created_at, resource_id): 0})
+
+    def _delete(
+        self,
+        pipe: redis.client.Pipeline,
+        tenant_id: str,
+        kind: keys.ResourceKind,
+        resource_id: str,
+        created_at: datetime,
+    ) -> None:
+        pipe.delete(keys.record(kind, resource_id))
+        pipe.zrem(keys.tenant_index(tenant_id, kind), index_member(created_at, resource_id))
+
+    def _get(
+        self, tenant_id: str, kind: keys.ResourceKind, resource_id: str, schema: type[R]
+    ) -> R | None:
+        stored = self.client.hmget(keys.record(kind, resource_id), RESOURCE_FIELDS)
+        return owned_resource(tenant_id, cast("list[bytes | None]", stored), schema)
+
+    def _list(
+        self,
+        tenant_id: str,
+        kind: keys.ResourceKind,
+        schema: type[R],
+        page_size: int,
+        token: str | None,
+    ) -> Page[R]:
+        return newest_first(
+            self.client,
+            keys.tenant_index(tenant_id, kind),
+            lambda resource_id: self._get(tenant_id, kind, resource_id, schema),
+            page_size,
+            token,
+        )
