@@ -5,15 +5,29 @@ NOTE [ The job-kind table ]
 ``kind`` picks the request and params classes), the worker runs its ``runner`` (a
 ``module:function`` path, imported by the worker only, so the API never imports torch), and
 the CLI offers its names. A new kind is its schema module (params + create request), its
-runner under workers/running/, and one row here (its classes join the unions below).
+runner (the module its row names), and one row here: ``JobKind``, ``JobParams`` and
+``AnyJobCreate`` are built from the rows (NOTE [ Types read from the table ]), the OpenAPI
+document's job schemas and the texts about kinds are written from them, and the web UI reads
+the kinds from that document.
+
+NOTE [ Types read from the table ]
+At run time ``JobKind`` is the ``Literal`` of the table's names and ``JobParams`` and
+``AnyJobCreate`` are the unions of its ``params`` and ``create`` classes, in the table's order
+(which is the order the OpenAPI document lists them in). A type checker cannot read a dict, so
+under ``TYPE_CHECKING`` they are what every kind shares: ``str`` and the two protocols below.
+Code that needs one kind's fields narrows with ``isinstance`` (``AdaptParams``, ...), as it
+had to with the unions too.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, Union
 
 from pydantic import Field, TypeAdapter, ValidationInfo
 
 from api_schemas.common import RequestModel
+from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.adapt import AdaptJobCreate, AdaptParams
 from api_schemas.jobs.evaluate import EvaluateJobCreate, EvaluateParams
 from api_schemas.jobs.train import TrainJobCreate, TrainParams
@@ -28,10 +42,6 @@ __all__ = [
     "params_for_kind",
     "parse_job_create",
 ]
-
-JobKind = Literal["adapt", "train", "evaluate"]
-JobParams = AdaptParams | TrainParams | EvaluateParams
-AnyJobCreate = AdaptJobCreate | TrainJobCreate | EvaluateJobCreate
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,7 @@ JOB_KINDS: Final[dict[str, JobKindSpec]] = {
         "re-estimate BatchNorm statistics on a dataset (labels optional)",
         AdaptJobCreate,
         AdaptParams,
-        "workers.running.kinds.adapt:run",
+        "workers.kinds.adapt:run",
         registers_model=True,
         needs_labels=False,
     ),
@@ -61,7 +71,7 @@ JOB_KINDS: Final[dict[str, JobKindSpec]] = {
         "train all parameters on a labelled dataset",
         TrainJobCreate,
         TrainParams,
-        "workers.running.kinds.train:run",
+        "workers.kinds.train:run",
         registers_model=True,
         needs_labels=True,
     ),
@@ -69,12 +79,45 @@ JOB_KINDS: Final[dict[str, JobKindSpec]] = {
         "measure accuracy (or MSE) and loss on a labelled dataset; registers nothing",
         EvaluateJobCreate,
         EvaluateParams,
-        "workers.running.kinds.evaluate:run",
+        "workers.kinds.evaluate:run",
         registers_model=False,
         needs_labels=True,
     ),
 }
-assert set(JOB_KINDS) == set(get_args(JobKind)), "JobKind and JOB_KINDS name the same kinds"
+
+
+if TYPE_CHECKING:
+    # Plain attributes where every kind declares the same type; read-only properties where the
+    # kinds narrow it (``kind: Literal["adapt"]``), since a protocol's plain attribute is
+    # invariant.
+    class SharedParams(Protocol):
+        """What the params of every kind have (NOTE [ Types read from the table ])."""
+
+        batch_size: int
+        device: str
+        preprocessing: Preprocessing | None
+
+    class SharedJobCreate(Protocol):
+        """What the create request of every kind has (NOTE [ Types read from the table ])."""
+
+        model_id: str
+        dataset_id: str
+        max_attempts: int
+        tags: dict[str, str]
+
+        @property
+        def kind(self) -> str: ...
+        @property
+        def params(self) -> SharedParams: ...
+        def model_dump_json(self) -> str: ...
+
+    JobKind = str
+    JobParams = SharedParams
+    AnyJobCreate = SharedJobCreate
+else:
+    JobKind = Literal[tuple(JOB_KINDS)]
+    JobParams = Union[tuple(spec.params for spec in JOB_KINDS.values())]  # noqa: UP007
+    AnyJobCreate = Union[tuple(spec.create for spec in JOB_KINDS.values())]  # noqa: UP007
 
 JobCreate = Annotated[AnyJobCreate, Field(discriminator="kind")]
 _JOB_CREATE: Final[TypeAdapter[AnyJobCreate]] = TypeAdapter(JobCreate)

@@ -1,4 +1,4 @@
-"""Dependencies the routes declare: settings, records, store and the caller's tenant."""
+"""Dependencies the routes declare: settings, records, store, queue and the caller's tenant."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Annotated, Final
 
 from fastapi import Depends, Path, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from rq import Queue
 
 from api_schemas import ID_PATTERN, DatasetPublic, JobPublic, ModelPublic
 from service.api.problems import ApiError, not_found
@@ -21,6 +22,7 @@ __all__ = [
     "IdPath",
     "JobDep",
     "ModelDep",
+    "QueueDep",
     "RecordsDep",
     "SettingsDep",
     "StoreDep",
@@ -52,6 +54,12 @@ async def get_store(request: Request) -> Store:
     return store
 
 
+async def get_queue(request: Request) -> Queue:
+    """The queue of ``auto`` jobs; the others share its connection (service/jobs/queues.py)."""
+    queue: Queue = request.app.state.queue
+    return queue
+
+
 async def get_async_records(request: Request) -> AsyncRecords:
     records: AsyncRecords = request.app.state.async_records
     return records
@@ -60,6 +68,7 @@ async def get_async_records(request: Request) -> AsyncRecords:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RecordsDep = Annotated[Records, Depends(get_records)]
 StoreDep = Annotated[Store, Depends(get_store)]
+QueueDep = Annotated[Queue, Depends(get_queue)]
 AsyncRecordsDep = Annotated[AsyncRecords, Depends(get_async_records)]
 
 

@@ -1,32 +1,25 @@
 """/v1/datasets: upload (streamed, validated), list, show, delete. Resumable uploads of big
-files: service/api/routes/uploads.py, which registers through :func:`register_dataset`."""
+files: service/api/routes/uploads.py. Every upload path registers through
+:func:`service.datasets.registration.register_dataset`."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from api_schemas import DatasetPublic, Page, Preprocessing, new_id, utc_now
+from api_schemas import DatasetPublic, Page, Preprocessing
 from service.api.deps import DatasetDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError
 from service.api.transfers import SHA256_HEADER_PARAMETER, store_body, store_multipart
-from service.errors import ArrayFileError, ArrayLimitError
-from service.formats.arrays import describe_arrays
-from service.formats.images import describe_tar
-from service.formats.sniff import sniff
-from service.records.sync import Records
-from service.settings import Settings
-from service.store.base import Store
+from service.datasets.registration import DATASET_BYTES_SETTING, register_dataset
 
-__all__ = ["DATASET_BYTES_SETTING", "register_dataset", "router", "with_job_spec"]
+__all__ = ["router"]
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
-DATASET_BYTES_SETTING: Final = "BNADAPT_MAX_DATASET_BYTES"
 _NAME_MAX: Final = 256
 
 # The body is read by the route itself (NOTE [ Streamed uploads ] in service/api/transfers.py),
@@ -54,154 +47,6 @@ _UPLOAD_BODY: Final[dict[str, Any]] = {
         },
     },
 }
-
-
-def register_dataset(
-    tenant: str,
-    records: Records,
-    store: Store,
-    settings: Settings,
-    sha256: str,
-    size: int,
-    name: str,
-    preprocessing: Preprocessing | None = None,
-) -> DatasetPublic:
-    """Checks a stored dataset file (arrays, or a tar of images with its ``preprocessing``)
-    against every rule, in bounded memory, and registers it; 422 (413 past a limit) naming
-    what to fix, and nothing registered, when it breaks one. Blocking: call it from a worker
-    thread."""
-    path = store.local_path(sha256)
-    try:
-        if sniff(path)[0] == "tar":
-            return _register(
-                tenant, records, sha256, size, name, _describe_images(path, preprocessing, settings)
-            )
-        facts = describe_arrays(
-            path,
-            max_elements=settings.max_dataset_elements,
-            max_classes=settings.max_classes,
-            max_ratio=settings.max_npz_ratio,
-        )
-    except ArrayLimitError as exc:
-        raise ApiError(413, str(exc)) from exc
-    except ArrayFileError as exc:
-        raise ApiError(422, str(exc)) from exc
-    shape = list(facts.sample_shape)
-    image = facts.dtype == "uint8" and len(shape) == 3  # (C, H, W)
-    if preprocessing is not None:
-        shape = _preprocessed_shape(facts.dtype, shape, preprocessing)
-    dataset = DatasetPublic(
-        id=new_id("ds"),
-        name=name,
-        num_samples=facts.num_samples,
-        sample_shape=shape,
-        dtype=facts.dtype,
-        has_labels=facts.has_labels,
-        label_kind=facts.label_kind,
-        num_classes=facts.num_classes,
-        sha256=sha256,
-        size_bytes=size,
-        format=facts.format,
-        preprocessing=preprocessing,
-        image_size=list(facts.sample_shape[1:]) if image else None,
-        created_at=utc_now(),
-    )
-    return _register(tenant, records, sha256, size, name, dataset)
-
-
-def _describe_images(
-    path: Path, preprocessing: Preprocessing | None, settings: Settings
-) -> DatasetPublic:
-    spec = preprocessing or Preprocessing()
-    facts = describe_tar(
-        path,
-        spec,
-        max_pixels=settings.max_image_pixels,
-        max_classes=settings.max_classes,
-        max_elements=settings.max_dataset_elements,
-    )
-    return DatasetPublic(
-        id=new_id("ds"),
-        name="dataset",  # replaced by _register
-        num_samples=facts.num_samples,
-        sample_shape=list(facts.sample_shape),
-        dtype="uint8",
-        has_labels=facts.has_labels,
-        label_kind="class" if facts.has_labels else None,
-        num_classes=facts.num_classes,
-        sha256="0" * 64,  # replaced by _register
-        size_bytes=0,
-        format="tar",
-        preprocessing=spec,
-        image_size=None if facts.image_size is None else list(facts.image_size),
-        created_at=utc_now(),
-    )
-
-
-def with_job_spec(dataset: DatasetPublic, spec: Preprocessing | None) -> DatasetPublic:
-    """The dataset as a job with its own preprocessing ``spec`` sees it: that spec, and the
-    sample shape after it; 422 when the spec cannot apply to the dataset."""
-    if spec is None:
-        return dataset
-    if dataset.image_size is None or (dataset.format != "tar" and dataset.dtype != "uint8"):
-        if dataset.format != "tar":
-            raise ApiError(
-                422,
-                f"dataset {dataset.id} holds no images (uint8 arrays of shape (N, C, H, W)); "
-                "send the job without a preprocessing spec",
-            )
-        if spec.resize is None:
-            raise ApiError(
-                422,
-                f"dataset {dataset.id} holds images of several sizes; a job's preprocessing "
-                'spec needs a "resize": [height, width]',
-            )
-        return dataset.model_copy(
-            update={"preprocessing": spec, "sample_shape": spec.output_shape(1, 1)}
-        )
-    height, width = dataset.image_size
-    if dataset.format == "tar":
-        crop = spec.center_crop
-        if crop is not None and spec.resize is None and (crop[0] > height or crop[1] > width):
-            raise ApiError(
-                422,
-                f"center_crop {crop} is larger than the images of dataset {dataset.id} ({height} "
-                f"x {width} pixels); crop less, or resize first",
-            )
-        shape = spec.output_shape(height, width)
-    else:
-        # The array's own channels: the registered spec's, or the first dimension of x's samples.
-        spec_before = dataset.preprocessing
-        channels = dataset.sample_shape[0] if spec_before is None else spec_before.num_channels
-        shape = _preprocessed_shape("uint8", [channels, height, width], spec)
-    return dataset.model_copy(update={"preprocessing": spec, "sample_shape": shape})
-
-
-def _preprocessed_shape(dtype: str, shape: list[int], spec: Preprocessing) -> list[int]:
-    """A uint8 array's sample shape after ``spec``; 422 when the spec cannot apply to it."""
-    if dtype != "uint8" or len(shape) != 3 or shape[0] != spec.num_channels:
-        raise ApiError(
-            422,
-            f"a preprocessing spec applies to uint8 images of shape (N, C, H, W) with C = "
-            f"{spec.num_channels} for channels {spec.channels!r}, but x is {dtype} with samples "
-            f"of shape {shape}; save x as uint8 (N, C, H, W), or register it without a spec",
-        )
-    crop = spec.center_crop
-    if crop is not None and spec.resize is None and (crop[0] > shape[1] or crop[1] > shape[2]):
-        raise ApiError(
-            422,
-            f"center_crop {crop} is larger than the samples ({shape[1]} x {shape[2]} pixels); "
-            "crop less, or resize first",
-        )
-    return spec.output_shape(shape[1], shape[2])
-
-
-def _register(
-    tenant: str, records: Records, sha256: str, size: int, name: str, dataset: DatasetPublic
-) -> DatasetPublic:
-    dataset = dataset.model_copy(update={"name": name, "sha256": sha256, "size_bytes": size})
-    records.put_dataset(tenant, dataset)
-    return dataset
 
 
 def parse_preprocessing(text: str | None) -> Preprocessing | None:

@@ -32,8 +32,8 @@ from api_schemas.datasets import (
 )
 from service.api.deps import RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError, refuse_other_methods
-from service.api.routes.datasets import DATASET_BYTES_SETTING, register_dataset
 from service.api.transfers import CHUNK_BYTES, SHA256_HEADER_PARAMETER, store_body, too_large
+from service.datasets.registration import DATASET_BYTES_SETTING, register_dataset
 from service.errors import ObjectNotFoundError, StoreDigestMismatchError, StoreTooLargeError
 from service.records.sync import Records
 from service.records.uploads import UploadRecords, UploadSession

@@ -92,8 +92,22 @@ function signIn() {
 
 // --- jobs ------------------------------------------------------------------------------------
 
+// The job kinds, in the job-kind table's order, read from the API's own OpenAPI document: the
+// job-create union lists one schema per kind, and its discriminator names the kind of each.
+// A new kind thus needs no edit here. Read once per page load; a failed read is tried again.
+let jobKindsRead = null;
+function jobKinds() {
+  jobKindsRead = jobKindsRead || getJson("/openapi.json").then((doc) => {
+    const union = doc.components.schemas.JobCreate;
+    const kindOf = Object.fromEntries(Object.entries(union.discriminator.mapping).map(([kind, ref]) => [ref, kind]));
+    return union.oneOf.map((variant) => kindOf[variant.$ref]);
+  }).catch((error) => { jobKindsRead = null; throw error; });
+  return jobKindsRead;
+}
+
 async function jobsPage(query) {
   const params = new URLSearchParams(query);
+  const kinds = await jobKinds();
   const field = (name, label, control) => el("label", {}, label, control);
   const select = (name, options) => el("select", { name, id: `f-${name}` },
     el("option", { value: "" }, "any"),
@@ -106,7 +120,7 @@ async function jobsPage(query) {
       location.hash = `#/jobs?${chosen}`;
     } },
     field("status", "Status", select("status", ["queued", "running", "succeeded", "failed", "canceled"])),
-    field("kind", "Kind", select("kind", ["adapt", "train", "evaluate"])),
+    field("kind", "Kind", select("kind", kinds)),
     field("model_id", "Model", text("model_id", "mdl_…")),
     field("dataset_id", "Dataset", text("dataset_id", "ds_…")),
     field("tag", "Tag", text("tag", "key:value")),

@@ -1,0 +1,68 @@
+"""What a preprocessing spec makes of a dataset: the sample shape after it, and the dataset as
+a job with its own spec sees it. Registration (service/datasets/registration.py) and job
+submission (service/jobs/submission.py) both check a spec against the data here."""
+
+from __future__ import annotations
+
+from api_schemas import DatasetPublic, Preprocessing
+from service.api.problems import ApiError
+
+__all__ = ["preprocessed_shape", "with_job_spec"]
+
+
+def with_job_spec(dataset: DatasetPublic, spec: Preprocessing | None) -> DatasetPublic:
+    """The dataset as a job with its own preprocessing ``spec`` sees it: that spec, and the
+    sample shape after it; 422 when the spec cannot apply to the dataset."""
+    if spec is None:
+        return dataset
+    if dataset.image_size is None or (dataset.format != "tar" and dataset.dtype != "uint8"):
+        if dataset.format != "tar":
+            raise ApiError(
+                422,
+                f"dataset {dataset.id} holds no images (uint8 arrays of shape (N, C, H, W)); "
+                "send the job without a preprocessing spec",
+            )
+        if spec.resize is None:
+            raise ApiError(
+                422,
+                f"dataset {dataset.id} holds images of several sizes; a job's preprocessing "
+                'spec needs a "resize": [height, width]',
+            )
+        return dataset.model_copy(
+            update={"preprocessing": spec, "sample_shape": spec.output_shape(1, 1)}
+        )
+    height, width = dataset.image_size
+    if dataset.format == "tar":
+        crop = spec.center_crop
+        if crop is not None and spec.resize is None and (crop[0] > height or crop[1] > width):
+            raise ApiError(
+                422,
+                f"center_crop {crop} is larger than the images of dataset {dataset.id} ({height} "
+                f"x {width} pixels); crop less, or resize first",
+            )
+        shape = spec.output_shape(height, width)
+    else:
+        # The array's own channels: the registered spec's, or the first dimension of x's samples.
+        spec_before = dataset.preprocessing
+        channels = dataset.sample_shape[0] if spec_before is None else spec_before.num_channels
+        shape = preprocessed_shape("uint8", [channels, height, width], spec)
+    return dataset.model_copy(update={"preprocessing": spec, "sample_shape": shape})
+
+
+def preprocessed_shape(dtype: str, shape: list[int], spec: Preprocessing) -> list[int]:
+    """A uint8 array's sample shape after ``spec``; 422 when the spec cannot apply to it."""
+    if dtype != "uint8" or len(shape) != 3 or shape[0] != spec.num_channels:
+        raise ApiError(
+            422,
+            f"a preprocessing spec applies to uint8 images of shape (N, C, H, W) with C = "
+            f"{spec.num_channels} for channels {spec.channels!r}, but x is {dtype} with samples "
+            f"of shape {shape}; save x as uint8 (N, C, H, W), or register it without a spec",
+        )
+    crop = spec.center_crop
+    if crop is not None and spec.resize is None and (crop[0] > shape[1] or crop[1] > shape[2]):
+        raise ApiError(
+            422,
+            f"center_crop {crop} is larger than the samples ({shape[1]} x {shape[2]} pixels); "
+            "crop less, or resize first",
+        )
+    return spec.output_shape(shape[1], shape[2])

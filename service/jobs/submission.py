@@ -1,0 +1,188 @@
+"""Submitting a job: the checks that the model and dataset fit it, the payload a worker
+receives, the Idempotency-Key (service/jobs/idempotency.py) and the one MULTI that writes the
+record and the queue entry. ``POST /v1/jobs`` (service/api/routes/jobs.py) parses the body and
+calls :func:`submit_job`."""
+
+from __future__ import annotations
+
+import contextlib
+
+import redis
+from rq import Queue
+
+from api_schemas import (
+    JOB_KINDS,
+    AdaptParams,
+    DatasetPublic,
+    JobPayload,
+    JobPayloadDataset,
+    JobPayloadModel,
+    JobPublic,
+    JobStatus,
+    ModelPublic,
+    new_id,
+    utc_now,
+)
+from api_schemas.jobs.kinds import AnyJobCreate
+from service.api.problems import ApiError, not_found
+from service.datasets.preprocessing import with_job_spec
+from service.jobs.idempotency import IDEMPOTENCY_TTL_S, body_sha256, existing_for_key
+from service.jobs.queues import job_queue, waiting_progress
+from service.records import keys
+from service.records.queue import enqueue_run
+from service.records.sync import Records
+from service.settings import Settings
+
+__all__ = ["check_fit", "job_payload", "submit_job"]
+
+
+def submit_job(
+    records: Records,
+    settings: Settings,
+    default_queue: Queue,
+    tenant: str,
+    request: AnyJobCreate,
+    idempotency_key: str | None,
+) -> JobPublic:
+    """Checks ``request`` against its model and dataset and queues it; returns the new job, or
+    the one an earlier request with the same ``idempotency_key`` made. 404 for a model or
+    dataset the tenant does not have, 422 when they do not fit the job, 409 or 422 from the
+    key (NOTE [ Idempotency lease ] in service/jobs/idempotency.py)."""
+    model, dataset = records.get_model_and_dataset(tenant, request.model_id, request.dataset_id)
+    if model is None:
+        raise not_found("model", request.model_id)
+    if dataset is None:
+        raise not_found("dataset", request.dataset_id)
+    dataset = with_job_spec(dataset, request.params.preprocessing)
+    check_fit(request, model, dataset)
+
+    job_id = new_id("job")
+    digest = None
+    if idempotency_key is not None:
+        digest = body_sha256(request)
+        existing = existing_for_key(
+            records, tenant, idempotency_key, digest, job_id, settings.idempotency_lease_s
+        )
+        if existing is not None:
+            return existing
+
+    job = JobPublic(
+        id=job_id,
+        kind=request.kind,
+        status=JobStatus.QUEUED,
+        model_id=model.id,
+        dataset_id=dataset.id,
+        params=request.params,
+        created_at=utc_now(),
+        max_attempts=request.max_attempts,
+        tags=request.tags,
+    )
+    payload = job_payload(job_id, tenant, request, model, dataset)
+    queue = job_queue(default_queue, settings, request.params.device)
+    waiting = waiting_progress(request.params.device)
+
+    def enqueue(pipe: redis.client.Pipeline) -> None:
+        if waiting is not None:
+            pipe.set(keys.job_progress(job_id), waiting.model_dump_json())
+        enqueue_run(
+            queue,
+            payload.model_dump(mode="json"),
+            job_id,
+            settings.job_timeout_s,
+            f"{job.kind} {model.id} on {dataset.id}",
+            pipeline=pipe,
+        )
+        if idempotency_key is not None and digest is not None:
+            records.bind_idempotency(
+                pipe, tenant, idempotency_key, digest, job_id, IDEMPOTENCY_TTL_S
+            )
+
+    try:
+        records.create_job(
+            tenant, job, payload, uses=(model.sha256, dataset.sha256), enqueue=enqueue
+        )
+    except redis.RedisError:
+        # The MULTI wrote all or nothing, but its answer may have been lost: undo it, so that
+        # a retry with the same Idempotency-Key makes the job anew.
+        with contextlib.suppress(redis.RedisError):
+            records.delete_job(tenant, job)
+            if idempotency_key is not None:
+                records.forget_idempotency(tenant, idempotency_key)
+        raise
+    # The progress lives in its own key (written above), not in the record.
+    return job if waiting is None else job.model_copy(update={"progress": waiting})
+
+
+def _shape_fits(expected: list[int | None], got: list[int]) -> bool:
+    return len(expected) == len(got) and all(
+        e is None or e == g for e, g in zip(expected, got, strict=True)
+    )
+
+
+def check_fit(request: AnyJobCreate, model: ModelPublic, dataset: DatasetPublic) -> None:
+    """422, saying what to change, when the job cannot run ``model`` on ``dataset`` as the
+    job sees it (after its own preprocessing spec): sample shapes, labels the kind needs, the
+    loss against the label kind, an adapt job's shards against its batches."""
+    if not _shape_fits(model.input_shape, dataset.sample_shape):
+        wanted = "x".join("any" if d is None else str(d) for d in model.input_shape)
+        raise ApiError(
+            422,
+            f"dataset {dataset.id} has samples of shape {dataset.sample_shape} but model "
+            f"{model.id} ({model.architecture}) takes samples of shape [{wanted}]; upload x as "
+            f"(N, {', '.join('any' if d is None else str(d) for d in model.input_shape)})",
+        )
+    if JOB_KINDS[request.kind].needs_labels and not dataset.has_labels:
+        raise ApiError(
+            422,
+            f"{request.kind} jobs need labels but dataset {dataset.id} has no y; upload a "
+            "dataset with y (int64 class labels or float targets)",
+        )
+    loss = getattr(request.params, "loss", None)
+    if loss is not None:
+        if loss == "cross_entropy" and dataset.label_kind != "class":
+            raise ApiError(
+                422,
+                f"loss cross_entropy needs int64 class labels but dataset {dataset.id} has "
+                "float targets; use loss mse, or upload class labels",
+            )
+        if loss == "mse" and dataset.label_kind != "target":
+            raise ApiError(
+                422,
+                f"loss mse needs float targets but dataset {dataset.id} has int64 class "
+                "labels; use loss cross_entropy, or upload float targets",
+            )
+    params = request.params
+    if isinstance(params, AdaptParams) and params.shards > 1:
+        batches = params.estimation_batches(dataset.num_samples)
+        holdout = params.effective_holdout()
+        held = f", holdout {holdout:g} held out of estimation" if holdout > 0 else ""
+        if params.shards > batches:
+            raise ApiError(
+                422,
+                f"shards={params.shards} but the job runs only {batches} batches "
+                f"({dataset.num_samples} samples of dataset {dataset.id}, batch_size "
+                f"{params.batch_size}, max_batches {params.max_batches}{held}) and each shard "
+                f"needs at least one whole batch; use shards <= {batches}, or a smaller "
+                "batch_size",
+            )
+
+
+def job_payload(
+    job_id: str, tenant: str, request: AnyJobCreate, model: ModelPublic, dataset: DatasetPublic
+) -> JobPayload:
+    """What the worker receives: the job, and what the API knows of its model and dataset
+    (the dataset as the job sees it), so that no worker reads a whole dataset to plan."""
+    return JobPayload(
+        job_id=job_id,
+        tenant_id=tenant,
+        kind=request.kind,
+        model=JobPayloadModel(
+            id=model.id,
+            architecture=model.architecture,
+            kwargs=model.kwargs,
+            weights_sha256=model.sha256,
+        ),
+        # Every fact the payload carries has its name in DatasetPublic.
+        dataset=JobPayloadDataset.model_validate(dataset, from_attributes=True),
+        params=request.params,
+    )
