@@ -34,8 +34,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from workers.estimators.base import select_batchnorm  # noqa: E402
+from workers.estimators.moving_averages import adapt_batchnorm  # noqa: E402
 from workers.estimators.precise import precise_batchnorm  # noqa: E402
-from workers.estimators.running import adapt_batchnorm, select_batchnorm  # noqa: E402
 from workers.models.architectures import build_model  # noqa: E402
 
 TARGET = 1.05

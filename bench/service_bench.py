@@ -79,8 +79,8 @@ from api_schemas import JobPayload, new_id  # noqa: E402
 from service.store.local import LocalStore  # noqa: E402
 from tests.servers import new_redis_server  # noqa: E402
 from tests.stack import Client, npz_bytes  # noqa: E402
+from workers.kinds.changing import compute  # noqa: E402
 from workers.models.architectures import build_model  # noqa: E402
-from workers.running.compute import compute  # noqa: E402
 
 POLL_INTERVAL_S = 0.010  # how often the client asks for the status of a tiny job
 SLOW_POLL_INTERVAL_S = 0.100  # for the larger jobs of measurement 3

@@ -49,8 +49,9 @@ if str(REPO_ROOT) not in sys.path:
 from api_schemas import JobPayload, Report, TrainParams  # noqa: E402
 from api_schemas.jobs.public import JobPayloadDataset, JobPayloadModel  # noqa: E402
 from service.store.local import LocalStore  # noqa: E402
+from workers.kinds.changing import compute  # noqa: E402
 from workers.models.architectures import build_model  # noqa: E402
-from workers.running.compute import compute, weights_bytes  # noqa: E402
+from workers.running.saving import weights_bytes  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ class EstimatorSpec:
     """One estimator's traits; see NOTE [ The estimator table ]."""
 
     summary: str
-    # `module:function` taking workers.estimators.dispatch.EstimatorTask, returning AdaptStats.
+    # `module:function` taking workers.estimators.base.EstimatorTask, returning AdaptStats.
     runner: str
     # Whether the statistics are computed anew from the target data (reset=False is then
     # refused), or blended into the source statistics they start from (reset defaults False).
@@ -72,7 +72,7 @@ class EstimatorSpec:
     # jobs ] in api_schemas/jobs/params.py).
     backward: bool = False
     # The runner gets all the job's samples and holds out its share itself (split_target in
-    # workers/running/reporting.py); the others get the estimation samples only.
+    # workers/passes/predictions.py); the others get the estimation samples only.
     holds_out: bool = False
     # What the merge of a sharded job runs (`module:function` taking the EstimatorTask, the
     # shards' merged LayerStatistics and their AdaptStats) in place of the estimator's pass;
@@ -84,7 +84,7 @@ class EstimatorSpec:
 ESTIMATORS: Final[dict[str, EstimatorSpec]] = {
     "ema": EstimatorSpec(
         "the train-mode loop users write by hand, with the layers' own momentum",
-        "workers.estimators.running:run_ema",
+        "workers.estimators.moving_averages:run_ema",
         resets=False,
         sharding=None,
         sequential_reason="each batch updates the statistics the next batch starts from",
@@ -98,7 +98,7 @@ ESTIMATORS: Final[dict[str, EstimatorSpec]] = {
     ),
     "cumulative": EstimatorSpec(
         "reset, then an equal-weight average of batch statistics (as update_bn)",
-        "workers.estimators.running:run_cumulative",
+        "workers.estimators.moving_averages:run_cumulative",
         resets=True,
         sharding="batches",
     ),
@@ -317,7 +317,7 @@ class AdaptParams(RequestModel):
     def estimation_batches(self, num_samples: int) -> int:
         """The batches the estimator runs over ``num_samples`` (the dataset's): the job's
         batches less the held-out samples (NOTE [ Held-out target samples ] in
-        workers/running/reporting.py), what a sharded job splits among its shards."""
+        workers/passes/predictions.py), what a sharded job splits among its shards."""
         used, held = holdout_sizes(
             num_samples, self.batch_size, self.max_batches, self.effective_holdout()
         )
@@ -346,7 +346,7 @@ def holdout_sizes(
     all) and how many of those it holds out for ``fraction``: ``round(fraction * used)``, at
     least 1 and at most ``used - 1`` when ``fraction > 0`` (0 when ``used < 2``: too few to
     split, which the worker refuses), else 0. NOTE [ Held-out target samples ] in
-    workers/running/reporting.py."""
+    workers/passes/predictions.py."""
     used = min(num_samples, num_batches(num_samples, batch_size, max_batches) * batch_size)
     if fraction <= 0:
         return used, 0

@@ -20,22 +20,20 @@ import torch
 
 from api_schemas import AdaptParams, TrainParams
 from tests.e2e.test_e2e import created, digits_npz, problem, store_of
-from tests.stack import Client, Stack, job_payload, running_stack
-from workers.running.compute import compute
+from tests.stack import SHARED_STACK_THREADS, Client, Stack, job_payload, running_stack
+from workers.kinds.changing import compute
 
 pytestmark = pytest.mark.slow
 
-WORKER_THREADS = 1
+WORKER_THREADS = SHARED_STACK_THREADS
 # Inductor's first compilation of a small CNN's forward and backward takes tens of seconds on a
 # loaded 2-core machine.
 COMPILE_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    limits = {"BNADAPT_WORKER_THREADS": str(WORKER_THREADS)}
-    with running_stack(tmp_path_factory.mktemp("stack"), limits) as stack:
-        yield stack
+def stack(shared_stack: Stack) -> Stack:
+    return shared_stack
 
 
 def eager_reference(stack: Stack, job_id: str) -> dict[str, torch.Tensor]:

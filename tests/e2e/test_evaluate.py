@@ -4,7 +4,6 @@ Redis-compatible server, the API under uvicorn and a real worker."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,9 @@ from service.errors import BnadaptError
 from service.local.cli import main as cli_main
 from service.store.local import LocalStore
 from tests.e2e.test_e2e import created, digits, digits_npz, problem
-from tests.stack import Client, Stack, job_payload, npz_bytes, running_stack
+from tests.stack import Client, Stack, job_payload, npz_bytes
+from workers.kinds.evaluate import compute_evaluation
 from workers.models.architectures import build_model
-from workers.running.compute import compute_evaluation
 from workers.running.evaluation import evaluate_sums
 
 
@@ -71,9 +70,8 @@ def test_evaluate_request_and_result_links() -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("stack")) as stack:
-        yield stack
+def stack(shared_stack: Stack) -> Stack:
+    return shared_stack
 
 
 def evaluate_body(model_id: str, dataset_id: str, **params: Any) -> dict[str, Any]:
@@ -86,7 +84,7 @@ def weights(client: Client, model_id: str) -> dict[str, torch.Tensor]:
     return safetensors.torch.load(response.content)
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")  # the shared stack's worker runs on one
 def test_evaluate_job_reports_what_evaluate_computes(stack: Stack) -> None:
     client = stack.client("evaluate")
     model = created(client.add_model("digits_cnn", {"width": 8}, seed=3))

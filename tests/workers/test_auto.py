@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,9 @@ from pydantic import ValidationError
 from api_schemas import AdaptParams, JobPayload
 from api_schemas.reports import AutoChoice, Predictions, Report
 from service.local.demo import digits_split
+from service.local.summary import diagnostic_lines
 from service.store.local import LocalStore
-from tests.stack import Stack, npz_bytes, running_stack
+from tests.stack import Stack, npz_bytes
 from tests.workers.test_shards import assert_same_adaptation
 from workers.errors import AdaptError
 from workers.estimators.auto import (
@@ -35,12 +35,15 @@ from workers.estimators.auto import (
     statistics_eligible,
     tent_replaces,
 )
+from workers.estimators.base import select_batchnorm
 from workers.estimators.precise import collect_statistics
-from workers.estimators.running import select_batchnorm
+from workers.kinds.changing import compute
 from workers.models.architectures import build_model
-from workers.running.compute import JobOutcome, compute, load_job, weights_bytes
-from workers.running.data import iter_batches
-from workers.running.reporting import split_target
+from workers.passes.data import iter_batches
+from workers.passes.predictions import split_target
+from workers.running.compute import JobOutcome
+from workers.running.loading import load_job
+from workers.running.saving import weights_bytes
 from workers.running.training import train_model
 from workers.sharding.compute import (
     ShardPlan,
@@ -300,7 +303,7 @@ def test_few_samples_are_cross_fitted(
     assert (auto.folds, auto.scored(), auto.scored_samples) == (4, 16, 16)
     assert_rule_holds(outcome.report)
     assert "cross-fitted over 4 folds (16 samples scored)" in "\n".join(
-        outcome.report.summary_lines()
+        diagnostic_lines(outcome.report)
     )
     again = run_adapt(store, digits, x, estimator="auto", seed=3, **extra)
     assert again.report.auto == auto
@@ -522,9 +525,8 @@ def test_measure_batches_bounds_the_diagnostics(store: LocalStore, digits: dict[
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("stack"), {"BNADAPT_WORKER_THREADS": "1"}) as s:
-        yield s
+def stack(shared_stack: Stack) -> Stack:
+    return shared_stack
 
 
 def test_auto_through_the_service(stack: Stack, digits: dict[str, Any]) -> None:
@@ -544,7 +546,7 @@ def test_auto_through_the_service(stack: Stack, digits: dict[str, Any]) -> None:
     assert report.estimator == "auto" and report.auto is not None
     assert_rule_holds(report)
     assert report.diagnostics is not None and report.diagnostics.held_out
-    lines = report.summary_lines()
+    lines = diagnostic_lines(report)
     assert any("<- kept" in line for line in lines)
     assert lines[-1] in ("auto kept the source model unchanged", f"auto chose {report.auto.chosen}")
     json.dumps(report.model_dump(mode="json"))  # plain JSON all the way

@@ -18,9 +18,11 @@ from service.local.summary import report_summary
 from service.store.local import LocalStore
 from tests.e2e.test_e2e import digits
 from tests.stack import npz_bytes
+from workers.kinds.changing import compute
 from workers.models.architectures import build_model
-from workers.running.compute import JobOutcome, compute, weights_bytes
-from workers.running.steps import CompileError, StepClock, step_forward
+from workers.passes.steps import CompileError, StepClock, step_forward
+from workers.running.compute import JobOutcome
+from workers.running.saving import weights_bytes
 
 
 @pytest.fixture(scope="module")

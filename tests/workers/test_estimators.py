@@ -11,7 +11,8 @@ from torch import nn
 from torch.optim.swa_utils import update_bn
 
 from workers.errors import AdaptError, JobCanceled
-from workers.estimators.running import AdaptStats, adapt_batchnorm, select_batchnorm
+from workers.estimators.base import AdaptStats, select_batchnorm
+from workers.estimators.moving_averages import adapt_batchnorm
 from workers.models.architectures import build_model, registry
 from workers.models.policy import apply_checkpoint_policy
 

@@ -16,7 +16,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from workers.errors import AdaptError, JobCanceled
+from workers.estimators.base import AdaptStats, select_batchnorm
 from workers.estimators.layer_statistics import LayerStatistics
+from workers.estimators.moving_averages import adapt_batchnorm
 from workers.estimators.precise import (
     apply_statistics,
     collect_statistics,
@@ -24,7 +26,6 @@ from workers.estimators.precise import (
     precise_batchnorm,
 )
 from workers.estimators.prior import mix_statistics, prior_batchnorm
-from workers.estimators.running import AdaptStats, adapt_batchnorm, select_batchnorm
 from workers.models.architectures import build_model, registry
 from workers.models.policy import apply_checkpoint_policy
 from workers.sharding.compute import StatisticsMessage

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from workers.estimators.running import adapt_batchnorm, select_batchnorm
+from workers.estimators.base import select_batchnorm
+from workers.estimators.moving_averages import adapt_batchnorm
 from workers.models.architectures import batchnorm_layers, build_model, registry
 from workers.models.policy import apply_checkpoint_policy
 from workers.running.reporting import (

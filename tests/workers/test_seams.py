@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -29,10 +28,10 @@ from api_schemas import (
     utc_now,
 )
 from service.local.cli import _parser as build_parser
-from tests.stack import Stack, job_payload, npz_bytes, running_stack
+from tests.stack import Stack, job_payload, npz_bytes
 from workers.estimators.dispatch import load_runner, run_estimator
-from workers.estimators.running import adapt_batchnorm
-from workers.running.hooks import NoHooks
+from workers.estimators.moving_averages import adapt_batchnorm
+from workers.passes.hooks import NoHooks
 from workers.sharding import jobs as sharding_jobs
 
 
@@ -113,9 +112,8 @@ def test_ema_momentum_is_the_ema_loop_with_the_jobs_momentum() -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("stack"), {"BNADAPT_WORKER_THREADS": "1"}) as s:
-        yield s
+def stack(shared_stack: Stack) -> Stack:
+    return shared_stack
 
 
 @pytest.mark.slow

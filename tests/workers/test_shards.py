@@ -16,10 +16,11 @@ from service.store.local import LocalStore
 from tests.e2e.test_e2e import digits
 from tests.stack import npz_bytes
 from workers.errors import AdaptError
+from workers.kinds.changing import compute
 from workers.models.architectures import build_model
-from workers.running.compute import JobOutcome, compute, weights_bytes
+from workers.running.compute import JobOutcome
 from workers.running.evaluation import Loss, MetricSums, evaluate_sums
-from workers.running.saving import StoredWeights, store_weights
+from workers.running.saving import StoredWeights, store_weights, weights_bytes
 from workers.sharding.compute import (
     ShardPlan,
     ShardResult,

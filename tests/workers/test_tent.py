@@ -15,12 +15,13 @@ from api_schemas import ESTIMATOR_NAMES, JobPayload
 from service.store.local import LocalStore
 from tests.stack import npz_bytes
 from workers.errors import AdaptError, JobCanceled
+from workers.estimators.base import AdaptStats, select_batchnorm
 from workers.estimators.entropy import SGD_MOMENTUM, entropy_adapt, entropy_loss
 from workers.estimators.precise import layerwise_precise_batchnorm
-from workers.estimators.running import AdaptStats, select_batchnorm
+from workers.kinds.changing import compute
 from workers.models.architectures import build_model, registry
 from workers.models.policy import apply_checkpoint_policy
-from workers.running.compute import compute, weights_bytes
+from workers.running.saving import weights_bytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -15,7 +15,7 @@ from torch import nn
 from workers.errors import DataError, JobCanceled, TrainError
 from workers.models.architectures import build_model, registry
 from workers.models.policy import apply_checkpoint_policy
-from workers.running.data import iter_batches, num_batches, to_tensors
+from workers.passes.data import iter_batches, num_batches, to_tensors
 from workers.running.evaluation import Metrics, evaluate_sums, loss_for
 from workers.running.training import EpochLog, TrainStats, batch_bounds, train_model
 
@@ -255,7 +255,7 @@ def test_iter_batches() -> None:
 
 
 def test_samples_read_rows_when_loaded() -> None:
-    from workers.running.data import Batches, Samples, load_rows
+    from workers.passes.data import Batches, Samples, load_rows
 
     x8 = np.arange(10 * 2 * 3, dtype=np.uint8).reshape(10, 2, 3)
     as_tensor = torch.from_numpy(x8).to(torch.float32).div_(255)

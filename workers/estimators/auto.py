@@ -4,7 +4,7 @@ BatchNorm adaptation is a bet. On a shift shared by every image it recovers most
 accuracy; on a shift that differs image to image, or one the source model already copes with,
 pooled target statistics can cost accuracy, and a user has no labels to tell which case is
 theirs. ``auto`` holds some target samples out (NOTE [ Held-out target samples ] in
-workers/running/reporting.py), estimates candidates on the rest, scores each on the held-out
+workers/passes/predictions.py), estimates candidates on the rest, scores each on the held-out
 samples by the rule of NOTE [ Choosing without labels ], and keeps the best, which may be the
 source model unchanged. The report says which candidates were tried, their scores and the
 choice (``Report.auto``).
@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -40,16 +40,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from api_schemas import AdaptParams
 from api_schemas.reports import AutoCandidate, AutoChoice, Predictions
 from workers.errors import AdaptError
+from workers.estimators.base import AdaptStats, EstimatorTask, check_stop, resolve_batchnorm
 from workers.estimators.entropy import entropy_adapt
 from workers.estimators.layer_statistics import LayerStatistics
 from workers.estimators.precise import apply_statistics, collect_statistics
 from workers.estimators.prior import mix_with_source
-from workers.estimators.running import AdaptStats, check_stop, resolve_batchnorm
-from workers.running.data import Data, iter_batches, num_batches
-from workers.running.reporting import PredictionSums, TargetSplit, predict, split_target
-
-if TYPE_CHECKING:
-    from workers.estimators.dispatch import EstimatorTask
+from workers.passes.data import Data, iter_batches, num_batches
+from workers.passes.predictions import PredictionSums, TargetSplit, predict, split_target
 
 __all__ = [
     "CRITERION",

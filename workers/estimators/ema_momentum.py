@@ -4,12 +4,8 @@ statistics after 100 batches; a smaller momentum blends the target in more slowl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from workers.estimators.running import AdaptStats, resolve_batchnorm, run_ema
-
-if TYPE_CHECKING:
-    from workers.estimators.dispatch import EstimatorTask
+from workers.estimators.base import AdaptStats, EstimatorTask, resolve_batchnorm
+from workers.estimators.moving_averages import run_ema
 
 __all__ = ["run"]
 

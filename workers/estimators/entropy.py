@@ -21,12 +21,11 @@ import torch
 from torch import nn
 
 from workers.errors import AdaptError, JobCanceled
-from workers.estimators.running import NO_BATCHES, AdaptStats, resolve_batchnorm
+from workers.estimators.base import NO_BATCHES, AdaptStats, EstimatorTask, resolve_batchnorm
 from workers.models.modules import model_device, training_flags
 
 if TYPE_CHECKING:
-    from workers.estimators.dispatch import EstimatorTask
-    from workers.running.steps import Forward, StepClock
+    from workers.passes.steps import Forward, StepClock
 
 __all__ = ["SGD_MOMENTUM", "Optimizer", "entropy_adapt", "entropy_loss", "run"]
 
@@ -62,7 +61,7 @@ def entropy_adapt(
 
     ``requires_grad`` and ``.grad`` of every parameter and all training flags are as before
     when it returns or raises. ``forward`` runs the steps' forward passes (default ``model``;
-    a compiled ``model``, workers/running/steps.py); ``clock`` times each step.
+    a compiled ``model``, workers/passes/steps.py); ``clock`` times each step.
     """
     if not lr > 0:
         raise AdaptError(f"the learning rate must be > 0, got {lr}")

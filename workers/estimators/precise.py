@@ -15,24 +15,22 @@ See NOTE [ Precise statistics ] for what the pass computes and how.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from workers.errors import AdaptError
-from workers.estimators.layer_statistics import LayerStatistics, Weighting
-from workers.estimators.running import (
+from workers.estimators.base import (
     AdaptStats,
+    EstimatorTask,
     check_stop,
     nonempty,
     resolve_batchnorm,
 )
+from workers.estimators.layer_statistics import LayerStatistics, Weighting
 from workers.models.modules import training_flags
-
-if TYPE_CHECKING:
-    from workers.estimators.dispatch import EstimatorTask
 
 __all__ = [
     "apply_statistics",

@@ -9,17 +9,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
 from workers.errors import AdaptError
+from workers.estimators.base import AdaptStats, EstimatorTask, resolve_batchnorm
+from workers.estimators.moving_averages import adapt_batchnorm
 from workers.estimators.precise import precise_batchnorm, running_statistics
-from workers.estimators.running import AdaptStats, adapt_batchnorm, resolve_batchnorm
-
-if TYPE_CHECKING:
-    from workers.estimators.dispatch import EstimatorTask
 
 __all__ = ["PriorBase", "mix_statistics", "mix_with_source", "prior_batchnorm", "run"]
 

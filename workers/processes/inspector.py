@@ -42,7 +42,7 @@ from workers.models.architectures import (
     resolve_kwargs,
     state_spec,
 )
-from workers.running.compute import weights_bytes
+from workers.running.saving import weights_bytes
 
 __all__ = ["catalog", "inspect", "serve"]
 

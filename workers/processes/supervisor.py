@@ -28,7 +28,7 @@ from service.settings import get_settings
 from service.store import open_store
 from service.upkeep.housekeeping import Housekeeping
 from service.upkeep.parent_death import SUPERVISOR_PID_ENV
-from workers.running.compute import WORKER_DEVICE_ENV
+from workers.running.loading import WORKER_DEVICE_ENV
 
 __all__ = ["main", "worker_commands"]
 

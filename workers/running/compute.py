@@ -1,93 +1,76 @@
-"""One job's computation, from payload to new weights and report; no Redis here.
+"""The computation every kind that changes a model shares, from payload to new weights and
+report; no Redis here.
 
-:func:`compute` is what a worker runs for a job, and what a test runs in-process to check the
-worker's output bitwise (:func:`compute_evaluation` for ``evaluate`` jobs). The model always
-runs through workers/checkpoint.py with the job's checkpoint policy, so its statistics are
-right whatever the policy.
+:func:`compute` is what a worker runs for an adapt or train job, and what a test runs
+in-process to check the worker's output bitwise: it loads the job (workers/running/loading.py),
+measures the model, runs the kind's own :class:`ModelChange`, checks what it left, measures
+again and draws up the report (NOTE [ A kind's change to the model ]). The model always runs
+through workers/checkpoint.py with the job's checkpoint policy, so its statistics are right
+whatever the policy.
 
-What the computation reports to and asks the outside: workers/running/hooks.py. An adapt job's
-estimation step (which estimator runs, or the merge of a sharded job):
-workers/estimators/dispatch.py.
+What the computation reports to and asks the outside: workers/passes/hooks.py.
 
 One job's computation read top to bottom, from payload to report.
 """
 
 from __future__ import annotations
 
-import os
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
-import numpy as np
-import safetensors.torch
 import torch
 from torch import nn
 
-from api_schemas import AdaptParams, EvaluateParams, JobPayload, Preprocessing, TrainParams
+from api_schemas import JobPayload
 from api_schemas.reports import (
+    AutoChoice,
     BatchNormChange,
     EpochLog,
-    Metrics,
     PredictionDiagnostics,
     Report,
     TensorChange,
     Timings,
 )
-from service.formats.arrays import open_arrays
-from service.settings import get_settings
 from service.store.base import Store
-from workers.errors import AdaptError, ArchitectureError, DataError, WorkerError
-from workers.estimators.auto import AutoStats
-from workers.estimators.dispatch import Estimate, EstimatorTask, run_task
-from workers.estimators.running import select_batchnorm
-from workers.models.architectures import (
-    Architecture,
-    batchnorm_layers,
-    build_model,
-    parameter_count,
-    registry,
-    resolve_kwargs,
-)
+from workers.errors import AdaptError, DataError
+from workers.models.architectures import batchnorm_layers, parameter_count, resolve_kwargs
 from workers.models.modules import named_modules
-from workers.models.policy import apply_checkpoint_policy
-from workers.running.data import Data, Samples, labels_tensor, num_batches
+from workers.passes.data import num_batches
+from workers.passes.hooks import JobHooks, NoHooks
+from workers.passes.steps import Forward, StepClock, step_forward
+from workers.running.evaluation import Loss, contract_metrics, evaluate_sums, loss_for
 from workers.running.evaluation import Metrics as EvalMetrics
-from workers.running.evaluation import evaluate_sums, loss_for
-from workers.running.hooks import JobHooks, NoHooks
-from workers.running.images import ImageSamples, array_transform
+from workers.running.loading import LoadedJob, ModelJobParams, load_job
 from workers.running.reporting import (
-    MAX_DIAGNOSTIC_SAMPLES,
-    PredictionSums,
-    TargetSplit,
     batchnorm_changes,
-    diagnostics,
-    predict,
-    split_target,
     state_snapshot,
     tensor_changes,
 )
-from workers.running.steps import StepClock, step_forward
-from workers.running.training import train_model
 
 __all__ = [
-    "WORKER_DEVICE_ENV",
+    "ChangeResult",
+    "ChangeTask",
     "JobOutcome",
-    "LoadedJob",
+    "ModelChange",
+    "batchnorm_names",
     "compute",
-    "compute_evaluation",
-    "contract_metrics",
-    "load_job",
-    "load_model",
     "one_sample_batch_explained",
-    "resolve_device",
-    "weights_bytes",
 ]
 
-# Set by `bnadapt worker --device`; a job's `device: auto` means this worker's device.
-WORKER_DEVICE_ENV: Final = "BNADAPT_WORKER_DEVICE"
+# NOTE [ A kind's change to the model ]
+#
+# Every kind that changes a model runs the same skeleton, :func:`compute`: load the job, take a
+# snapshot and measure the labelled data before, let the kind change the model, check the
+# statistics it left, measure after, report. The kind's own part is a :class:`ModelChange`,
+# which its runner passes in (workers/kinds/), so a new such kind adds nothing to this module.
+# Its methods run at fixed points of the skeleton, which the report's timings rely on:
+# `before` and `diagnostics` are measurements (counted in `measure_s`, with the labelled
+# ones), `run` alone is timed as `compute_s`. The statistics check runs inside `compute_s`,
+# on the layers the change says it ran in train mode, before anything is measured after.
 
 
 @dataclass(frozen=True)
@@ -99,126 +82,83 @@ class JobOutcome:
     input_shape: list[int | None]
 
 
-def resolve_device(requested: str) -> torch.device:
-    """``auto`` is the worker's device (``BNADAPT_WORKER_DEVICE``), and ``auto`` there is CUDA
-    when present. Only called inside a job's process: the worker's parent never touches CUDA."""
-    device = os.environ.get(WORKER_DEVICE_ENV, "auto") if requested == "auto" else requested
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise WorkerError(
-            f"the job asks for device {requested!r} but this worker has no CUDA device; submit "
-            "with device 'auto' or 'cpu', or run a worker on a GPU machine"
-        )
-    return torch.device(device)
+@dataclass(frozen=True)
+class ChangeTask:
+    """What a kind's change gets: the loaded job, its hooks, its loss (None without labels)
+    and what runs and times optimizer steps (``clock`` None unless the change is timed)."""
 
-
-def load_model(payload: JobPayload, store: Store) -> nn.Module:
-    """The input model, built and loaded with strict=True."""
-    model = build_model(payload.model.architecture, payload.model.kwargs)
-    state = safetensors.torch.load_file(str(store.local_path(payload.model.weights_sha256)))
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise ArchitectureError(
-            f"the weights of model {payload.model.id} no longer load into "
-            f"{payload.model.architecture}: {exc}"
-        ) from exc
-    return model
+    job: LoadedJob
+    hooks: JobHooks
+    loss: Loss | None
+    forward: Forward
+    clock: StepClock | None
 
 
 @dataclass(frozen=True)
-class LoadedJob:
-    """An adapt or train job's inputs, ready to run."""
+class ChangeResult:
+    """What a kind's change ran and changed, as the report shows it."""
 
-    model: nn.Module  # on `device`, run through the job's checkpoint policy
-    x: Data  # (N, ...) read a batch at a time on the CPU; batches move to `device`
-    y: torch.Tensor | None  # (N,) labels or (N, ...) targets, on the CPU
-    device: torch.device
-    arch: Architecture
-
-
-def open_dataset(payload: JobPayload, store: Store) -> tuple[Data, torch.Tensor | None]:
-    """The job's dataset: ``x`` as :class:`Samples` (memory-mapped where the file allows, read
-    and converted a batch at a time) or, for a tar of images, :class:`ImageSamples` (decoded a
-    batch at a time by loader processes), both preprocessed by the dataset's spec; ``y`` in
-    memory. Opening reads only headers and labels, so the first batch comes as soon for any
-    size of dataset."""
-    dataset = payload.dataset
-    path = store.local_path(dataset.sha256)
-    spec = dataset.preprocessing
-    if dataset.format == "tar":
-        settings = get_settings()
-        shape = None if dataset.sample_shape is None else tuple(dataset.sample_shape)
-        images, labels = ImageSamples.open(
-            path,
-            spec or Preprocessing(),
-            shape,
-            settings.loader_processes,
-            settings.max_image_pixels,
-        )
-        return images, None if labels is None else labels_tensor(labels, len(images))
-    arrays = open_arrays(path, dataset.format)
-    y = None if arrays.y is None else labels_tensor(arrays.y, len(arrays.x))
-    if spec is None:
-        return Samples(arrays.x), y
-    if arrays.x.dtype != np.uint8 or arrays.x.ndim != 4:
-        raise DataError(
-            f"a preprocessing spec applies to uint8 images (N, C, H, W), but x is "
-            f"{arrays.x.dtype} of shape {list(arrays.x.shape)}; register it without one"
-        )
-    transform = array_transform(spec, int(arrays.x.shape[1]))
-    return Samples(arrays.x, transform=transform, scale=spec.scale), y
+    # Batches each changed layer ran in train mode (entropy and train: one per step), so
+    # num_batches_tracked_after == (0 if reset else before) + batches in the report.
+    batches: int
+    samples: int
+    changed: list[str]  # the BatchNorm layers it ran in train mode: the report's `adapted`
+    estimator: str | None = None
+    reset: bool = False  # the changed layers' statistics started anew
+    epochs: list[EpochLog] = field(default_factory=list)
+    auto: AutoChoice | None = None
+    # The job chose the changed layers (`include`, `exclude`): a layer whose statistics come out
+    # non-finite may be left out, and the error says so.
+    chosen_layers: bool = False
 
 
-def load_job(payload: JobPayload, store: Store) -> LoadedJob:
-    """Seeds torch, builds the input model on the job's device with its checkpoint policy and
-    reads the dataset: where :func:`compute` and each shard of a sharded job start."""
-    params = payload.params
-    assert not isinstance(params, EvaluateParams), "evaluate jobs run compute_evaluation"
-    torch.manual_seed(params.seed)
-    device = resolve_device(params.device)
-    model = load_model(payload, store).to(device)
-    x, y = open_dataset(payload, store)
-    arch = registry()[payload.model.architecture]
-    policy = params.checkpoint
-    apply_checkpoint_policy(
-        model, arch, policy.preset, policy.modules, policy.types, policy.offload_to_cpu
-    )
-    return LoadedJob(model, x, y, device, arch)
+class ModelChange(ABC):
+    """A kind's own part of :func:`compute` (NOTE [ A kind's change to the model ]): what
+    changes the model, and what the kind measures around it besides the labelled metrics."""
 
+    @property
+    def timed(self) -> bool:
+        """Whether the change runs optimizer steps: timed one by one (the report's ``steps``)
+        and, with the job's ``compile``, through torch.compile (NOTE [ Compiled jobs ])."""
+        return False
 
-def weights_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
-    return safetensors.torch.save({k: v.contiguous() for k, v in state_dict.items()})
+    def measured_samples(self, num_samples: int) -> int:
+        """How many of the dataset's first samples the labelled measurements use."""
+        return num_samples
 
+    def before(self, job: LoadedJob) -> None:
+        """Measures, before the change, what :meth:`diagnostics` compares after it."""
+        return
 
-def contract_metrics(found: EvalMetrics | None) -> Metrics | None:
-    """The contract's form of evaluation metrics."""
-    return None if found is None else Metrics(**asdict(found))
+    @abstractmethod
+    def run(self, task: ChangeTask) -> ChangeResult:
+        """Changes ``task.job.model`` in place."""
+
+    def diagnostics(self, job: LoadedJob) -> PredictionDiagnostics | None:
+        """The report's diagnostics, measured after the change."""
+        return None
 
 
 def compute(
     payload: JobPayload,
     store: Store,
+    change: ModelChange,
     hooks: JobHooks | None = None,
-    estimate: Estimate | None = None,
     measure: bool = True,
 ) -> JobOutcome:
-    """Runs the adapt or train job the payload describes and returns the new weights and the
-    report; ``estimate`` replaces an adapt job's estimator (see :data:`Estimate`). Without
-    ``measure`` the model is not evaluated on the labels before and after (a sharded job's
-    evaluation children do it); an adapt job's prediction diagnostics are measured either way
-    (they look at a bounded number of held-out samples, the same as one worker's)."""
+    """Runs the job the payload describes with the kind's ``change`` and returns the new
+    weights and the report. Without ``measure`` the model is not evaluated on the labels before
+    and after (a sharded job's evaluation children do it); the change's own measurements (an
+    adapt job's prediction diagnostics) run either way (they look at a bounded number of
+    held-out samples, the same as one worker's)."""
     hooks = hooks or NoHooks()
     started = time.perf_counter()
     params = payload.params
+    assert isinstance(params, ModelJobParams), f"{payload.kind} jobs do not change a model"
     job = load_job(payload, store)
     model, x, y, device, arch = job.model, job.x, job.y, job.device, job.arch
     loss = None if y is None else (getattr(params, "loss", None) or loss_for(y))
-
-    # The first samples, bounded by an adapt job's measure_batches (a short adaptation of a
-    # large dataset is not dominated by measuring it); a train job measures all.
-    measured = params.measured_samples(len(x)) if isinstance(params, AdaptParams) else len(x)
+    measured = change.measured_samples(len(x))
 
     def measure_on_all(phase: str) -> EvalMetrics | None:
         if y is None or loss is None or not measure:
@@ -241,77 +181,19 @@ def compute(
     loaded = time.perf_counter()
     before = state_snapshot(model)
     metrics_before = measure_on_all("evaluate before")
-    # The input model's predictions for the report's diagnostics: a measurement like the one
-    # above, so outside compute_s (which times the adaptation or training alone).
-    target = None
-    if isinstance(params, AdaptParams):
-        target = _target_before(model, x, params, device)
+    change.before(job)
     computing = time.perf_counter()
-    all_bn = [name for name, _ in _batchnorm_names(model)]
-    epochs: list[EpochLog] = []
-    adapted: list[str] = []
-    reset = False
-    auto = None
+    all_bn = batchnorm_names(model)
     # NOTE [ Compiled jobs ] (api_schemas/jobs/params.py): train jobs and backward-pass
     # estimators time their steps, and with `compile` run them through torch.compile.
-    assert not isinstance(params, EvaluateParams), "evaluate jobs run compute_evaluation"
     backend = params.compile_backend if params.compile else None
-    clock = None
-    if isinstance(params, TrainParams) or params.spec.backward:
-        clock = StepClock(device, backend)
+    clock = StepClock(device, backend) if change.timed else None
     forward = step_forward(model, backend)
-    if isinstance(params, AdaptParams):
-        assert target is not None
-        adapted = select_batchnorm(model, params.include, params.exclude)
-        reset = params.effective_reset()
-        given = x if params.spec.holds_out else target.split.estimation
-        task = EstimatorTask(model, params, adapted, hooks, given, reset, device, forward, clock)
-        with one_sample_batch_explained(len(given), params.batch_size, params.max_batches):
-            stats = (estimate or run_task)(task)
-        _check_statistics_finite(model, adapted)
-        if isinstance(stats, AutoStats):  # whether statistics started anew depends on its choice
-            reset, auto = stats.reset, stats.choice
-        # `batches` is what each adapted layer ran in train mode (entropy: one per step), so
-        # num_batches_tracked_after == (0 if reset else before) + batches in the report.
-        batches, samples, estimator = stats.batches, stats.samples, params.estimator
-    else:
-        assert isinstance(params, TrainParams)
-        assert y is not None, "the API only accepts train jobs on labelled datasets"
-        assert loss is not None  # set whenever there are labels
-        hooks.start_phase("train", 0, "steps", float(params.batch_size))
-
-        def progress(done: int, total: int) -> None:
-            if done <= 1:
-                hooks.start_phase("train", total, "steps", float(params.batch_size))
-            hooks.report(done)
-
-        with one_sample_batch_explained(None, params.batch_size, None):
-            trained = train_model(
-                model,
-                x,
-                y,
-                epochs=params.epochs,
-                batch_size=params.batch_size,
-                optimizer=params.optimizer,
-                lr=params.lr,
-                momentum=params.momentum,
-                weight_decay=params.weight_decay,
-                loss=loss,
-                validation_fraction=params.validation_fraction,
-                seed=params.seed,
-                device=device,
-                progress=progress,
-                should_stop=hooks.should_stop,
-                forward=forward,
-                clock=clock,
-            )
-        epochs = [EpochLog(**asdict(e)) for e in trained.epochs]
-        batches, samples, estimator = trained.steps, trained.samples, None
-        adapted = all_bn
-        _check_statistics_finite(model, adapted, adapting=False)
+    result = change.run(ChangeTask(job, hooks, loss, forward, clock))
+    _check_statistics_finite(model, result.changed, result.chosen_layers)
     computed = time.perf_counter()
     metrics_after = measure_on_all("evaluate after")
-    found_diagnostics = None if target is None else _target_after(model, target, device)
+    found_diagnostics = change.diagnostics(job)
     measured_at = time.perf_counter()
     after = state_snapshot(model)
     report = Report(
@@ -322,9 +204,9 @@ def compute(
         device=str(device),
         torch_version=torch.__version__,
         torch_threads=torch.get_num_threads(),
-        estimator=estimator,
-        batches=batches,
-        samples=samples,
+        estimator=result.estimator,
+        batches=result.batches,
+        samples=result.samples,
         timings=Timings(
             load_s=loaded - started,
             compute_s=computed - computing,
@@ -333,15 +215,17 @@ def compute(
         ),
         batchnorm=[
             BatchNormChange(**asdict(c))
-            for c in batchnorm_changes(before, after, all_bn, set(adapted), batches, reset)
+            for c in batchnorm_changes(
+                before, after, all_bn, set(result.changed), result.batches, result.reset
+            )
         ],
         tensors=[TensorChange(**asdict(c)) for c in tensor_changes(before, after)],
         metrics_before=contract_metrics(metrics_before),
         metrics_after=contract_metrics(metrics_after),
-        epochs=epochs,
+        epochs=result.epochs,
         preprocessing=payload.dataset.preprocessing,
         diagnostics=found_diagnostics,
-        auto=auto,
+        auto=result.auto,
         steps=None if clock is None or clock.steps == 0 else clock.timings(),
     )
     kwargs = resolve_kwargs(payload.model.architecture, payload.model.kwargs)
@@ -354,92 +238,10 @@ def compute(
     )
 
 
-@dataclass(frozen=True)
-class _Target:
-    """An adapt job's samples split by its holdout, and the input model's predictions on the
-    diagnostics' samples."""
-
-    split: TargetSplit
-    batch_size: int
-    samples: int  # how many of the held-out samples the diagnostics cover
-    before: PredictionSums | None  # None: the model's output is not class logits
-
-
-def _target_before(model: nn.Module, x: Data, params: AdaptParams, device: torch.device) -> _Target:
-    """NOTE [ Held-out target samples ] (workers/running/reporting.py): the split, and the
-    predictions before estimation."""
-    split = split_target(
-        x, params.batch_size, params.max_batches, params.effective_holdout(), params.seed
-    )
-    # Bounded like the labelled measurement (measure_batches) and by MAX_DIAGNOSTIC_SAMPLES.
-    samples = min(len(split.held_out), MAX_DIAGNOSTIC_SAMPLES)
-    if params.measure_batches is not None:
-        samples = min(samples, params.measure_batches * params.batch_size)
-    before = predict(model, split.held_out[:samples], batch_size=params.batch_size, device=device)
-    return _Target(split, params.batch_size, samples, before)
-
-
-def _target_after(
-    model: nn.Module, target: _Target, device: torch.device
-) -> PredictionDiagnostics | None:
-    """The report's diagnostics: the output model's predictions on the same samples."""
-    sample = target.split.held_out[: target.samples]
-    after = predict(model, sample, batch_size=target.batch_size, device=device)
-    return diagnostics(target.before, after, target.split.is_held_out)
-
-
-def compute_evaluation(payload: JobPayload, store: Store, hooks: JobHooks | None = None) -> Report:
-    """Runs an ``evaluate`` job: the input model's metrics on the labelled dataset, as the
-    report's ``metrics_before``; the model is not changed and nothing is registered."""
-    hooks = hooks or NoHooks()
-    started = time.perf_counter()
-    params = payload.params
-    assert isinstance(params, EvaluateParams), f"{payload.kind} jobs run compute"
-    device = resolve_device(params.device)
-    model = load_model(payload, store).to(device)
-    x, y = open_dataset(payload, store)  # (N, ...) on the CPU; batches move to `device`
-    if y is None:
-        raise DataError(
-            f"dataset {payload.dataset.id} has no labels (y) to evaluate the model against; "
-            "upload it with y"
-        )
-    loaded = time.perf_counter()
-    batches = num_batches(len(x), params.batch_size)
-    hooks.start_phase("evaluate", batches, "batches", float(params.batch_size))
-    found = evaluate_sums(
-        model,
-        x,
-        y,
-        batch_size=params.batch_size,
-        loss=params.loss or loss_for(y),
-        device=device,
-        progress=hooks.report,
-        should_stop=hooks.should_stop,
-    ).metrics()
-    computed = time.perf_counter()
-    return Report(
-        job_id=payload.job_id,
-        kind=payload.kind,
-        input_model_id=payload.model.id,
-        output_model_id=None,
-        device=str(device),
-        torch_version=torch.__version__,
-        torch_threads=torch.get_num_threads(),
-        batches=batches,
-        samples=len(x),
-        timings=Timings(
-            load_s=loaded - started, compute_s=computed - loaded, total_s=computed - started
-        ),
-        batchnorm=[],
-        tensors=[],
-        metrics_before=contract_metrics(found),
-        preprocessing=payload.dataset.preprocessing,
-    )
-
-
-def _batchnorm_names(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def batchnorm_names(model: nn.Module) -> list[str]:
+    """The names of the model's BatchNorm layers with running statistics, in module order."""
     return [
-        (name, module)
+        name
         for name, module in named_modules(model)
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
     ]
@@ -485,7 +287,7 @@ def one_sample_batch_explained(
         ) from exc
 
 
-def _check_statistics_finite(model: nn.Module, layers: list[str], adapting: bool = True) -> None:
+def _check_statistics_finite(model: nn.Module, layers: list[str], chosen_layers: bool) -> None:
     """Raises :class:`AdaptError` naming the first layer whose running statistics are NaN or
     infinite: such a model would compute NaN for every input, so it is not registered."""
     modules = dict(named_modules(model))
@@ -500,5 +302,5 @@ def _check_statistics_finite(model: nn.Module, layers: list[str], adapting: bool
                     f"{value.numel()} channels NaN or Inf): its inputs overflowed or held NaN. "
                     "Check the dataset's scale (x is used as given; uint8 is scaled to [0, 1]) "
                     "and the model's weights"
-                    + (f", or leave the layer out with exclude=[{name!r}]" if adapting else "")
+                    + (f", or leave the layer out with exclude=[{name!r}]" if chosen_layers else "")
                 )

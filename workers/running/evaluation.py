@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - torch's own convention
 
+from api_schemas.reports import Metrics as ReportMetrics
 from workers.errors import DataError, JobCanceled
 from workers.models.modules import model_device, training_flags
-from workers.running.data import Data, iter_batches
+from workers.passes.data import Data, iter_batches
 
 __all__ = [
     "Loss",
@@ -20,6 +21,7 @@ __all__ = [
     "Metrics",
     "check_targets",
     "compute_loss",
+    "contract_metrics",
     "evaluate_sums",
     "loss_for",
 ]
@@ -68,6 +70,11 @@ class MetricSums:
             return Metrics(self.num_samples, mean, self.correct / self.num_samples, None)
         mean = self.loss_sum / (self.num_samples * self.values_per_sample)
         return Metrics(self.num_samples, mean, None, mean)
+
+
+def contract_metrics(found: Metrics | None) -> ReportMetrics | None:
+    """The contract's form of evaluation metrics."""
+    return None if found is None else ReportMetrics(**asdict(found))
 
 
 def loss_for(y: torch.Tensor) -> Loss:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+import safetensors.torch
+import torch
 from pydantic import BaseModel
 
 from api_schemas import (
@@ -27,7 +29,7 @@ from api_schemas.reports import Report
 from service.records.sync import Records
 from service.store.base import Store
 from workers.errors import JobCanceled
-from workers.running.compute import JobOutcome, weights_bytes
+from workers.running.compute import JobOutcome
 from workers.running.runtime import JobRuntime
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "register_output",
     "save_outcome",
     "store_weights",
+    "weights_bytes",
 ]
 
 MAX_ERROR_CHARS: Final = 2000
@@ -60,6 +63,11 @@ class StoredWeights(BaseModel):
     parameter_count: int
     batchnorm_layers: list[BatchNormLayer]
     input_shape: list[int | None]
+
+
+def weights_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
+    """``state_dict`` as a safetensors file, the form the store keeps weights in."""
+    return safetensors.torch.save({k: v.contiguous() for k, v in state_dict.items()})
 
 
 def store_weights(outcome: JobOutcome, store: Store) -> StoredWeights:
@@ -96,7 +104,7 @@ def register_output(
 ) -> SavedOutcome:
     """Writes the report to the store and registers the new model with ``weights``; at most
     one model per job, whatever its attempts: a later attempt reuses the model an earlier one
-    registered (NOTE [ Job attempts ] in service/records/sync.py)."""
+    registered (NOTE [ Job attempts ] in service/records/retries.py)."""
     model_id = records.claim_output(job.job_id, new_id("mdl"))
     report = weights.report.model_copy(update={"output_model_id": model_id})
     report_sha256 = store.put_bytes(report.model_dump_json(indent=2).encode())

@@ -18,14 +18,14 @@ from torch import nn
 
 from workers.errors import DataError, JobCanceled, TrainError
 from workers.models.modules import training_flags
-from workers.running.data import Data, load_rows
+from workers.passes.data import Data, load_rows
+from workers.passes.steps import Forward, StepClock
 from workers.running.evaluation import (
     Loss,
     check_targets,
     compute_loss,
     evaluate_sums,
 )
-from workers.running.steps import Forward, StepClock
 
 __all__ = ["EpochLog", "Optimizer", "TrainStats", "batch_bounds", "split_indices", "train_model"]
 
@@ -110,7 +110,7 @@ def train_model(
     restored at the end.
 
     ``forward`` runs the train steps' forward passes (default ``model``; a compiled
-    ``model``, workers/running/steps.py); validation runs ``model`` itself. ``clock`` times
+    ``model``, workers/passes/steps.py); validation runs ``model`` itself. ``clock`` times
     each step, from reading its batch to the optimizer's update.
     """
     if epochs < 1 or batch_size < 1:

@@ -24,23 +24,18 @@ from api_schemas import ESTIMATORS, AdaptParams, JobPayload, RequestModel
 from api_schemas.reports import ShardSummary
 from service.store.base import Store
 from workers.errors import AdaptError
-from workers.estimators.dispatch import Estimate, EstimatorTask, load_merged_runner
+from workers.estimators.base import AdaptStats, Estimate, EstimatorTask, select_batchnorm
+from workers.estimators.dispatch import load_merged_runner
 from workers.estimators.layer_statistics import LayerStatistics, Weighting
 from workers.estimators.precise import apply_statistics, collect_statistics
 from workers.estimators.prior import mix_with_source
-from workers.estimators.running import AdaptStats, select_batchnorm
-from workers.running.compute import (
-    JobOutcome,
-    LoadedJob,
-    compute,
-    contract_metrics,
-    load_job,
-    one_sample_batch_explained,
-)
-from workers.running.data import iter_batches, num_batches
-from workers.running.evaluation import Loss, MetricSums, evaluate_sums, loss_for
-from workers.running.hooks import JobHooks, NoHooks
-from workers.running.reporting import split_target
+from workers.passes.data import iter_batches, num_batches
+from workers.passes.hooks import JobHooks, NoHooks
+from workers.passes.predictions import split_target
+from workers.running.adaptation import Adaptation
+from workers.running.compute import JobOutcome, compute, one_sample_batch_explained
+from workers.running.evaluation import Loss, MetricSums, contract_metrics, evaluate_sums, loss_for
+from workers.running.loading import LoadedJob, load_job
 from workers.running.saving import StoredWeights
 
 __all__ = [
@@ -397,7 +392,7 @@ def compute_merged(
         def estimate(task: EstimatorTask) -> AdaptStats:
             return run_merged(task, merged, stats)
 
-    outcome = compute(payload, store, hooks, estimate=estimate, measure=measure)
+    outcome = compute(payload, store, Adaptation(params, estimate), hooks, measure)
     return dataclasses.replace(outcome, report=outcome.report.model_copy(update={"shards": shards}))
 
 

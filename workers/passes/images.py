@@ -8,7 +8,7 @@ batches (an estimator's pass, the measurement before and after) runs through a
 whole batch to uint8 (C, H, W) pixels, while the job's process runs the model on the batch
 before. A batch crosses from a loader process as uint8, a quarter of its float bytes; scaling
 and normalising happen in the job's process, in one pass, as for uint8 arrays
-(workers/running/data.py). With 0 processes, or for batches asked one at a time (an estimator
+(workers/passes/data.py). With 0 processes, or for batches asked one at a time (an estimator
 that cycles, training's shuffled batches), the job's process decodes them itself. Either way
 a batch decodes only its own images, so a shard of a sharded job decodes only its range.
 """
@@ -120,7 +120,7 @@ class _BatchSet(Dataset[torch.Tensor]):
 
 
 class ImageSamples:
-    """Rows of a tar of images, as :class:`workers.running.data.Samples` is of an array: a
+    """Rows of a tar of images, as :class:`workers.passes.data.Samples` is of an array: a
     view that decodes (NOTE [ Decoding in loader processes ]) only the rows it loads."""
 
     def __init__(

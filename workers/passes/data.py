@@ -19,7 +19,7 @@ import torch
 
 from api_schemas.jobs import num_batches
 from workers.errors import DataError
-from workers.running.images import ImageSamples
+from workers.passes.images import ImageSamples
 
 __all__ = [
     "Batches",
@@ -102,7 +102,7 @@ class Samples:
         return out if self.transform is None else self.transform(out)
 
 
-# Arrays (Samples) and tars of images (ImageSamples, workers/running/images.py) alike.
+# Arrays (Samples) and tars of images (ImageSamples, workers/passes/images.py) alike.
 Data: TypeAlias = "torch.Tensor | Samples | ImageSamples"
 
 

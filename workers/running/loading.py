@@ -1,0 +1,149 @@
+"""A job's inputs, loaded: its device, its model from the store and its dataset.
+
+:func:`load_job` is where every job that changes a model starts (workers/running/compute.py,
+and each child of a sharded job); an ``evaluate`` job loads the model and dataset alone
+(workers/kinds/evaluate.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Final, Protocol, runtime_checkable
+
+import numpy as np
+import safetensors.torch
+import torch
+from torch import nn
+
+from api_schemas import CheckpointPolicy, JobPayload, Preprocessing
+from service.formats.arrays import open_arrays
+from service.settings import get_settings
+from service.store.base import Store
+from workers.errors import ArchitectureError, DataError, WorkerError
+from workers.models.architectures import Architecture, build_model, registry
+from workers.models.policy import apply_checkpoint_policy
+from workers.passes.data import Data, Samples, labels_tensor
+from workers.passes.images import ImageSamples, array_transform
+
+__all__ = [
+    "WORKER_DEVICE_ENV",
+    "LoadedJob",
+    "ModelJobParams",
+    "load_job",
+    "load_model",
+    "open_dataset",
+    "resolve_device",
+]
+
+# Set by `bnadapt worker --device`; a job's `device: auto` means this worker's device.
+WORKER_DEVICE_ENV: Final = "BNADAPT_WORKER_DEVICE"
+
+
+@runtime_checkable
+class ModelJobParams(Protocol):
+    """What the params of every kind that changes a model have (``AdaptParams``,
+    ``TrainParams``): what loading it and the shared part of its computation read."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def checkpoint(self) -> CheckpointPolicy: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def compile(self) -> bool: ...
+    @property
+    def compile_backend(self) -> str: ...
+
+
+def resolve_device(requested: str) -> torch.device:
+    """``auto`` is the worker's device (``BNADAPT_WORKER_DEVICE``), and ``auto`` there is CUDA
+    when present. Only called inside a job's process: the worker's parent never touches CUDA."""
+    device = os.environ.get(WORKER_DEVICE_ENV, "auto") if requested == "auto" else requested
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise WorkerError(
+            f"the job asks for device {requested!r} but this worker has no CUDA device; submit "
+            "with device 'auto' or 'cpu', or run a worker on a GPU machine"
+        )
+    return torch.device(device)
+
+
+def load_model(payload: JobPayload, store: Store) -> nn.Module:
+    """The input model, built and loaded with strict=True."""
+    model = build_model(payload.model.architecture, payload.model.kwargs)
+    state = safetensors.torch.load_file(str(store.local_path(payload.model.weights_sha256)))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ArchitectureError(
+            f"the weights of model {payload.model.id} no longer load into "
+            f"{payload.model.architecture}: {exc}"
+        ) from exc
+    return model
+
+
+@dataclass(frozen=True)
+class LoadedJob:
+    """An adapt or train job's inputs, ready to run."""
+
+    model: nn.Module  # on `device`, run through the job's checkpoint policy
+    x: Data  # (N, ...) read a batch at a time on the CPU; batches move to `device`
+    y: torch.Tensor | None  # (N,) labels or (N, ...) targets, on the CPU
+    device: torch.device
+    arch: Architecture
+
+
+def open_dataset(payload: JobPayload, store: Store) -> tuple[Data, torch.Tensor | None]:
+    """The job's dataset: ``x`` as :class:`Samples` (memory-mapped where the file allows, read
+    and converted a batch at a time) or, for a tar of images, :class:`ImageSamples` (decoded a
+    batch at a time by loader processes), both preprocessed by the dataset's spec; ``y`` in
+    memory. Opening reads only headers and labels, so the first batch comes as soon for any
+    size of dataset."""
+    dataset = payload.dataset
+    path = store.local_path(dataset.sha256)
+    spec = dataset.preprocessing
+    if dataset.format == "tar":
+        settings = get_settings()
+        shape = None if dataset.sample_shape is None else tuple(dataset.sample_shape)
+        images, labels = ImageSamples.open(
+            path,
+            spec or Preprocessing(),
+            shape,
+            settings.loader_processes,
+            settings.max_image_pixels,
+        )
+        return images, None if labels is None else labels_tensor(labels, len(images))
+    arrays = open_arrays(path, dataset.format)
+    y = None if arrays.y is None else labels_tensor(arrays.y, len(arrays.x))
+    if spec is None:
+        return Samples(arrays.x), y
+    if arrays.x.dtype != np.uint8 or arrays.x.ndim != 4:
+        raise DataError(
+            f"a preprocessing spec applies to uint8 images (N, C, H, W), but x is "
+            f"{arrays.x.dtype} of shape {list(arrays.x.shape)}; register it without one"
+        )
+    transform = array_transform(spec, int(arrays.x.shape[1]))
+    return Samples(arrays.x, transform=transform, scale=spec.scale), y
+
+
+def load_job(payload: JobPayload, store: Store) -> LoadedJob:
+    """Seeds torch, builds the input model on the job's device with its checkpoint policy and
+    reads the dataset: where :func:`~workers.running.compute.compute` and each child of a
+    sharded job start."""
+    params = payload.params
+    assert isinstance(params, ModelJobParams), f"{payload.kind} jobs do not change a model"
+    torch.manual_seed(params.seed)
+    device = resolve_device(params.device)
+    model = load_model(payload, store).to(device)
+    x, y = open_dataset(payload, store)
+    arch = registry()[payload.model.architecture]
+    policy = params.checkpoint
+    apply_checkpoint_policy(
+        model, arch, policy.preset, policy.modules, policy.types, policy.offload_to_cpu
+    )
+    return LoadedJob(model, x, y, device, arch)
