@@ -19,8 +19,10 @@ bare loop's from its first batch to its last: both include starting the loader p
 Each set is (N, 3, 224, 224) uint8 images with int64 labels, written as an uncompressed npz
 (what np.savez writes) without holding it in memory. The whole service runs as processes
 (tests/stack.py); the job measurements rerun the payload the API enqueued in a fresh process
-that samples its own anonymous memory (RssAnon: pages of a memory-mapped file do not count,
-FIELD_NOTES) every 5 ms. Files are deleted afterwards.
+that samples its own anonymous memory (RssAnon in /proc/self/status) every 5 ms. RssAnon, not
+RSS: the pages of a memory-mapped file count in RSS as soon as they are read, although the
+kernel can drop them at any time, so RSS would charge the job with the dataset it maps.
+Files are deleted afterwards.
 """
 
 from __future__ import annotations
@@ -39,17 +41,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from api_schemas import JobStatus  # noqa: E402
+from service.client import Client  # noqa: E402
 from tests.stack import Stack, job_payload, running_stack  # noqa: E402
 
 SHAPE = (3, 224, 224)
 MIB = 1024 * 1024
 CHUNK = 8 * MIB
+# A request may take this long: the upload of the largest set (gigabytes) in one body.
+UPLOAD_TIMEOUT_S = 3600.0
 
 
 def write_npz(path: Path, samples: int, seed: int = 0) -> None:
@@ -111,23 +116,20 @@ def file_chunks(path: Path) -> Iterator[bytes]:
             yield chunk
 
 
-def upload(stack: Stack, key: str, path: Path, resumable: bool) -> tuple[dict[str, Any], dict]:
+def upload(
+    stack: Stack, client: Client, path: Path, resumable: bool
+) -> tuple[dict[str, Any], dict]:
     assert stack.api is not None
     sampler = Sampler(stack.api.pid)
     before = sampler.now()
     started = time.perf_counter()
     with sampler:
         if resumable:
-            from service.client import Client
-
-            client = Client(stack.url, key, timeout_s=3600)
             dataset = client.upload_dataset(path, path.name).model_dump(mode="json")
         else:
-            response = httpx.post(
-                f"{stack.url}/v1/datasets?name={path.name}",
-                content=file_chunks(path),
-                headers={"Authorization": f"Bearer {key}"},
-                timeout=3600,
+            # The file as the request's body, streamed: a form the client has no method for.
+            response = client.request(
+                "POST", "/v1/datasets", params={"name": path.name}, content=file_chunks(path)
             )
             assert response.status_code == 201, response.text
             dataset = response.json()
@@ -159,12 +161,12 @@ import torch
 torch.set_num_threads(int(sys.argv[3]))
 from api_schemas import JobPayload
 from service.store.local import LocalStore
-from workers.running.compute import compute
+from workers.kinds.changing import compute
 payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
 store = LocalStore(sys.argv[2])
 base = anon()
 threading.Thread(target=sample, daemon=True).start()
-from workers.running.compute import open_dataset
+from workers.running.loading import open_dataset
 opened = time.perf_counter()
 x, y = open_dataset(payload, store)
 x[0:payload.params.batch_size].load()  # (B, 3, 224, 224) float32
@@ -195,7 +197,7 @@ torch.set_num_threads(int(sys.argv[3]))
 from api_schemas import JobPayload
 from service.formats.arrays import open_arrays
 from service.store.local import LocalStore
-from workers.running.compute import load_model
+from workers.running.loading import load_model
 payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
 store = LocalStore(sys.argv[2])
 n = int(sys.argv[4]) if len(sys.argv) > 4 else None  # the first n samples, or all
@@ -237,17 +239,11 @@ def run_in(
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def submit(client: httpx.Client, model_id: str, dataset_id: str, params: dict) -> str:
-    body = {"kind": "adapt", "model_id": model_id, "dataset_id": dataset_id, "params": params}
-    response = client.post("/v1/jobs", json=body)
-    assert response.status_code == 202, response.text
-    job_id: str = response.json()["id"]
-    while True:
-        state = client.get(f"/v1/jobs/{job_id}").json()
-        if state["status"] in ("succeeded", "failed", "canceled"):
-            assert state["status"] == "succeeded", state
-            return job_id
-        time.sleep(0.5)
+def submit(client: Client, model_id: str, dataset_id: str, params: dict) -> str:
+    """Runs an adapt job to its end; its id."""
+    job = client.wait(client.submit("adapt", model_id, dataset_id, params).id)
+    assert job.status is JobStatus.SUCCEEDED, job
+    return job.id
 
 
 PASS = r"""
@@ -256,7 +252,7 @@ import torch
 torch.set_num_threads(int(sys.argv[3]))
 from api_schemas import JobPayload
 from service.store.local import LocalStore
-from workers.running.compute import compute
+from workers.kinds.changing import compute
 payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
 def cpu():
     own = resource.getrusage(resource.RUSAGE_SELF)
@@ -291,7 +287,7 @@ from torch.utils.data import DataLoader, Dataset
 torch.set_num_threads(int(sys.argv[3]))
 from api_schemas import JobPayload
 from service.store.local import LocalStore
-from workers.running.compute import load_model
+from workers.running.loading import load_model
 payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
 store = LocalStore(sys.argv[2])
 n, workers = int(sys.argv[4]), int(sys.argv[5])
@@ -555,24 +551,21 @@ def main() -> None:
     try:
         with running_stack(work / "stack", env) as stack:
             key = stack.records().create_api_key("bench").key
-            client = httpx.Client(
-                base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=600
-            )
-            meta = {"architecture": "resnet", "kwargs": {"depth": 2, "width": 8}}
-            model = client.post("/v1/models", data={"meta": json.dumps(meta)}).json()
+            client = Client(stack.url, key, timeout_s=UPLOAD_TIMEOUT_S)
+            model = client.add_model("resnet", {"depth": 2, "width": 8})
             for samples in args.samples:
                 path = work / f"images_{samples}.npz"
                 write_npz(path, samples)
-                dataset, row = upload(stack, key, path, resumable=False)
+                dataset, row = upload(stack, client, path, resumable=False)
                 results["uploads"].append(row)
                 print(json.dumps(row), flush=True)
                 if samples <= 20000:
-                    _, row = upload(stack, key, path, resumable=True)
+                    _, row = upload(stack, client, path, resumable=True)
                     results["uploads"].append(row)
                     print(json.dumps(row), flush=True)
                 path.unlink()
                 params = {"batch_size": 32, "max_batches": 2, "device": "cpu"}
-                job_id = submit(client, model["id"], dataset["id"], params)
+                job_id = submit(client, model.id, dataset["id"], params)
                 payload = job_payload(stack, job_id)
                 row = run_child(CHILD, payload, stack, args.threads, "1")
                 batch_mib = 32 * int(np.prod(SHAPE)) * 4 / MIB
@@ -584,14 +577,14 @@ def main() -> None:
                 }
                 results["jobs"].append(row)
                 print(json.dumps(row), flush=True)
-                client.delete(f"/v1/datasets/{dataset['id']}")
+                client.delete_dataset(dataset["id"])
             # Full pass, mmap'd uint8 through the job's code vs a bare loop in memory.
             path = work / "full.npz"
             write_npz(path, args.full_pass_samples, seed=1)
-            dataset, _ = upload(stack, key, path, resumable=False)
+            dataset, _ = upload(stack, client, path, resumable=False)
             path.unlink()
             params = {"batch_size": 32, "max_batches": 1, "device": "cpu"}
-            payload = job_payload(stack, submit(client, model["id"], dataset["id"], params))
+            payload = job_payload(stack, submit(client, model.id, dataset["id"], params))
             full = payload.model_copy(
                 update={"params": payload.params.model_copy(update={"max_batches": None})}
             )

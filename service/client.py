@@ -8,6 +8,7 @@ job = client.wait(job.id, on_progress=print)
 client.download_weights(new_model_id(job), Path("adapted.safetensors"))
 check = client.wait(client.submit("evaluate", new_model_id(job), dataset.id).id)
 print(client.report(check.id).metrics_before)  # an evaluate job's result: accuracy, loss
+client.request("GET", "/readyz").status_code  # any request; the response as it came
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def new_model_id(job: JobPublic) -> str:
 
 
 class Client:
+    """One tenant's client: its API key, the API's base URL and one keep-alive connection
+    (``http``). The resource methods answer parsed records and raise :class:`ApiClientError`
+    when the API answers an error; :meth:`request` is the low-level way, for callers that
+    read statuses, headers or error bodies themselves (the tests, the benches)."""
+
     def __init__(self, url: str, key: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.http = httpx.Client(
             base_url=url.rstrip("/"),
@@ -91,6 +97,15 @@ class Client:
 
     def close(self) -> None:
         self.http.close()
+
+    def request(self, method: str, path: str, **options: Any) -> httpx.Response:
+        """Sends one request to ``path`` (under the base URL) with the tenant's key and
+        answers the response as it came, whatever its status: nothing is checked or parsed.
+        ``options`` are :meth:`httpx.Client.request`'s (``params``, ``json``, ``data``,
+        ``files``, ``content``, ``headers``, ``timeout``, ...); a ``headers`` entry named
+        ``Authorization`` replaces the key for this request. Transport errors
+        (:class:`httpx.TransportError`) propagate."""
+        return self.http.request(method, path, **options)
 
     def _check(self, response: httpx.Response) -> httpx.Response:
         if response.is_success or response.status_code == 304:
@@ -103,7 +118,7 @@ class Client:
         raise ApiClientError(response.status_code, detail)
 
     def architectures(self) -> list[ArchitecturePublic]:
-        response = self._check(self.http.get("/v1/architectures"))
+        response = self._check(self.request("GET", "/v1/architectures"))
         return [ArchitecturePublic.model_validate(a) for a in response.json()]
 
     def add_model(
@@ -115,11 +130,14 @@ class Client:
     ) -> ModelPublic:
         meta = json.dumps({"architecture": architecture, "kwargs": kwargs or {}, "seed": seed})
         if weights is None:
-            response = self.http.post("/v1/models", data={"meta": meta})
+            response = self.request("POST", "/v1/models", data={"meta": meta})
         else:
             with weights.open("rb") as file:
-                response = self.http.post(
-                    "/v1/models", data={"meta": meta}, files={"weights": (weights.name, file)}
+                response = self.request(
+                    "POST",
+                    "/v1/models",
+                    data={"meta": meta},
+                    files={"weights": (weights.name, file)},
                 )
         return ModelPublic.model_validate(self._check(response).json())
 
@@ -127,14 +145,15 @@ class Client:
         params: dict[str, Any] = {"page_size": page_size}
         if page_token:
             params["page_token"] = page_token
-        response = self._check(self.http.get("/v1/models", params=params))
+        response = self._check(self.request("GET", "/v1/models", params=params))
         return Page[ModelPublic].model_validate(response.json())
 
     def add_dataset(self, path: Path, name: str | None = None) -> DatasetPublic:
         # The digest lets an S3 store write the file straight to its content key.
         headers = {"X-Content-SHA256": _file_sha256(path)}
         with path.open("rb") as file:
-            response = self.http.post(
+            response = self.request(
+                "POST",
                 "/v1/datasets",
                 files={"file": (path.name, file)},
                 data={"name": name} if name else None,
@@ -162,7 +181,7 @@ class Client:
         if upload_id is None:
             body = {"name": name or path.name, "size_bytes": total}
             upload = UploadPublic.model_validate(
-                self._check(self.http.post("/v1/uploads", json=body)).json()
+                self._check(self.request("POST", "/v1/uploads", json=body)).json()
             )
         else:
             upload = self._upload(upload_id)
@@ -184,13 +203,13 @@ class Client:
                 if on_progress is not None:
                     on_progress(done, total)
         body = {"name": name} if name else {}
-        response = self.http.post(
-            f"/v1/uploads/{upload.id}:complete", json={**body, "sha256": whole.hexdigest()}
+        response = self.request(
+            "POST", f"/v1/uploads/{upload.id}:complete", json={**body, "sha256": whole.hexdigest()}
         )
         return DatasetPublic.model_validate(self._check(response).json())
 
     def _upload(self, upload_id: str) -> UploadPublic:
-        response = self._check(self.http.get(f"/v1/uploads/{upload_id}"))
+        response = self._check(self.request("GET", f"/v1/uploads/{upload_id}"))
         return UploadPublic.model_validate(response.json())
 
     def _put_part(
@@ -198,7 +217,8 @@ class Client:
     ) -> None:
         for attempt in range(retries + 1):
             try:
-                response = self.http.put(
+                response = self.request(
+                    "PUT",
                     f"/v1/uploads/{upload_id}/parts/{number}",
                     content=data,
                     headers={
@@ -228,11 +248,13 @@ class Client:
         if tags:
             body["tags"] = dict(tags)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        response = self.http.post("/v1/jobs", json=body, headers=headers)
+        response = self.request("POST", "/v1/jobs", json=body, headers=headers)
         return JobPublic.model_validate(self._check(response).json())
 
     def job(self, job_id: str) -> JobPublic:
-        return JobPublic.model_validate(self._check(self.http.get(f"/v1/jobs/{job_id}")).json())
+        return JobPublic.model_validate(
+            self._check(self.request("GET", f"/v1/jobs/{job_id}")).json()
+        )
 
     def jobs(
         self,
@@ -257,27 +279,29 @@ class Client:
         params |= {name: value for name, value in given.items() if value}
         if tags:
             params["tag"] = [f"{k}:{v}" for k, v in tags.items()]
-        response = self._check(self.http.get("/v1/jobs", params=params))
+        response = self._check(self.request("GET", "/v1/jobs", params=params))
         return Page[JobPublic].model_validate(response.json())
 
     def datasets(self, page_size: int = 50, page_token: str | None = None) -> Page[DatasetPublic]:
         params: dict[str, Any] = {"page_size": page_size}
         if page_token:
             params["page_token"] = page_token
-        response = self._check(self.http.get("/v1/datasets", params=params))
+        response = self._check(self.request("GET", "/v1/datasets", params=params))
         return Page[DatasetPublic].model_validate(response.json())
 
     def delete_dataset(self, dataset_id: str) -> None:
-        self._check(self.http.delete(f"/v1/datasets/{dataset_id}"))
+        self._check(self.request("DELETE", f"/v1/datasets/{dataset_id}"))
 
     def delete_model(self, model_id: str) -> None:
-        self._check(self.http.delete(f"/v1/models/{model_id}"))
+        self._check(self.request("DELETE", f"/v1/models/{model_id}"))
 
     def delete_job(self, job_id: str) -> None:
-        self._check(self.http.delete(f"/v1/jobs/{job_id}"))
+        self._check(self.request("DELETE", f"/v1/jobs/{job_id}"))
 
     def logs(self, job_id: str, after: int = 0) -> JobLogPage:
-        response = self._check(self.http.get(f"/v1/jobs/{job_id}/logs", params={"after": after}))
+        response = self._check(
+            self.request("GET", f"/v1/jobs/{job_id}/logs", params={"after": after})
+        )
         return JobLogPage.model_validate(response.json())
 
     def events(self, job_id: str, logs: bool = False, after: int = 0) -> Iterator[JobEvent]:
@@ -297,7 +321,7 @@ class Client:
                 yield JobLogEntry.model_validate(data)
 
     def cancel(self, job_id: str) -> JobPublic:
-        response = self._check(self.http.post(f"/v1/jobs/{job_id}:cancel"))
+        response = self._check(self.request("POST", f"/v1/jobs/{job_id}:cancel"))
         return JobPublic.model_validate(response.json())
 
     def wait(
@@ -348,7 +372,7 @@ class Client:
             time.sleep(POLL_INTERVAL_S)
 
     def report(self, job_id: str) -> Report:
-        response = self._check(self.http.get(f"/v1/jobs/{job_id}/report"))
+        response = self._check(self.request("GET", f"/v1/jobs/{job_id}/report"))
         return Report.model_validate(response.json())
 
     def download_weights(self, model_id: str, path: Path) -> Path:

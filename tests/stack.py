@@ -9,18 +9,18 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import numpy as np
 from rq import Worker
 
 from api_schemas import JobPayload
+from service.client import Client as ApiClient
 from service.local.embedded import RedisServer, free_port
 from service.local.up import api_command, worker_command
 from service.records import keys
@@ -29,6 +29,11 @@ from service.records.sync import Records
 from tests.servers import new_redis_server, stop_process, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
+# A test's requests give up sooner than a user's: a hung API fails the test within a minute.
+TEST_TIMEOUT_S: Final = 60.0
+# The torch threads of the shared stack's worker (conftest.py's `shared_stack`): tests that
+# compute a reference in process use as many, since training's reductions depend on it.
+SHARED_STACK_THREADS = 1
 
 
 def npz_bytes(**arrays: np.ndarray) -> bytes:
@@ -194,11 +199,17 @@ def running_stack(
 
 
 class Client:
-    """A thin HTTP client for tests: raw responses, so tests can check every status."""
+    """A test's client for one tenant: :class:`service.client.Client` (``api``: the key, the
+    base URL, the connection, shared by ``http``) with helpers that answer the raw
+    :class:`httpx.Response`, so that a test can check every status, header and error body.
+    ``key`` None or empty: an anonymous client, for the tests of authentication."""
 
     def __init__(self, url: str, key: str | None) -> None:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.Client(base_url=url, headers=headers, timeout=60)
+        self.api = ApiClient(url, key or "", timeout_s=TEST_TIMEOUT_S)
+        if not key:
+            # No Authorization header at all: what a caller without a key sends.
+            del self.api.http.headers["Authorization"]
+        self.http = self.api.http
 
     def add_model(
         self,
@@ -209,23 +220,17 @@ class Client:
     ) -> httpx.Response:
         meta = {"architecture": architecture, "kwargs": kwargs or {}, "seed": seed}
         files = {"weights": ("w.safetensors", weights)} if weights is not None else None
-        return self.http.post("/v1/models", data={"meta": json.dumps(meta)}, files=files)
+        return self.api.request("POST", "/v1/models", data={"meta": json.dumps(meta)}, files=files)
 
     def add_dataset(self, content: bytes, name: str = "data.npz") -> httpx.Response:
-        return self.http.post("/v1/datasets", files={"file": (name, content)})
+        return self.api.request("POST", "/v1/datasets", files={"file": (name, content)})
 
     def submit(self, body: dict[str, Any], **headers: str) -> httpx.Response:
-        return self.http.post("/v1/jobs", json=body, headers=headers)
+        return self.api.request("POST", "/v1/jobs", json=body, headers=headers)
 
     def wait(self, job_id: str, timeout_s: float = 120) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            job: dict[str, Any] = self.http.get(f"/v1/jobs/{job_id}").json()
-            if job["status"] in ("succeeded", "failed", "canceled"):
-                return job
-            if time.monotonic() > deadline:
-                raise AssertionError(f"job {job_id} still {job['status']} after {timeout_s} s")
-            time.sleep(0.2)
+        """The job once it ended, as the API writes it (JSON)."""
+        return self.api.wait(job_id, timeout_s=timeout_s).model_dump(mode="json")
 
 
 def job_payload(stack: Stack, job_id: str) -> JobPayload:

@@ -19,6 +19,7 @@ from api_schemas import JobPublic, JobStatus
 from api_schemas.jobs.public import JobLogEntry
 from service.client import Client
 from service.errors import BnadaptError
+from service.local.summary import outcome_lines, report_summary
 from service.local.up import read_client_config
 
 __all__ = [
@@ -203,26 +204,13 @@ def cmd_datasets_delete(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_evaluation(client: Client, job: JobPublic) -> None:
-    """For a succeeded evaluate job, its metrics in one line on stderr (stdout stays JSON); for
-    an adapt job, its prediction diagnostics and the auto estimator's choice."""
-    if job.kind == "adapt" and job.status is JobStatus.SUCCEEDED:
-        for line in client.report(job.id).summary_lines():
-            print(line, file=sys.stderr)
-        return
-    if job.kind != "evaluate" or job.status is not JobStatus.SUCCEEDED:
-        return
-    metrics = client.report(job.id).metrics_before
-    if metrics is None:
-        return
-    score = (
-        f"accuracy {metrics.accuracy:.4f}" if metrics.accuracy is not None else f"mse {metrics.mse}"
-    )
-    print(
-        f"{job.model_id} on {job.dataset_id}: {score}, loss {metrics.loss:.4f} "
-        f"({metrics.num_samples} samples)",
-        file=sys.stderr,
-    )
+def _print_outcome(client: Client, job: JobPublic) -> None:
+    """Under a succeeded adapt or evaluate job, its report's outcome lines on stderr (stdout
+    stays JSON): :func:`service.local.summary.outcome_lines`."""
+    if job.kind not in ("adapt", "evaluate") or job.status is not JobStatus.SUCCEEDED:
+        return  # the other jobs print nothing: their report is not fetched
+    for line in outcome_lines(job, client.report(job.id)):
+        print(line, file=sys.stderr)
 
 
 def cmd_jobs_submit(args: argparse.Namespace) -> int:
@@ -235,7 +223,7 @@ def cmd_jobs_submit(args: argparse.Namespace) -> int:
         return 0
     job = wait_with_bar(client, job.id)
     print_value(job)
-    _print_evaluation(client, job)
+    _print_outcome(client, job)
     return 0 if job.status is JobStatus.SUCCEEDED else 1
 
 
@@ -243,7 +231,7 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     client = api_client(args)
     job = client.job(args.job_id)
     print_value(job)
-    _print_evaluation(client, job)
+    _print_outcome(client, job)
     return 0
 
 
@@ -263,8 +251,6 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs_report(args: argparse.Namespace) -> int:
-    from service.local.summary import report_summary
-
     report = api_client(args).report(args.job_id)
     if args.json:
         print_value(report)

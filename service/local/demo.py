@@ -19,7 +19,7 @@ import numpy as np
 from api_schemas import JobPublic
 from api_schemas.reports import Report
 from service.client import Client, new_model_id
-from service.local.summary import report_summary
+from service.local.summary import outcome_lines, report_summary
 from service.local.up import LocalStack
 
 __all__ = [
@@ -163,6 +163,6 @@ def run_demo(data_dir: Path, port: int) -> int:
                 f"\n   auto on the {name} digits: accuracy {_accuracy(auto_report, 'before'):.3f}"
                 f" -> {_accuracy(auto_report, 'after'):.3f}"
             )
-            for line in auto_report.summary_lines():
+            for line in outcome_lines(job, auto_report):
                 print(f"   {line}")
     return 0 if all(layer.consistent for layer in report.batchnorm) else 1

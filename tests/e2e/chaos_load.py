@@ -39,6 +39,7 @@ from typing import Any, Final
 import httpx
 
 from api_schemas import JobStatus
+from service.client import Client as ApiClient
 from service.local.embedded import RedisServer
 from service.records import keys
 from service.records.shards import ShardRecords
@@ -270,13 +271,16 @@ class _Chaos:
 
     # --- submissions -------------------------------------------------------------------------
 
-    def _post(self, http: httpx.Client, body: dict[str, Any], key: str) -> str:
-        """Submits until answered; returns the job id."""
+    def _post(self, api: ApiClient, body: dict[str, Any], key: str) -> str:
+        """Submits until answered; returns the job id. Reads raw statuses: a 409 (the key's
+        first submission still in flight) or a 5xx while the API restarts is sent again."""
         while True:
             try:
                 with self.api_lock:
                     pass  # wait while the API restarts
-                response = http.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+                response = api.request(
+                    "POST", "/v1/jobs", json=body, headers={"Idempotency-Key": key}
+                )
             except httpx.HTTPError:
                 time.sleep(0.2)
                 continue
@@ -289,24 +293,24 @@ class _Chaos:
                 continue
             raise AssertionError(f"{key}: {response.status_code} {response.text}")
 
-    def _status(self, http: httpx.Client, job_id: str) -> str | None:
+    def _status(self, api: ApiClient, job_id: str) -> str | None:
         try:
-            response = http.get(f"/v1/jobs/{job_id}")
+            response = api.request("GET", f"/v1/jobs/{job_id}")
         except httpx.HTTPError:
             return None
         if response.status_code != 200:
             return None
         return str(response.json()["status"])
 
-    def submitter(self, http: httpx.Client, bodies: list[dict[str, Any]], window: int) -> None:
+    def submitter(self, api: ApiClient, bodies: list[dict[str, Any]], window: int) -> None:
         ids: list[str] = []
         for i in range(self.n_jobs):
             if i >= window:  # at most `window` jobs queued or running
                 old = ids[i - window]
-                while self._status(http, old) not in TERMINAL:
+                while self._status(api, old) not in TERMINAL:
                     time.sleep(0.1)
             key = f"chaos-{i}"
-            job_id = self._post(http, bodies[i % len(bodies)], key)
+            job_id = self._post(api, bodies[i % len(bodies)], key)
             self._answer(key, job_id)
             ids.append(job_id)
             self.submitted = i + 1
@@ -315,7 +319,7 @@ class _Chaos:
             if i % 10 == 9:  # a retried submission of an answered key: the same job
                 index = self.rng.randrange(i + 1)
                 again = f"chaos-{index}"
-                self._answer(again, self._post(http, bodies[index % len(bodies)], again))
+                self._answer(again, self._post(api, bodies[index % len(bodies)], again))
                 self.tally.resent_same_key += 1
         self.done_submitting.set()
 
@@ -379,7 +383,7 @@ def run_load_chaos(
     started = time.monotonic()
     killer = threading.Thread(target=chaos.killer, daemon=True)
     killer.start()
-    chaos.submitter(client.http, bodies, window)
+    chaos.submitter(client.api, bodies, window)
     killer.join()
     tally = chaos.tally
 
