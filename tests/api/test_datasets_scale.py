@@ -19,28 +19,24 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from tests.stack import Stack, npz_bytes, running_stack
-
-pytestmark = pytest.mark.slow
+from tests.inprocess import InProcessApi, running_api
+from tests.stack import Stack, npz_bytes
 
 MAX_DATASET_BYTES = 3 * 1024 * 1024
 MAX_PART_BYTES = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    limits = {
-        "BNADAPT_MAX_DATASET_BYTES": str(MAX_DATASET_BYTES),
-        "BNADAPT_MAX_UPLOAD_PART_BYTES": str(MAX_PART_BYTES),
-        "BNADAPT_WORKER_THREADS": "1",
-    }
-    with running_stack(tmp_path_factory.mktemp("stack"), limits) as stack:
-        yield stack
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessApi]:
+    """The API in process with small limits, so that tests can cross them cheaply."""
+    limits = {"max_dataset_bytes": MAX_DATASET_BYTES, "max_upload_part_bytes": MAX_PART_BYTES}
+    with running_api(tmp_path_factory.mktemp("api"), **limits) as api:
+        yield api
 
 
-def http(stack: Stack, tenant: str) -> httpx.Client:
-    key = stack.records().create_api_key(tenant).key
-    return httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+def http(api: InProcessApi | Stack, tenant: str) -> httpx.Client:
+    key = api.records().create_api_key(tenant).key
+    return httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
 
 def problem(response: httpx.Response, status: int, *phrases: str) -> dict[str, Any]:
@@ -64,8 +60,8 @@ def images(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, rng.integers(0, 10, size=n).astype(np.int64)
 
 
-def test_upload_forms_register_the_same_file(stack: Stack) -> None:
-    client = http(stack, "forms")
+def test_upload_forms_register_the_same_file(api: InProcessApi) -> None:
+    client = http(api, "forms")
     x, y = images(40)
     content = npz_bytes(x=x, y=y)
     form = ok(client.post("/v1/datasets", files={"file": ("a.npz", content)}), 201)
@@ -85,8 +81,8 @@ def test_upload_forms_register_the_same_file(stack: Stack) -> None:
     assert (raw["num_samples"], raw["dtype"], raw["num_classes"]) == (40, "uint8", 10)
 
 
-def test_over_the_limit_is_a_problem_naming_the_setting(stack: Stack) -> None:
-    client = http(stack, "limits")
+def test_over_the_limit_is_a_problem_naming_the_setting(api: InProcessApi) -> None:
+    client = http(api, "limits")
     big = npz_bytes(x=np.zeros((MAX_DATASET_BYTES // 4 + 1024, 1), np.float32))
     # Announced by Content-Length: refused before the body is read.
     problem(
@@ -117,11 +113,9 @@ def send_half_and_drop(url: str, path: str, key: str, body: bytes) -> None:
         sock.sendall(head.encode() + body[: len(body) // 2])
 
 
-def test_resumable_upload_survives_a_dropped_connection(stack: Stack, tmp_path: Path) -> None:
-    key = stack.records().create_api_key("resume").key
-    client = httpx.Client(
-        base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=60
-    )
+def test_resumable_upload_survives_a_dropped_connection(api: InProcessApi, tmp_path: Path) -> None:
+    key = api.records().create_api_key("resume").key
+    client = httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
     x, y = images(2000)  # 128 KB of x...
     x = np.repeat(x, 16, axis=2)  # ... times 16: 2 MB, three parts of at most 1 MB
     content = safetensors.numpy.save({"x": x, "y": y})
@@ -134,7 +128,7 @@ def test_resumable_upload_survives_a_dropped_connection(stack: Stack, tmp_path: 
     assert upload["parts"] == [] and upload["max_part_bytes"] == MAX_PART_BYTES
     ok(client.put(f"/v1/uploads/{upload['id']}/parts/1", content=pieces[0]))
     # Part 2 dies half way (the upload is at 50%): nothing of it is recorded.
-    send_half_and_drop(stack.url, f"/v1/uploads/{upload['id']}/parts/2", key, pieces[1])
+    send_half_and_drop(api.url, f"/v1/uploads/{upload['id']}/parts/2", key, pieces[1])
     seen = ok(client.get(f"/v1/uploads/{upload['id']}"))
     assert [p["number"] for p in seen["parts"]] == [1]
     assert seen["parts"][0]["sha256"] == hashlib.sha256(pieces[0]).hexdigest()
@@ -144,7 +138,7 @@ def test_resumable_upload_survives_a_dropped_connection(stack: Stack, tmp_path: 
         f"has {part} of the {len(content)} bytes",
     )
     # Another tenant sees nothing.
-    other = http(stack, "resume-other")
+    other = http(api, "resume-other")
     problem(other.get(f"/v1/uploads/{upload['id']}"), 404, "not found")
     problem(other.put(f"/v1/uploads/{upload['id']}/parts/2", content=b"x"), 404)
     # Resumed: the missing parts, in any order.
@@ -160,8 +154,8 @@ def test_resumable_upload_survives_a_dropped_connection(stack: Stack, tmp_path: 
     problem(client.get(f"/v1/uploads/{upload['id']}"), 404)  # completed: gone
 
 
-def test_upload_parts_within_limits(stack: Stack) -> None:
-    client = http(stack, "part-limits")
+def test_upload_parts_within_limits(api: InProcessApi) -> None:
+    client = http(api, "part-limits")
     problem(
         client.post("/v1/uploads", json={"size_bytes": MAX_DATASET_BYTES + 1}),
         413,
@@ -190,8 +184,9 @@ def test_upload_parts_within_limits(stack: Stack) -> None:
     problem(client.get(f"/v1/uploads/{upload['id']}"), 404)
 
 
-def test_adapt_reads_batches_and_bounds_its_measurement(stack: Stack) -> None:
-    client = http(stack, "adapt-mmap")
+@pytest.mark.slow
+def test_adapt_reads_batches_and_bounds_its_measurement(shared_stack: Stack) -> None:
+    client = http(shared_stack, "adapt-mmap")
     x, y = images(600)
     dataset = ok(client.post("/v1/datasets", files={"file": ("d.npz", npz_bytes(x=x, y=y))}), 201)
     model = ok(client.post("/v1/models", data={"meta": '{"architecture": "digits_cnn"}'}), 201)
@@ -222,18 +217,18 @@ def test_adapt_reads_batches_and_bounds_its_measurement(stack: Stack) -> None:
     assert report["metrics_after"]["num_samples"] == 64
 
 
-def cli(stack: Stack, key: str) -> list[str]:
-    return [sys.executable, "-m", "service.local.cli", "--url", stack.url, "--key", key]
+def cli(api: InProcessApi, key: str) -> list[str]:
+    return [sys.executable, "-m", "service.local.cli", "--url", api.url, "--key", key]
 
 
-def test_cli_resumes_an_interrupted_upload(stack: Stack, tmp_path: Path) -> None:
-    key = stack.records().create_api_key("cli-resume").key
+def test_cli_resumes_an_interrupted_upload(api: InProcessApi, tmp_path: Path) -> None:
+    key = api.records().create_api_key("cli-resume").key
     x, y = images(3000)
     x = np.repeat(x, 8, axis=2)  # 1.5 MB: two parts of 1 MB
     path = tmp_path / "d.npz"
     path.write_bytes(npz_bytes(x=x, y=y))
     content = path.read_bytes()
-    client = http(stack, "cli-resume")
+    client = http(api, "cli-resume")
     client.headers["Authorization"] = f"Bearer {key}"
     body = {"name": "cli", "size_bytes": len(content)}
     upload = ok(client.post("/v1/uploads", json=body), 201)
@@ -241,8 +236,8 @@ def test_cli_resumes_an_interrupted_upload(stack: Stack, tmp_path: Path) -> None
     ok(client.put(f"/v1/uploads/{upload['id']}/parts/1", content=content[:MAX_PART_BYTES]))
     ok(client.put(f"/v1/uploads/{upload['id']}/parts/2", content=b"stale"))
     done = subprocess.run(
-        [*cli(stack, key), "datasets", "add", str(path), "--resume", upload["id"]],
-        env=stack.env,
+        [*cli(api, key), "datasets", "add", str(path), "--resume", upload["id"]],
+        env=api.env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -254,8 +249,8 @@ def test_cli_resumes_an_interrupted_upload(stack: Stack, tmp_path: Path) -> None
     assert "100.0%" in done.stderr and upload["id"] in done.stderr
     # A fresh upload through the CLI, from the start.
     again = subprocess.run(
-        [*cli(stack, key), "datasets", "add", str(path)],
-        env=stack.env,
+        [*cli(api, key), "datasets", "add", str(path)],
+        env=api.env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -264,10 +259,10 @@ def test_cli_resumes_an_interrupted_upload(stack: Stack, tmp_path: Path) -> None
     assert json.loads(again.stdout)["sha256"] == dataset["sha256"]
 
 
-def test_an_announced_digest_is_checked(stack: Stack) -> None:
+def test_an_announced_digest_is_checked(api: InProcessApi) -> None:
     """``X-Content-SHA256``: the file's digest, which lets an S3 store write straight to the
     content key; a file that hashes otherwise is refused and registers nothing."""
-    client = http(stack, "digest")
+    client = http(api, "digest")
     x, y = images(24, seed=3)
     content = npz_bytes(x=x, y=y)
     digest = hashlib.sha256(content).hexdigest()

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.e2e.test_e2e import digits_npz
-from tests.stack import Stack, running_stack
+from tests.stack import Stack
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +32,8 @@ PACKAGE = "bnadapt_generated_client"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("stack"), {"BNADAPT_WORKER_THREADS": "1"}) as s:
-        yield s
+def stack(shared_stack: Stack) -> Stack:
+    return shared_stack
 
 
 @pytest.fixture(scope="module")

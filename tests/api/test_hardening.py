@@ -1,10 +1,11 @@
 """Hostile or careless input over HTTP gets a 4xx that says what to do, never a 500, and never
-a job that "succeeds" with NaN: the real API, worker and Redis (tests/stack.py)."""
+a job that "succeeds" with NaN. Input checks run against the API in process
+(tests/inprocess.py); the jobs that must fail run on the shared stack's real worker
+(tests/stack.py)."""
 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -12,22 +13,18 @@ import safetensors.torch
 import torch
 
 from tests.e2e.test_e2e import created, digits_npz, problem, weights_of
-from tests.stack import Client, Stack, npz_bytes, running_stack
-
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(
-        tmp_path_factory.mktemp("hardening"), {"BNADAPT_WORKER_THREADS": "1"}
-    ) as stack:
-        yield stack
+from tests.inprocess import InProcessApi
+from tests.stack import Client, Stack, npz_bytes
 
 
 @pytest.fixture(scope="module")
-def client(stack: Stack) -> Client:
-    return stack.client("hardening")
+def client(api: InProcessApi) -> Client:
+    return api.client("hardening")
+
+
+@pytest.fixture(scope="module")
+def worker_client(shared_stack: Stack) -> Client:
+    return shared_stack.client("hardening")
 
 
 @pytest.mark.parametrize("resource", ["jobs", "models", "datasets"])
@@ -37,10 +34,10 @@ def test_any_page_token_is_a_4xx(client: Client, resource: str, token: str) -> N
     problem(response, 422, "page_token")
 
 
-def test_odd_bytes_in_ids_and_headers_are_4xx(stack: Stack, client: Client) -> None:
+def test_odd_bytes_in_ids_and_headers_are_4xx(api: InProcessApi, client: Client) -> None:
     for path in ("/v1/jobs/%C3%A9", "/v1/models/%FF", "/v1/datasets/a%00b"):
         assert client.http.get(path).status_code == 422, path
-    anonymous = Client(stack.url, None)
+    anonymous = api.anonymous()
     for key in (b"bna_\xe9\xe9_\xff", b"bna_ab_\xc3\xa9", b"\xff\xfe"):
         response = anonymous.http.get("/v1/jobs", headers={"Authorization": b"Bearer " + key})
         problem(response, 401, "not valid")
@@ -111,7 +108,11 @@ def test_non_finite_or_lossy_weights_are_refused(client: Client) -> None:
     created(client.add_model("digits_cnn", {"width": 4}, safetensors.torch.save(half)))
 
 
-def test_adaptation_with_non_finite_statistics_fails_naming_the_layer(client: Client) -> None:
+@pytest.mark.slow
+def test_adaptation_with_non_finite_statistics_fails_naming_the_layer(
+    worker_client: Client,
+) -> None:
+    client = worker_client
     model = created(client.add_model("digits_cnn", {"width": 4}))
     huge = np.full((16, 1, 8, 8), 3e38, np.float32)  # finite, but the convolutions overflow
     dataset = created(client.add_dataset(npz_bytes(x=huge)))
@@ -134,10 +135,12 @@ def test_adaptation_with_non_finite_statistics_fails_naming_the_layer(client: Cl
     assert not [m for m in client.http.get("/v1/models").json()["items"] if m["job_id"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["ema", "entropy"])
 def test_one_sample_last_batch_in_train_mode_says_what_to_do(
-    client: Client, estimator: str
+    worker_client: Client, estimator: str
 ) -> None:
+    client = worker_client
     model = created(client.add_model("mlp", {"in_features": 8, "hidden": 8}))
     x = np.random.default_rng(0).random((17, 8), dtype=np.float32)
     dataset = created(client.add_dataset(npz_bytes(x=x)))

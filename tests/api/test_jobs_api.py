@@ -25,15 +25,14 @@ from service.records import keys
 from service.upkeep.retention import delete_expired_jobs
 from tests.e2e.test_e2e import created, digits_npz, long_train, problem
 from tests.servers import wait_for
-from tests.stack import REPO, Client, Stack, npz_bytes, running_stack
+from tests.stack import REPO, Client, Stack, npz_bytes
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("stack"), {"BNADAPT_WORKER_THREADS": "1"}) as stack:
-        yield stack
+def stack(shared_stack: Stack) -> Stack:
+    return shared_stack
 
 
 def _key(client: Client) -> str:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e.test_e2e import created, digits_npz
 from tests.servers import wait_for
-from tests.stack import REPO, Stack, running_stack
+from tests.stack import REPO, Stack
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +35,8 @@ from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("stack"), {"BNADAPT_WORKER_THREADS": "1"}) as s:
-        yield s
+def stack(shared_stack: Stack) -> Stack:
+    return shared_stack
 
 
 @pytest.fixture

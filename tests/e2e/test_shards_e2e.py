@@ -14,6 +14,7 @@ import safetensors.torch
 import torch
 
 from api_schemas.reports import Report
+from service.local.summary import diagnostic_lines
 from service.records import keys
 from service.records.shards import FINISH, MERGE, ChildState, ShardRecords
 from tests.e2e.test_e2e import created, digits, digits_npz
@@ -349,10 +350,10 @@ def test_sharded_auto_equals_one_worker(stack: Stack, trained: dict[str, Any]) -
     assert found_d.changed_fraction == pytest.approx(expected_d.changed_fraction, abs=1 / 149)
     assert found_d.after.mean_entropy == pytest.approx(expected_d.after.mean_entropy, abs=1e-4)
     # The demo's summary shows the sharded job's diagnostics and choice as one worker's.
-    assert len(report.summary_lines()) == len(single_report.summary_lines())
+    assert len(diagnostic_lines(report)) == len(diagnostic_lines(single_report))
     assert (
-        report.summary_lines()[-1]
-        == single_report.summary_lines()[-1]
+        diagnostic_lines(report)[-1]
+        == diagnostic_lines(single_report)[-1]
         == (f"auto chose {want.chosen}")
     )
 
