@@ -14,7 +14,8 @@ NOTE [ Types read from the table ]
 At run time ``JobKind`` is the ``Literal`` of the table's names and ``JobParams`` and
 ``AnyJobCreate`` are the unions of its ``params`` and ``create`` classes, in the table's order
 (which is the order the OpenAPI document lists them in). A type checker cannot read a dict, so
-under ``TYPE_CHECKING`` they are what every kind shares: ``str`` and the two protocols below.
+under ``TYPE_CHECKING`` they are what every kind shares: ``str`` and the two protocols below,
+which each row's classes are checked against when the table is built (``JobKindSpec``).
 Code that needs one kind's fields narrows with ``isinstance`` (``AdaptParams``, ...), as it
 had to with the unions too.
 """
@@ -44,6 +45,38 @@ __all__ = [
 ]
 
 
+# Plain attributes where every kind declares the same type; read-only properties where the
+# kinds narrow it (``kind: Literal["adapt"]``), since a protocol's plain attribute is
+# invariant.
+class SharedParams(Protocol):
+    """What the params of every kind have (NOTE [ Types read from the table ])."""
+
+    batch_size: int
+    device: str
+    preprocessing: Preprocessing | None
+
+
+class SharedJobCreate(Protocol):
+    """What the create request of every kind has (NOTE [ Types read from the table ])."""
+
+    model_id: str
+    dataset_id: str
+    max_attempts: int
+    tags: dict[str, str]
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def params(self) -> SharedParams: ...
+    def model_dump_json(self) -> str: ...
+
+
+def _fields(protocol: type) -> set[str]:
+    """The names a protocol above requires: its attributes and its properties."""
+    names = set(protocol.__annotations__)
+    return names | {name for name, value in vars(protocol).items() if isinstance(value, property)}
+
+
 @dataclass(frozen=True)
 class JobKindSpec:
     """One kind's row; see NOTE [ The job-kind table ]."""
@@ -56,6 +89,17 @@ class JobKindSpec:
     # Whether a succeeded job registers a new model (else its report is the whole result).
     registers_model: bool
     needs_labels: bool
+
+    def __post_init__(self) -> None:
+        # The API reads these fields of any kind (submission, listing): a row whose classes
+        # lack one fails here, when the table is built, not as a 500 on the first job.
+        for cls, protocol in ((self.params, SharedParams), (self.create, SharedJobCreate)):
+            missing = sorted(_fields(protocol) - set(cls.model_fields))
+            if missing:
+                raise ValueError(
+                    f"{cls.__name__} lacks {missing}, which every kind's "
+                    f"{protocol.__name__} has (NOTE [ Types read from the table ]); add them"
+                )
 
 
 JOB_KINDS: Final[dict[str, JobKindSpec]] = {
@@ -87,30 +131,6 @@ JOB_KINDS: Final[dict[str, JobKindSpec]] = {
 
 
 if TYPE_CHECKING:
-    # Plain attributes where every kind declares the same type; read-only properties where the
-    # kinds narrow it (``kind: Literal["adapt"]``), since a protocol's plain attribute is
-    # invariant.
-    class SharedParams(Protocol):
-        """What the params of every kind have (NOTE [ Types read from the table ])."""
-
-        batch_size: int
-        device: str
-        preprocessing: Preprocessing | None
-
-    class SharedJobCreate(Protocol):
-        """What the create request of every kind has (NOTE [ Types read from the table ])."""
-
-        model_id: str
-        dataset_id: str
-        max_attempts: int
-        tags: dict[str, str]
-
-        @property
-        def kind(self) -> str: ...
-        @property
-        def params(self) -> SharedParams: ...
-        def model_dump_json(self) -> str: ...
-
     JobKind = str
     JobParams = SharedParams
     AnyJobCreate = SharedJobCreate
