@@ -93,7 +93,7 @@ _INT_DTYPES: Final = frozenset(v for k, v in _SAFETENSORS_DTYPES.items() if k[0]
 @dataclass(frozen=True)
 class LoadedArrays:
     """A dataset opened for reading. ``x`` may be a read-only memory map in the file's byte
-    order: convert it a batch at a time (workers/running/data.py). ``y`` is in memory, in its
+    order: convert it a batch at a time (workers/passes/data.py). ``y`` is in memory, in its
     canonical dtype."""
 
     x: npt.NDArray[Any]  # (N, *sample_shape) float32 or uint8

@@ -7,7 +7,7 @@ with an integer ``"label"``). Other members (``key.txt``, directories) are ignor
 is one tar, or several joined end to end (``cat a.tar b.tar``, or one resumable-upload part
 per shard): NOTE [ Image datasets ].
 
-No torch here: the API scans tars with it, workers decode with it (workers/running/images.py
+No torch here: the API scans tars with it, workers decode with it (workers/passes/images.py
 turns the decoded pixels into batches).
 
 # NOTE [ Image datasets ]
@@ -28,7 +28,7 @@ turns the decoded pixels into batches).
 - **Workers index, then decode a batch at a time.** :func:`index_tar` reads the headers
   again (512 bytes a member, seeking over the data) and the small label members, giving the
   offset of every image; a batch decodes only its own images (a shard of a sharded job only
-  its range). Decoding runs in DataLoader processes (workers/running/images.py).
+  its range). Decoding runs in DataLoader processes (workers/passes/images.py).
 - **Pillow, not torchvision.** Pillow decodes JPEG and PNG with the same code in the API
   (headers) and the workers (pixels) and needs no torch, so the API can depend on it.
 """
