@@ -35,8 +35,8 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessApi]:
 
 
 def http(api: InProcessApi | Stack, tenant: str) -> httpx.Client:
-    key = api.records().create_api_key(tenant).key
-    return httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    """A new tenant's connection (the project's client's, with its key and base URL)."""
+    return api.client(tenant).http
 
 
 def problem(response: httpx.Response, status: int, *phrases: str) -> dict[str, Any]:

@@ -38,8 +38,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def http(stack: Stack, tenant: str) -> httpx.Client:
-    key = stack.records().create_api_key(tenant).key
-    return httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    """A new tenant's connection (the project's client's, with its key and base URL)."""
+    return stack.client(tenant).http
 
 
 def ok(response: httpx.Response, status: int = 200) -> dict[str, Any]:
