@@ -44,6 +44,7 @@ __all__ = [
     "tenant_by_name",
     "tenant_index",
     "upload",
+    "upload_part_holders",
     "upload_parts",
 ]
 
@@ -183,6 +184,13 @@ def upload(upload_id: str) -> str:
 def upload_parts(upload_id: str) -> str:
     """Hash: part number -> ``<sha256>:<size>`` of each part received; same TTL as the upload."""
     return f"{PREFIX}:upload:{upload_id}:parts"
+
+
+def upload_part_holders(sha256: str) -> str:
+    """Sorted set: the ids of the upload sessions that sent a part with these bytes, each
+    scored by the session's expiry (NOTE [ Upload parts in the store ] in
+    service/records/uploads.py); expires with the latest of them."""
+    return f"{PREFIX}:upload-part:{sha256}:holders"
 
 
 def direct_upload(upload_id: str) -> str:

@@ -19,7 +19,9 @@ def release_sha_ref(pipe: redis.client.Pipeline, sha256: str, owner_id: str) -> 
     """Drops ``owner_id``'s use of a store object, noting when for the store's collector
     (NOTE [ Store garbage collection ] in service/store/gc.py)."""
     pipe.srem(keys.sha_refs(sha256), owner_id)
-    pipe.zadd(keys.STORE_RELEASED, {sha256: time.time()})
+    # GT: a live upload session may protect the same bytes until later (NOTE [ Upload parts
+    # in the store ] in service/records/uploads.py); a release never shortens that.
+    pipe.zadd(keys.STORE_RELEASED, {sha256: time.time()}, gt=True)
 
 
 class StoreRefs(RedisRecords):

@@ -6,9 +6,14 @@ Each part is a store object of its own (content-addressed, so a part sent again 
 same object). No record refers to a part, so the store's collector would delete it after the
 grace period; instead each part is noted in ``STORE_RELEASED`` with the session's expiry as its
 score (``ZADD GT``: never earlier than another holder's), which the collector reads as "in use
-until then" (NOTE [ Store garbage collection ] in service/store/gc.py). When the upload is
-completed or deleted its parts are released now; a session nobody finishes expires with its
-keys, and its parts are collected a grace period after. Nothing needs sweeping.
+until then" (NOTE [ Store garbage collection ] in service/store/gc.py). Several sessions, of one
+tenant or of several, can send the same bytes: each session that sent a part is also noted in
+``upload_part_holders(sha256)``, scored by its expiry. When an upload is completed or deleted,
+its parts are released at once unless another session still holds them: the new score is the
+latest expiry of the other live holders, or now if there is none (one script, so that a
+session sending the same part meanwhile is never overwritten). A session nobody finishes
+expires with its keys, and its parts are collected a grace period after. Nothing needs
+sweeping.
 """
 
 from __future__ import annotations
@@ -17,13 +22,27 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import redis
 
 from service.records import keys
 
 __all__ = ["UploadRecords", "UploadSession"]
+
+# Releases one part of an ending session (NOTE [ Upload parts in the store ]).
+# KEYS: STORE_RELEASED, upload_part_holders(sha256); ARGV: sha256, session id, now.
+_RELEASE_PART_LUA: Final = """
+redis.call('ZREM', KEYS[2], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[3])
+local release = tonumber(ARGV[3])
+local latest = redis.call('ZRANGE', KEYS[2], 0, 0, 'REV', 'WITHSCORES')
+if latest[2] ~= nil and tonumber(latest[2]) > release then
+    release = tonumber(latest[2])
+end
+redis.call('ZADD', KEYS[1], release, ARGV[1])
+return tostring(release)
+"""
 
 
 @dataclass(frozen=True)
@@ -41,6 +60,7 @@ class UploadRecords:
     def __init__(self, client: redis.Redis, ttl_s: float) -> None:
         self.client = client
         self.ttl_s = ttl_s
+        self._release_part = client.register_script(_RELEASE_PART_LUA)
 
     def create(
         self, upload_id: str, tenant: str, name: str | None, expected_bytes: int | None
@@ -87,20 +107,30 @@ class UploadRecords:
     def put_part(self, session: UploadSession, number: int, sha256: str, size: int) -> None:
         """Records a part (replacing one of the same number) and keeps its object in the store
         until the session expires (NOTE [ Upload parts in the store ])."""
+        expires = session.expires_at.timestamp()
+        holders = keys.upload_part_holders(sha256)
         pipe = self.client.pipeline()
         pipe.hset(keys.upload_parts(session.id), str(number), f"{sha256}:{size}")
-        pipe.expireat(keys.upload_parts(session.id), int(session.expires_at.timestamp()) + 1)
-        pipe.zadd(keys.STORE_RELEASED, {sha256: session.expires_at.timestamp()}, gt=True)
+        pipe.expireat(keys.upload_parts(session.id), int(expires) + 1)
+        pipe.zadd(holders, {session.id: expires}, gt=True)
+        pipe.expireat(holders, int(expires) + 1, gt=True)
+        pipe.expireat(holders, int(expires) + 1, nx=True)
+        pipe.zadd(keys.STORE_RELEASED, {sha256: expires}, gt=True)
         pipe.execute()
 
     def delete(self, session: UploadSession) -> None:
-        """Ends the session; its parts are released now (the collector deletes those nothing
-        else uses after the grace period)."""
+        """Ends the session; its parts are released now, or when the last other session that
+        sent the same bytes expires (the collector deletes what nothing else uses after the
+        grace period: NOTE [ Upload parts in the store ])."""
         now = time.time()
         pipe = self.client.pipeline()
         pipe.delete(keys.upload(session.id), keys.upload_parts(session.id))
-        for sha256, _ in session.parts.values():
-            pipe.zadd(keys.STORE_RELEASED, {sha256: now})
+        for sha256 in {sha256 for sha256, _ in session.parts.values()}:
+            self._release_part(
+                keys=[keys.STORE_RELEASED, keys.upload_part_holders(sha256)],
+                args=[sha256, session.id, repr(now)],
+                client=pipe,
+            )
         pipe.execute()
 
 
