@@ -29,6 +29,11 @@ turns the decoded pixels into batches).
   again (512 bytes a member, seeking over the data) and the small label members, giving the
   offset of every image; a batch decodes only its own images (a shard of a sharded job only
   its range). Decoding runs in DataLoader processes (workers/passes/images.py).
+- **One header at a time.** Python's ``TarFile`` keeps the header of every member it has read
+  (``members``), so a tar of a million tiny members would hold a million ``TarInfo`` objects
+  while it is scanned. Both scans read with :func:`_each_member`, which forgets each header
+  once the next one is read: their memory is what they return (a key per sample), whatever
+  else the tar holds.
 - **Pillow, not torchvision.** Pillow decodes JPEG and PNG with the same code in the API
   (headers) and the workers (pixels) and needs no torch, so the API can depend on it.
 """
@@ -39,6 +44,7 @@ import io
 import json
 import tarfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
@@ -105,6 +111,16 @@ def _check_member(info: tarfile.TarInfo) -> None:
             f"the tar member {name!r} is a link or a special file; only regular files are "
             f"read: {_HOW_TO_BUILD}"
         )
+
+
+def _each_member(archive: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """The archive's members in order, holding one header at a time (NOTE [ Image datasets ]):
+    ``TarFile.next`` appends each header it reads to ``members``, emptied here before the
+    member is handed on. The random-access mode is kept (not the stream mode ``r|``, which
+    forgets headers too) because Pillow seeks back within a member to read an image's header."""
+    while (info := archive.next()) is not None:
+        archive.members.clear()
+        yield info
 
 
 def _members(path: Path) -> tarfile.TarFile:
@@ -191,7 +207,7 @@ def describe_tar(
     one_size = True
     with _members(path) as archive:
         try:
-            for info in archive:
+            for info in _each_member(archive):
                 _check_member(info)
                 if info.isdir():
                     continue
@@ -280,7 +296,7 @@ def index_tar(path: Path) -> TarIndex:
     sizes: list[int] = []
     labels: dict[str, int] = {}
     with _members(path) as archive:
-        for info in archive:
+        for info in _each_member(archive):
             if not info.isfile():
                 continue
             key, ext = _split(info.name)
