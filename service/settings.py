@@ -103,6 +103,10 @@ class Settings(BaseSettings):
     # How long a running job keeps retrying its Redis writes (with backoff) through an outage
     # before it stops and its attempt counts as interrupted.
     redis_outage_s: float = Field(default=30.0, gt=0)
+    # Threads of the API that copy and hash large objects (joining an upload's parts, checking
+    # a dataset file, a direct upload or import, an uploaded weights file), apart from those
+    # of the request path (NOTE [ Heavy work off the request path ] in service/api/offload.py).
+    api_copy_threads: int = Field(default=4, ge=1, le=64)
     # How long POST /v1/models waits for a worker to check the weights.
     inspect_timeout_s: float = Field(default=60.0, gt=0)
     # A running job whose worker has not written a heartbeat for this long is failed.

@@ -22,6 +22,7 @@ from rq import Queue
 
 from api_schemas import JobCreate, Problem, ProblemItem
 from service.api.metrics import install_metrics
+from service.api.offload import HeavyWork
 from service.api.problems import install_problem_handlers, problem_responses
 from service.api.routes import (
     architectures,
@@ -72,6 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.settings = settings
         app.state.records = records
         app.state.store = open_store(settings)
+        app.state.heavy_work = HeavyWork(settings.api_copy_threads)
         app.state.queue = Queue(settings.queue, connection=client, serializer="json")
         async_client = async_redis_client(settings.redis_url)
         app.state.async_records = AsyncRecords(async_client)

@@ -10,6 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from rq import Queue
 
 from api_schemas import ID_PATTERN, DatasetPublic, JobPublic, ModelPublic
+from service.api.offload import HeavyWork
 from service.api.problems import ApiError, not_found
 from service.records.aio import AsyncRecords
 from service.records.sync import Records
@@ -19,6 +20,7 @@ from service.store.base import Store
 __all__ = [
     "AsyncRecordsDep",
     "DatasetDep",
+    "HeavyWorkDep",
     "IdPath",
     "JobDep",
     "ModelDep",
@@ -65,11 +67,18 @@ async def get_async_records(request: Request) -> AsyncRecords:
     return records
 
 
+async def get_heavy_work(request: Request) -> HeavyWork:
+    """Where long copies and hashes run (NOTE [ Heavy work off the request path ])."""
+    heavy_work: HeavyWork = request.app.state.heavy_work
+    return heavy_work
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RecordsDep = Annotated[Records, Depends(get_records)]
 StoreDep = Annotated[Store, Depends(get_store)]
 QueueDep = Annotated[Queue, Depends(get_queue)]
 AsyncRecordsDep = Annotated[AsyncRecords, Depends(get_async_records)]
+HeavyWorkDep = Annotated[HeavyWork, Depends(get_heavy_work)]
 
 
 _UNAUTHORIZED: Final = {"WWW-Authenticate": "Bearer"}

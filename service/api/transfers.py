@@ -4,7 +4,8 @@ a size limit; downloads read chunk by chunk. The API never holds a whole object.
 # NOTE [ Streamed uploads ]
 An upload's body is read from the ASGI stream as it arrives (a multipart form is parsed on the
 fly by python-multipart's push parser, never spooled by Starlette), gathered into pieces of at
-most ``_PIECE_BYTES`` and written, in a worker thread, into a store writer that hashes it. So
+most ``_PIECE_BYTES`` and written, in a thread of the API's pool for heavy work (NOTE [ Heavy
+work off the request path ] in service/api/offload.py), into a store writer that hashes it. So
 the API's memory during an upload is a few pieces whatever the file's size, the body limit is
 the settings' (checked against Content-Length first, then byte by byte), and a refused or
 dropped upload leaves nothing in the store (the writer discards its temp file). A client that
@@ -20,11 +21,11 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, Final
 
-import anyio.to_thread
 from python_multipart import MultipartParser
 from python_multipart.multipart import parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
+from service.api.offload import HeavyWork
 from service.api.problems import ApiError
 from service.errors import StoreDigestMismatchError, StoreTooLargeError
 from service.store.base import SHA256_RE, ObjectWriter, Store
@@ -89,11 +90,19 @@ def store_upload(store: Store, file: BinaryIO, max_bytes: int, what: str) -> tup
 
 
 class _StoreSink:
-    """A store writer fed from the event loop: pieces are written from a worker thread."""
+    """A store writer fed from the event loop: pieces are written from a thread of
+    ``heavy``."""
 
     def __init__(
-        self, store: Store, max_bytes: int, what: str, setting: str, sha256: str | None
+        self,
+        store: Store,
+        max_bytes: int,
+        what: str,
+        setting: str,
+        sha256: str | None,
+        heavy: HeavyWork,
     ) -> None:
+        self._heavy = heavy
         self._context = store.writer(max_bytes=max_bytes, sha256=sha256)
         self._pending: list[bytes] = []
         self._pending_bytes = 0
@@ -101,18 +110,16 @@ class _StoreSink:
         self.writer: ObjectWriter | None = None
 
     async def __aenter__(self) -> _StoreSink:
-        self.writer = await anyio.to_thread.run_sync(self._context.__enter__)
+        self.writer = await self._heavy.run(self._context.__enter__)
         return self
 
     async def __aexit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         try:
             if exc is None:
                 await self.flush()
-                await anyio.to_thread.run_sync(self._context.__exit__, None, None, None)
+                await self._heavy.run(self._context.__exit__, None, None, None)
             else:
-                await anyio.to_thread.run_sync(
-                    self._context.__exit__, type(exc), exc, exc.__traceback__
-                )
+                await self._heavy.run(self._context.__exit__, type(exc), exc, exc.__traceback__)
         except StoreTooLargeError as error:
             raise too_large(*self._limit) from error
         except StoreDigestMismatchError as error:
@@ -131,7 +138,7 @@ class _StoreSink:
         self._pending, self._pending_bytes = [], 0
         assert self.writer is not None
         try:
-            await anyio.to_thread.run_sync(self.writer.write, piece)
+            await self._heavy.run(self.writer.write, piece)
         except StoreTooLargeError as error:
             raise too_large(*self._limit) from error
 
@@ -186,12 +193,12 @@ class StreamedUpload:
 
 
 async def store_body(
-    request: Request, store: Store, max_bytes: int, what: str, setting: str
+    request: Request, store: Store, max_bytes: int, what: str, setting: str, heavy: HeavyWork
 ) -> StreamedUpload:
     """Stores the raw request body (NOTE [ Streamed uploads ]); over ``max_bytes``: 413."""
     _check_length(request, max_bytes, what, setting)
     sha256 = announced_sha256(request)
-    async with _StoreSink(store, max_bytes, what, setting, sha256) as sink:
+    async with _StoreSink(store, max_bytes, what, setting, sha256, heavy) as sink:
         async for chunk in _chunks(request):
             await sink.add(chunk)
     return StreamedUpload(sink.sha256, sink.size)
@@ -251,7 +258,13 @@ class _FormParts:
 
 
 async def store_multipart(
-    request: Request, store: Store, max_bytes: int, what: str, setting: str, file_field: str
+    request: Request,
+    store: Store,
+    max_bytes: int,
+    what: str,
+    setting: str,
+    file_field: str,
+    heavy: HeavyWork,
 ) -> StreamedUpload:
     """Stores the form part ``file_field`` of a multipart body as it arrives, keeping its
     other (small) fields (NOTE [ Streamed uploads ]); over ``max_bytes``: 413."""
@@ -275,7 +288,7 @@ async def store_multipart(
     }
     parser = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
     sha256 = announced_sha256(request)
-    async with _StoreSink(store, max_bytes, what, setting, sha256) as sink:
+    async with _StoreSink(store, max_bytes, what, setting, sha256, heavy) as sink:
         async for chunk in _chunks(request):
             try:
                 parser.write(chunk)

@@ -119,7 +119,7 @@ def _each_member(archive: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
     member is handed on. The random-access mode is kept (not the stream mode ``r|``, which
     forgets headers too) because Pillow seeks back within a member to read an image's header."""
     while (info := archive.next()) is not None:
-        archive.members.clear()
+        archive.members.clear()  # type: ignore[attr-defined]  # (typeshed omits it)
         yield info
 
 

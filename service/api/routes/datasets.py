@@ -8,10 +8,16 @@ from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from api_schemas import DatasetPublic, Page, Preprocessing
-from service.api.deps import DatasetDep, RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.api.deps import (
+    DatasetDep,
+    HeavyWorkDep,
+    RecordsDep,
+    SettingsDep,
+    StoreDep,
+    TenantDep,
+)
 from service.api.problems import ApiError
 from service.api.transfers import SHA256_HEADER_PARAMETER, store_body, store_multipart
 from service.datasets.registration import DATASET_BYTES_SETTING, register_dataset
@@ -76,6 +82,7 @@ async def create_dataset(
     records: RecordsDep,
     store: StoreDep,
     settings: SettingsDep,
+    heavy: HeavyWorkDep,
     response: Response,
     name: Annotated[str | None, Query(min_length=1, max_length=_NAME_MAX)] = None,
     preprocessing: Annotated[str | None, Query(max_length=4096)] = None,
@@ -91,13 +98,15 @@ async def create_dataset(
     limit = settings.max_dataset_bytes
     if request.headers.get("content-type", "").startswith("multipart/"):
         upload = await store_multipart(
-            request, store, limit, "dataset file", DATASET_BYTES_SETTING, "file"
+            request, store, limit, "dataset file", DATASET_BYTES_SETTING, "file", heavy
         )
         name = name or check_name(upload.fields.get("name")) or upload.filename
         preprocessing = preprocessing or upload.fields.get("preprocessing")
     else:
-        upload = await store_body(request, store, limit, "dataset file", DATASET_BYTES_SETTING)
-    dataset = await run_in_threadpool(
+        upload = await store_body(
+            request, store, limit, "dataset file", DATASET_BYTES_SETTING, heavy
+        )
+    dataset = await heavy.run(
         register_dataset,
         tenant,
         records,

@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Final
 
 from fastapi import APIRouter, Response
+from starlette.concurrency import run_in_threadpool
 
 from api_schemas import DatasetPublic, utc_now
 from api_schemas.uploads import (
@@ -17,7 +18,14 @@ from api_schemas.uploads import (
     DirectUploadCreate,
     DirectUploadPublic,
 )
-from service.api.deps import IdPath, RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.api.deps import (
+    HeavyWorkDep,
+    IdPath,
+    RecordsDep,
+    SettingsDep,
+    StoreDep,
+    TenantDep,
+)
 from service.api.problems import ApiError
 from service.datasets.registration import register_dataset
 from service.errors import StoreError, StoreTooLargeError
@@ -35,7 +43,9 @@ __all__ = ["router"]
 # dataset checks of an upload), installs it under its content key like any write (NOTE
 # [ Atomic commit on S3 ] in service/store/s3/store.py) and registers it. An import copies an
 # existing object server-side into a temp key and goes on the same way. What the API keeps
-# of an upload in progress lives in Redis for the URLs' lifetime.
+# of an upload in progress lives in Redis for the URLs' lifetime. Completing and importing read
+# the whole object, so they run in the API's pool for heavy work (NOTE [ Heavy work off the
+# request path ] in service/api/offload.py).
 
 router = APIRouter(tags=["direct uploads"])
 
@@ -110,21 +120,30 @@ def create_upload(
 
 
 @router.post("/v1/direct-uploads/{upload_id}:complete", status_code=201)
-def complete_upload(
+async def complete_upload(
     upload_id: IdPath,
     body: DirectUploadComplete,
     tenant: TenantDep,
     records: RecordsDep,
     store: StoreDep,
     settings: SettingsDep,
+    heavy: HeavyWorkDep,
     response: Response,
 ) -> DatasetPublic:
     """Check the uploaded file (size, sha256, the dataset rules) and register it."""
     direct = _direct(store)
+    fields = await run_in_threadpool(_claim, records, tenant, upload_id)
+    return await heavy.run(
+        _finish, direct, records, tenant, settings, store, fields, body.etags, response
+    )
+
+
+def _claim(records: Records, tenant: str, upload_id: str) -> dict[str, str]:
+    """The caller's upload in progress, taken: of two completions of one upload, one goes on;
+    404 when there is none."""
     fields = {
         text(k): text(v) for k, v in records.client.hgetall(keys.direct_upload(upload_id)).items()
     }
-    # Deleted first: of two completions of one upload, one goes on.
     if fields.get("tenant_id") != tenant or not records.client.delete(
         keys.direct_upload(upload_id)
     ):
@@ -133,9 +152,22 @@ def complete_upload(
             f"upload {upload_id!r} not found: it was completed, it expired, or it is not "
             "yours; start a new one with POST /v1/direct-uploads",
         )
+    return fields
+
+
+def _finish(
+    direct: DirectTransfers,
+    records: Records,
+    tenant: str,
+    settings: Settings,
+    store: Store,
+    fields: dict[str, str],
+    etags: list[str],
+    response: Response,
+) -> DatasetPublic:
     upload = DirectUpload(fields["upload_id"], fields["temp_key"], int(fields["part_bytes"]), [])
     try:
-        sha256, size = direct.finish_direct_upload(upload, body.etags, settings.max_dataset_bytes)
+        sha256, size = direct.finish_direct_upload(upload, etags, settings.max_dataset_bytes)
     except StoreTooLargeError as exc:
         raise ApiError(413, str(exc)) from exc
     except StoreError as exc:
@@ -152,17 +184,30 @@ def complete_upload(
 
 
 @router.post("/v1/datasets:import", status_code=201, tags=["datasets"])
-def import_dataset(
+async def import_dataset(
     body: DatasetImport,
     tenant: TenantDep,
     records: RecordsDep,
     store: StoreDep,
     settings: SettingsDep,
+    heavy: HeavyWorkDep,
     response: Response,
 ) -> DatasetPublic:
     """Register a dataset from an object already in a bucket (``s3://BUCKET/KEY``, readable
     with the service's credentials): copied server-side, then checked like an upload."""
     direct = _direct(store)
+    return await heavy.run(_import, direct, records, tenant, settings, store, body, response)
+
+
+def _import(
+    direct: DirectTransfers,
+    records: Records,
+    tenant: str,
+    settings: Settings,
+    store: Store,
+    body: DatasetImport,
+    response: Response,
+) -> DatasetPublic:
     try:
         sha256, size = direct.import_object(body.source, settings.max_dataset_bytes)
     except StoreTooLargeError as exc:

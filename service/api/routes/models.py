@@ -7,16 +7,26 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Header, Query, Response, UploadFile
 from fastapi.responses import RedirectResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from api_schemas import ModelCreate, ModelPublic, Page, new_id, utc_now
 from api_schemas.inspection import InspectRequest
-from service.api.deps import ModelDep, RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.api.deps import (
+    HeavyWorkDep,
+    ModelDep,
+    RecordsDep,
+    SettingsDep,
+    StoreDep,
+    TenantDep,
+)
 from service.api.inspection import inspect_model, new_request_id
 from service.api.problems import ApiError, problem_items
 from service.api.transfers import store_upload, stream_object
 from service.errors import WeightsFileError
 from service.formats.weights import read_weights_header
-from service.settings import DEFAULT_MAX_WEIGHTS_BYTES
+from service.records.sync import Records
+from service.settings import DEFAULT_MAX_WEIGHTS_BYTES, Settings
+from service.store.base import Store
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -41,12 +51,25 @@ def _parse_meta(meta: str) -> ModelCreate:
         ) from exc
 
 
+def _store_weights(store: Store, weights: UploadFile, settings: Settings) -> str:
+    """Copies the uploaded weights into the store and checks their header; their sha256.
+    Blocking and as long as the file: run in the API's pool for heavy work (NOTE [ Heavy work
+    off the request path ] in service/api/offload.py)."""
+    sha256, _ = store_upload(store, weights.file, settings.max_weights_bytes, "weights file")
+    try:
+        read_weights_header(store.local_path(sha256))
+    except WeightsFileError as exc:
+        raise ApiError(422, str(exc), errors=None) from exc
+    return sha256
+
+
 @router.post("", status_code=201, max_body_size=DEFAULT_MAX_WEIGHTS_BYTES + _MULTIPART_SLACK)
-def create_model(
+async def create_model(
     tenant: TenantDep,
     records: RecordsDep,
     store: StoreDep,
     settings: SettingsDep,
+    heavy: HeavyWorkDep,
     response: Response,
     meta: Annotated[str, Form(description="ModelCreate as JSON")],
     weights: UploadFile | None = None,
@@ -56,11 +79,19 @@ def create_model(
     create = _parse_meta(meta)
     sha256: str | None = None
     if weights is not None:
-        sha256, _ = store_upload(store, weights.file, settings.max_weights_bytes, "weights file")
-        try:
-            read_weights_header(store.local_path(sha256))
-        except WeightsFileError as exc:
-            raise ApiError(422, str(exc), errors=None) from exc
+        sha256 = await heavy.run(_store_weights, store, weights, settings)
+    return await run_in_threadpool(_register, tenant, records, settings, response, create, sha256)
+
+
+def _register(
+    tenant: str,
+    records: Records,
+    settings: Settings,
+    response: Response,
+    create: ModelCreate,
+    sha256: str | None,
+) -> ModelPublic:
+    """Has a worker's inspector check the model, then registers it."""
     request = InspectRequest(
         request_id=new_request_id(),
         architecture=create.architecture,
@@ -79,7 +110,7 @@ def create_model(
         batchnorm_layers=found.batchnorm_layers,
         input_shape=found.input_shape,
         parent=None,
-        source="upload" if weights is not None else "init",
+        source="upload" if sha256 is not None else "init",
         created_at=utc_now(),
     )
     records.put_model(tenant, model)

@@ -30,7 +30,7 @@ from api_schemas.datasets import (
     UploadPart,
     UploadPublic,
 )
-from service.api.deps import RecordsDep, SettingsDep, StoreDep, TenantDep
+from service.api.deps import HeavyWorkDep, RecordsDep, SettingsDep, StoreDep, TenantDep
 from service.api.problems import ApiError, refuse_other_methods
 from service.api.transfers import CHUNK_BYTES, SHA256_HEADER_PARAMETER, store_body, too_large
 from service.datasets.registration import DATASET_BYTES_SETTING, register_dataset
@@ -127,6 +127,7 @@ async def put_part(
     records: RecordsDep,
     store: StoreDep,
     settings: SettingsDep,
+    heavy: HeavyWorkDep,
 ) -> UploadPart:
     """Stores part ``number`` (the raw body), replacing a part of that number sent before."""
     uploads = _uploads(records, settings)
@@ -140,7 +141,7 @@ async def put_part(
     else:
         limit, what, setting = settings.max_upload_part_bytes, "upload part", _PART_SETTING
     try:
-        part = await store_body(request, store, limit, what, setting)
+        part = await store_body(request, store, limit, what, setting, heavy)
     except ApiError as exc:
         if exc.status == 413 and limit == room:
             raise too_large("dataset file", settings.max_dataset_bytes, setting) from exc
@@ -216,12 +217,13 @@ async def complete_upload(
     records: RecordsDep,
     store: StoreDep,
     settings: SettingsDep,
+    heavy: HeavyWorkDep,
     response: Response,
     request: Annotated[UploadComplete, Body()] = UploadComplete(),  # noqa: B008
 ) -> DatasetPublic:
     """Joins parts 1..n into the dataset file, checks it like ``POST /v1/datasets`` and
     registers it; the upload ends. Refused (422, 413): the upload stays, to be fixed."""
-    dataset = await run_in_threadpool(
+    dataset = await heavy.run(
         _complete,
         store,
         records,

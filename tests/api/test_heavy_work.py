@@ -1,0 +1,105 @@
+"""Long copies and hashes off the request path (NOTE [ Heavy work off the request path ] in
+service/api/offload.py): completions of resumable uploads, more of them at once than the
+request path has threads, leave ``/healthz`` and the other sync routes answering.
+
+The completions are held in place for real: once they have joined their parts, registering the
+dataset writes to Redis, and the test pauses Redis' writes (``CLIENT PAUSE WRITE``) so that
+every completion that got that far stays there until the test lets it go. Nothing is timed:
+``/healthz`` must answer while all of them are still held (before any completes)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from service.records.connection import redis_client
+from tests.inprocess import InProcessApi, running_api
+from tests.servers import wait_for
+from tests.stack import npz_bytes
+
+# Starlette runs sync routes in anyio's default pool of 40 threads: more completions than that
+# held at once would take all of it if they ran there.
+REQUEST_PATH_THREADS = 40
+COMPLETIONS = REQUEST_PATH_THREADS + 5
+COPY_THREADS = 2
+HELD_MS = 120_000  # the pause's own end, should the test fail before it unpauses
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessApi]:
+    with running_api(tmp_path_factory.mktemp("heavy"), api_copy_threads=COPY_THREADS) as api:
+        yield api
+
+
+def dataset_file(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, size=(64, 1, 8, 8), dtype=np.uint8)
+    return npz_bytes(x=x, y=rng.integers(0, 10, size=64).astype(np.int64))
+
+
+def started_upload(client: httpx.Client, content: bytes) -> str:
+    """An upload of ``content`` in two parts, ready to complete; its id."""
+    created = client.post("/v1/uploads", json={"size_bytes": len(content)})
+    assert created.status_code == 201, created.text
+    upload_id: str = created.json()["id"]
+    half = len(content) // 2
+    for number, part in ((1, content[:half]), (2, content[half:])):
+        sent = client.put(f"/v1/uploads/{upload_id}/parts/{number}", content=part)
+        assert sent.status_code == 200, sent.text
+    return upload_id
+
+
+def joined(api: InProcessApi, content: bytes) -> bool:
+    """Whether a completion has joined ``content``'s parts into its object in the store."""
+    sha256 = hashlib.sha256(content).hexdigest()
+    return (api.settings.store_path / "objects" / sha256[:2] / sha256).exists()
+
+
+def test_completions_beyond_the_request_pool_leave_healthz_answering(api: InProcessApi) -> None:
+    client = api.client("heavy").http
+    files = [dataset_file(seed) for seed in range(COMPLETIONS)]
+    uploads = [started_upload(client, content) for content in files]
+    control: redis.Redis = redis_client(api.redis.url)
+    probe = httpx.Client(base_url=api.url, timeout=WAIT_S)
+    with ThreadPoolExecutor(COMPLETIONS) as pool:
+        control.execute_command("CLIENT", "PAUSE", HELD_MS, "WRITE")
+        try:
+            completions: list[Future[httpx.Response]] = [
+                pool.submit(
+                    lambda upload_id: httpx.post(
+                        f"{api.url}/v1/uploads/{upload_id}:complete",
+                        headers=client.headers,
+                        json={},
+                        timeout=HELD_MS / 1000,
+                    ),
+                    upload_id,
+                )
+                for upload_id in uploads
+            ]
+            # The heavy work is under way: files are joined, their registration held.
+            wait_for(
+                lambda: sum(joined(api, content) for content in files) >= COPY_THREADS,
+                WAIT_S,
+                what="completions to join their parts",
+            )
+            health = probe.get("/healthz")
+            page = client.get(f"/v1/uploads/{uploads[0]}")  # a sync route that reads Redis
+            assert health.status_code == 200, health.text
+            assert page.status_code == 200, page.text
+            assert not any(done.done() for done in completions)
+        finally:
+            control.execute_command("CLIENT", "UNPAUSE")
+        answers = [done.result() for done in completions]
+    assert [answer.status_code for answer in answers] == [201] * COMPLETIONS
+    assert {answer.json()["sha256"] for answer in answers} == {
+        hashlib.sha256(content).hexdigest() for content in files
+    }
+    probe.close()
+    control.close()
