@@ -213,9 +213,11 @@ class DirectTransfers(Protocol):
     def start_direct_upload(self, size: int) -> DirectUpload: ...
 
     def finish_direct_upload(
-        self, upload: DirectUpload, etags: list[str], max_bytes: int | None
+        self, upload: DirectUpload, etags: list[str], max_bytes: int | None, size: int
     ) -> tuple[str, int]:
-        """Completes the upload, hashes it and installs it; (sha256, size)."""
+        """Completes the upload of the ``size`` bytes announced, hashes it and installs it;
+        (sha256, size). Parts of other lengths than ``size`` gives them are refused
+        (``StoreError``) before anything is assembled or copied."""
         ...
 
     def import_object(self, url: str, max_bytes: int | None) -> tuple[str, int]:

@@ -29,6 +29,16 @@ a temp key or an unfinished multipart upload, which :meth:`S3Store.cleanup_tmp` 
 write is also kept in this machine's cache (NOTE [ Object cache ] in service/store/cache.py),
 so whoever wrote an object reads it back without downloading it: the API reads an uploaded
 dataset back to check it, and joins an upload's parts from their copies.
+
+# NOTE [ Direct upload parts ]
+A direct upload's presigned part URLs sign the bucket, key, upload and part number, not a
+length: a client holding them can send a part of any size, and completing would assemble
+whatever arrived. So before completing, the parts the bucket lists (``ListParts``) are
+checked against the size announced when the upload started: one ETag per part, every part
+``part_bytes`` long but the last, which holds the rest, and none beyond. Anything else aborts
+the upload and is refused: nothing is assembled, hashed or copied. The assembled object's size
+is checked again before it is read, in case a part was sent again between the listing and the
+completion.
 """
 
 from __future__ import annotations
@@ -389,10 +399,21 @@ class S3Store:
         return DirectUpload(upload_id, temp_key, self.part_bytes, urls)
 
     def finish_direct_upload(
-        self, upload: DirectUpload, etags: list[str], max_bytes: int | None
+        self, upload: DirectUpload, etags: list[str], max_bytes: int | None, size: int
     ) -> tuple[str, int]:
-        """Completes the upload with the parts' ETags (in order), then checks and installs it
-        like any write; returns (sha256, size)."""
+        """Completes the upload of the ``size`` bytes announced with the parts' ETags (in
+        order), then checks and installs it like any write; returns (sha256, size). The parts
+        the bucket holds are checked against ``size`` first (NOTE [ Direct upload parts ]):
+        a part of another length, or a missing one, is a ``StoreError`` and nothing is
+        assembled or copied."""
+        try:
+            self._check_parts(upload, len(etags), size)
+        except StoreError:
+            with contextlib.suppress(ClientError):
+                self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=upload.temp_key, UploadId=upload.upload_id
+                )
+            raise
         parts = [{"PartNumber": i, "ETag": etag} for i, etag in enumerate(etags, start=1)]
         try:
             self.client.complete_multipart_upload(
@@ -406,7 +427,63 @@ class S3Store:
                 f"the bucket refused to complete the upload ({exc}); send every part to its "
                 "URL and list the ETags the bucket answered, in part order"
             ) from exc
-        return self._adopt_temp(upload.temp_key, max_bytes)
+        return self._adopt_temp(upload.temp_key, max_bytes, size)
+
+    def _check_parts(self, upload: DirectUpload, etag_count: int, size: int) -> None:
+        """NOTE [ Direct upload parts ]: every part the bucket holds has the length that
+        ``size`` gives it (``part_bytes``, the last one the rest), and one ETag came for each."""
+        count = -(-size // upload.part_bytes)
+        if etag_count != count:
+            raise StoreError(
+                f"the upload announced {size} bytes, {count} parts of {upload.part_bytes} "
+                f"bytes, but {etag_count} ETags were sent; send every part to its URL and list "
+                "the ETags the bucket answered, in part order"
+            )
+        listed = self._listed_parts(upload)
+        for number in range(1, count + 1):
+            expected = (
+                upload.part_bytes if number < count else size - upload.part_bytes * (count - 1)
+            )
+            got = listed.get(number)
+            if got is None:
+                raise StoreError(
+                    f"part {number} of the upload never reached the bucket; send it to its URL, "
+                    "then complete the upload"
+                )
+            if got != expected:
+                raise StoreError(
+                    f"part {number} holds {got} bytes where the {size} bytes announced give it "
+                    f"{expected}; nothing was registered: start a new upload, sending each "
+                    f"part as {upload.part_bytes} bytes of the file (the last one the rest)"
+                )
+        extra = sorted(set(listed) - set(range(1, count + 1)))
+        if extra:
+            raise StoreError(
+                f"the bucket holds parts {extra[:5]} beyond the {count} the upload announced; "
+                "start a new upload"
+            )
+
+    def _listed_parts(self, upload: DirectUpload) -> dict[int, int]:
+        """Part number -> bytes, of the parts the bucket holds for ``upload``."""
+        found: dict[int, int] = {}
+        marker = 0
+        while True:
+            try:
+                reply = self.client.list_parts(
+                    Bucket=self.bucket,
+                    Key=upload.temp_key,
+                    UploadId=upload.upload_id,
+                    PartNumberMarker=marker,
+                )
+            except ClientError as exc:
+                raise StoreError(
+                    f"the bucket has no such upload in progress ({exc}); start a new upload"
+                ) from exc
+            for part in reply.get("Parts", ()):
+                found[int(part["PartNumber"])] = int(part["Size"])
+            if not reply.get("IsTruncated"):
+                return found
+            marker = int(reply["NextPartNumberMarker"])
 
     def import_object(self, url: str, max_bytes: int | None) -> tuple[str, int]:
         """Copies ``s3://bucket/key`` (readable with this store's credentials) server-side to
@@ -427,12 +504,20 @@ class S3Store:
             raise StoreError(f"cannot copy {url} into the store: {exc}") from exc
         return self._adopt_temp(temp_key, max_bytes)
 
-    def _adopt_temp(self, temp_key: str, max_bytes: int | None) -> tuple[str, int]:
+    def _adopt_temp(
+        self, temp_key: str, max_bytes: int | None, announced: int | None = None
+    ) -> tuple[str, int]:
         """Hashes a complete temp object into this machine's cache, installs it under its
-        content key (NOTE [ Atomic commit on S3 ]) and deletes the temp key."""
+        content key (NOTE [ Atomic commit on S3 ]) and deletes the temp key; an object of
+        other than the ``announced`` size is refused before any of it is read."""
         try:
             size: int = self.client.head_object(Bucket=self.bucket, Key=temp_key)["ContentLength"]
             _check_size(size, max_bytes)
+            if announced is not None and size != announced:
+                raise StoreError(
+                    f"the upload holds {size} bytes but {announced} were announced; nothing "
+                    "was registered: start a new upload"
+                )
             with self.cache.new_file() as (cache_tmp, file):
                 sha256 = self._transfers.download(temp_key, size, file)
                 file.close()

@@ -1,0 +1,115 @@
+"""Direct uploads bounded by the size they announced (NOTE [ Direct upload parts ] in
+service/store/s3/store.py): a presigned part URL signs no length, so completing checks the
+parts the bucket holds before anything is assembled or copied. The API in process over a real
+S3-compatible server (SeaweedFS)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.inprocess import InProcessApi, running_api
+from tests.servers import S3Server
+from tests.stack import npz_bytes
+
+MIB = 1024 * 1024
+PART_BYTES = 5 * MIB  # S3's smallest part
+
+
+@pytest.fixture
+def api(s3_bucket: str, tmp_path: Path) -> Iterator[InProcessApi]:
+    with running_api(
+        tmp_path, store_url=f"s3://{s3_bucket}/pre", s3_part_bytes=PART_BYTES
+    ) as api:
+        yield api
+
+
+def bucket_keys(server: S3Server, bucket: str) -> list[str]:
+    reply = server.client().list_objects_v2(Bucket=bucket)
+    return sorted(entry["Key"] for entry in reply.get("Contents", ()))
+
+
+def pending_uploads(server: S3Server, bucket: str) -> list[str]:
+    reply = server.client().list_multipart_uploads(Bucket=bucket)
+    return [upload["Key"] for upload in reply.get("Uploads", ())]
+
+
+def start(client: httpx.Client, size: int) -> dict[str, object]:
+    started = client.post("/v1/direct-uploads", json={"direct": True, "size": size})
+    assert started.status_code == 201, started.text
+    body: dict[str, object] = started.json()
+    return body
+
+
+def send(urls: list[str], parts: list[bytes]) -> list[str]:
+    etags = []
+    for url, part in zip(urls, parts, strict=True):
+        put = httpx.put(url, content=part, timeout=60)
+        assert put.status_code == 200, put.text
+        etags.append(put.headers["etag"])
+    return etags
+
+
+def cached_copies(api: InProcessApi) -> list[Path]:
+    return [p for p in (api.settings.cache_path / "objects").glob("*") if p.is_file()]
+
+
+def test_a_part_longer_than_announced_is_refused_before_any_copy(
+    api: InProcessApi, s3_server: S3Server, s3_bucket: str
+) -> None:
+    client = api.client("direct-parts").http
+    announced = PART_BYTES + MIB  # two parts: 5 MiB, then 1 MiB
+    started = start(client, announced)
+    assert started["part_bytes"] == PART_BYTES
+    urls = started["part_urls"]
+    assert isinstance(urls, list) and len(urls) == 2
+    # The second URL takes 4 MiB instead of 1: nothing in the URL stops it.
+    etags = send(urls, [bytes(PART_BYTES), bytes(4 * MIB)])
+    refused = client.post(str(started["complete_url"]), json={"etags": etags})
+    assert refused.status_code == 422, refused.text
+    detail = refused.json()["detail"]
+    assert "part 2 holds 4194304 bytes" in detail and f"{MIB}" in detail, detail
+    # Nothing assembled, copied or kept: no object, no upload left open, no cached copy.
+    assert bucket_keys(s3_server, s3_bucket) == []
+    assert pending_uploads(s3_server, s3_bucket) == []
+    assert cached_copies(api) == []
+
+
+def test_too_few_etags_and_a_missing_part_are_refused(
+    api: InProcessApi, s3_server: S3Server, s3_bucket: str
+) -> None:
+    client = api.client("direct-missing").http
+    started = start(client, PART_BYTES + MIB)
+    urls = started["part_urls"]
+    assert isinstance(urls, list)
+    (etag,) = send(urls[:1], [bytes(PART_BYTES)])
+    one = client.post(str(started["complete_url"]), json={"etags": [etag]})
+    assert one.status_code == 422, one.text
+    assert "2 parts" in one.json()["detail"] and "1 ETags" in one.json()["detail"]
+    again = start(client, PART_BYTES + MIB)
+    urls = again["part_urls"]
+    assert isinstance(urls, list)
+    (etag,) = send(urls[:1], [bytes(PART_BYTES)])
+    missing = client.post(str(again["complete_url"]), json={"etags": [etag, etag]})
+    assert missing.status_code == 422, missing.text
+    assert "part 2 of the upload never reached the bucket" in missing.json()["detail"]
+    assert bucket_keys(s3_server, s3_bucket) == []
+    assert pending_uploads(s3_server, s3_bucket) == []
+
+
+def test_parts_of_the_announced_lengths_register(api: InProcessApi) -> None:
+    client = api.client("direct-ok").http
+    x = np.random.default_rng(0).integers(0, 256, size=(100, 1, 256, 256), dtype=np.uint8)
+    content = npz_bytes(x=x)
+    assert PART_BYTES < len(content) < 2 * PART_BYTES
+    started = start(client, len(content))
+    urls = started["part_urls"]
+    assert isinstance(urls, list)
+    etags = send(urls, [content[:PART_BYTES], content[PART_BYTES:]])
+    dataset = client.post(str(started["complete_url"]), json={"etags": etags})
+    assert dataset.status_code == 201, dataset.text
+    assert dataset.json()["size_bytes"] == len(content)
