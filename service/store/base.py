@@ -161,6 +161,12 @@ class Store(Protocol):
         Callers must not modify it."""
         ...
 
+    def pinning(self) -> contextlib.AbstractContextManager[None]:
+        """Within the block, every local file :meth:`local_path` and :meth:`open` hand this
+        process stays on the machine until the block ends: a job's whole run (NOTE [ Pinned
+        copies ] in service/store/cache.py). Where the files are the store's own, nothing."""
+        ...
+
     def exists(self, sha256: str) -> bool: ...
 
     def objects(self) -> Iterator[StoredObject]:

@@ -13,7 +13,21 @@ object, so a hit is used without hashing it again. Using a copy sets its mtime, 
 never one used within ``IN_USE_S``: a job opens the path it was given right away, and an open
 file stays readable after it is unlinked. An object larger than the limit is still kept
 while it is in use, so a job never fails for want of cache. Several processes of one machine
-share the cache: two downloads of the same object both install identical bytes.
+share the cache: of two downloads of the same object, the first installed stays (the second
+is dropped), so a copy's inode never changes under a pin.
+
+# NOTE [ Pinned copies ]
+A job uses its copies for as long as it runs, and reopens them by path (an image dataset's
+loader processes open the tar again), so "used within ``IN_USE_S``" does not keep a running
+job's dataset: another job's download on the machine would evict it after 10 minutes. Inside
+:meth:`ObjectCache.pinning` (a job's whole run: workers/running/job.py, a sharded job's
+children), every copy handed out (:meth:`get`, :meth:`install`) is pinned: the process opens
+it and holds a shared ``flock`` on it until the block ends. Eviction takes an exclusive
+``flock`` without waiting before it unlinks a copy, so a pinned copy is skipped, whatever its
+age; the pin is the open descriptor, which the kernel closes when the process ends however it
+ends, so a crashed job leaves no pin behind and nothing needs cleaning. A pin taken while an
+eviction removes the copy finds, once it holds its lock, that the path names another inode or
+none: the copy counts as missing and is downloaded again.
 
 # NOTE [ Copies past the page cache ]
 A copy is written once and read later, if at all, so its pages need not stay in memory while
@@ -28,9 +42,11 @@ copy's dirty pages"). The first read of a large copy then comes from the disk.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +99,10 @@ class ObjectCache:
         self.max_bytes = max_bytes
         self._objects = self.root / "objects"
         self._tmp = self.root / "tmp"
+        # NOTE [ Pinned copies ]: sha256 -> the descriptor holding its shared lock, while a
+        # `pinning` block runs; None outside one.
+        self._pins: dict[str, int] | None = None
+        self._pins_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"ObjectCache({str(self.root)!r}, max_bytes={self.max_bytes})"
@@ -91,13 +111,53 @@ class ObjectCache:
         return self._objects / check_sha256(sha256)
 
     def get(self, sha256: str) -> Path | None:
-        """The copy of the object, marked as just used; None if there is none."""
+        """The copy of the object, marked as just used (and pinned inside :meth:`pinning`);
+        None if there is none."""
         path = self._path(sha256)
         try:
             os.utime(path)
         except FileNotFoundError:
             return None
+        if not self._pin(sha256, path):
+            return None  # evicted meanwhile
         return path
+
+    @contextlib.contextmanager
+    def pinning(self) -> Iterator[None]:
+        """Within the block, every copy this cache hands out stays on the machine until the
+        block ends (NOTE [ Pinned copies ])."""
+        with self._pins_lock:
+            if self._pins is not None:
+                raise RuntimeError(f"{self!r} is already pinning: blocks do not nest")
+            self._pins = {}
+        try:
+            yield
+        finally:
+            with self._pins_lock:
+                pins, self._pins = self._pins or {}, None
+            for fd in pins.values():
+                os.close(fd)
+
+    def _pin(self, sha256: str, path: Path) -> bool:
+        """Pins the copy at ``path`` if a :meth:`pinning` block runs; False if it was evicted
+        before the pin held (NOTE [ Pinned copies ])."""
+        with self._pins_lock:
+            if self._pins is None or sha256 in self._pins:
+                return True
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if not _same_file(fd, path):
+                    os.close(fd)
+                    return False
+            except BaseException:
+                os.close(fd)
+                raise
+            self._pins[sha256] = fd
+            return True
 
     @contextlib.contextmanager
     def new_file(self) -> Iterator[tuple[Path, BinaryIO]]:
@@ -115,7 +175,15 @@ class ObjectCache:
         evicts what is over the limit; returns the copy's path."""
         final = self._path(sha256)
         self._objects.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, final)
+        try:
+            os.link(tmp, final)  # never over a copy already there: it may be pinned
+        except FileExistsError:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(final)  # another process's identical copy, kept
+        if not self._pin(sha256, final):
+            os.replace(tmp, final)  # that copy was evicted meanwhile: this one takes its place
+            self._pin(sha256, final)  # just written: no eviction takes it now
+        tmp.unlink(missing_ok=True)
         self.evict()
         return final
 
@@ -143,12 +211,16 @@ class ObjectCache:
         for mtime, size, entry in sorted(entries):
             if total <= self.max_bytes:
                 break
-            if now - mtime < IN_USE_S:
+            if now - mtime < IN_USE_S or not _remove_unpinned(entry):
                 continue
-            entry.unlink(missing_ok=True)
             total -= size
             removed += 1
         return removed
+
+    def pinned(self) -> list[str]:
+        """The objects this process pins now (NOTE [ Pinned copies ])."""
+        with self._pins_lock:
+            return sorted(self._pins or ())
 
     def _remove_stale_tmp(self, now: float) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -167,3 +239,32 @@ class ObjectCache:
                 with contextlib.suppress(FileNotFoundError):
                     total += entry.stat().st_size
         return total
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _remove_unpinned(path: Path) -> bool:
+    """Unlinks the copy unless a process pins it (NOTE [ Pinned copies ]); True if it went."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # pinned
+        if not _same_file(fd, path):
+            return False  # replaced meanwhile: the new copy is another's to judge
+        path.unlink()
+        return True
+    finally:
+        os.close(fd)  # drops the lock; a pin waiting on it then finds the path gone

@@ -142,6 +142,11 @@ class LocalStore:
             raise ObjectNotFoundError(f"no object {sha256} in {self.root}")
         return path
 
+    def pinning(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to pin: the objects are this directory's, removed only by the collector,
+        which never removes one that a job uses."""
+        return contextlib.nullcontext()
+
     def exists(self, sha256: str) -> bool:
         return self._path(sha256).is_file()
 

@@ -22,9 +22,7 @@ PART_BYTES = 5 * MIB  # S3's smallest part
 
 @pytest.fixture
 def api(s3_bucket: str, tmp_path: Path) -> Iterator[InProcessApi]:
-    with running_api(
-        tmp_path, store_url=f"s3://{s3_bucket}/pre", s3_part_bytes=PART_BYTES
-    ) as api:
+    with running_api(tmp_path, store_url=f"s3://{s3_bucket}/pre", s3_part_bytes=PART_BYTES) as api:
         yield api
 
 

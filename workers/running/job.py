@@ -56,7 +56,9 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
         status = records.job_status(job.job_id)
         log.info("job %s not started: it is %s", job.job_id, status)
         return {"job_id": job.job_id, "status": str(status)}
-    with job_logging(records, job.job_id):  # NOTE [ Job logs ]
+    # The job's copies of store objects stay on this machine while it runs (NOTE [ Pinned
+    # copies ] in service/store/cache.py).
+    with job_logging(records, job.job_id), store.pinning():  # NOTE [ Job logs ]
         log.info("job %s (%s) started on %s", job.job_id, job.kind, _worker_name())
         result = _run_started(job, records, store, settings)
         log.info("job %s ended %s", job.job_id, result.get("status"))

@@ -144,7 +144,8 @@ def _run_claimed(
             records, shard_records, parent_id, child, settings.heartbeat_timeout_s
         ) as runtime:
             run = ChildRun(records, shard_records, open_store(settings), runtime)
-            done = work(run)
+            with run.store.pinning():  # NOTE [ Pinned copies ] in service/store/cache.py
+                done = work(run)
         finish(run, done)
     # The parent is ended before the child's own state says why: the reaper fails a running
     # parent with a stopped or failed child, with a message that only points to the logs.

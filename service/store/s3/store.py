@@ -344,6 +344,9 @@ class S3Store:
                 )
             return self.cache.install(tmp, sha256)
 
+    def pinning(self) -> contextlib.AbstractContextManager[None]:
+        return self.cache.pinning()
+
     def exists(self, sha256: str) -> bool:
         return self._s3.has_object(sha256)
 
