@@ -1,13 +1,14 @@
 """Many machines, no shared filesystem: the API and two workers, each with a data directory of
 its own, share only a Redis-compatible server and an S3 bucket (SeaweedFS, started on free
 ports). Train, adapt, a sharded adapt, evaluate, cancel, a CUDA job that waits for a CUDA
-worker, and a machine lost mid-job."""
+worker, a machine lost mid-job, and a running job's dataset kept in a cache two workers share."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,3 +214,45 @@ def test_direct_upload_and_import_bypass_the_api(s3_stack: S3Stack) -> None:
     bad = client.http.post(short["complete_url"], json={"etags": [put.headers["etag"]]})
     assert bad.status_code == 422
     assert "announced" in bad.json()["detail"]
+
+
+def test_another_jobs_download_leaves_a_running_jobs_dataset(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Two workers on one machine share its cache, which holds nothing beyond what is in use
+    (``BNADAPT_CACHE_MAX_BYTES=1``). A long job reads its dataset; its copy is aged past the
+    10 minutes that "used lately" protects, as after an hour's run; a second job's download on
+    the same machine then evicts every old copy but the one the running job pins (NOTE
+    [ Pinned copies ] in service/store/cache.py)."""
+    bucket = s3_server.new_bucket()
+    env = {
+        **s3_server.env,
+        "BNADAPT_STORE_URL": f"s3://{bucket}/{PREFIX}",
+        "BNADAPT_WORKER_THREADS": "1",
+        "BNADAPT_CACHE_MAX_BYTES": "1",
+    }
+    with running_stack(tmp_path, env, workers=2) as stack:
+        client = stack.client("pins")
+        copies = stack.data_dir / "cache" / "objects"
+        model = created(client.add_model("digits_cnn", {"width": 8}, seed=1))
+        dataset = created(client.add_dataset(digits_npz()))
+        other = created(client.add_dataset(digits_npz(shifted=True)))
+        unused = created(client.add_dataset(digits_npz(n=300)))
+        (copies / other["sha256"]).unlink()  # the second job downloads it
+        long = created(client.submit(job("train", model, dataset, epochs=500, batch_size=16)), 202)
+
+        def trained_a_batch() -> bool:
+            progress = client.http.get(f"/v1/jobs/{long['id']}").json().get("progress") or {}
+            return bool(progress.get("done"))
+
+        wait_for(trained_a_batch, timeout_s=180, what="the long job to read its dataset")
+        an_hour_ago = time.time() - 3600
+        for copy in copies.iterdir():
+            os.utime(copy, (an_hour_ago, an_hour_ago))
+        succeeded(client, job("evaluate", model, other))
+        assert not (copies / unused["sha256"]).exists()  # the download did evict
+        assert (copies / dataset["sha256"]).exists(), "the running job's dataset was evicted"
+        assert client.http.get(f"/v1/jobs/{long['id']}").json()["status"] == "running"
+        canceled = client.http.post(f"/v1/jobs/{long['id']}:cancel")
+        assert canceled.status_code in (200, 202), canceled.text
+        assert client.wait(long["id"], timeout_s=120)["status"] == "canceled"
