@@ -41,20 +41,6 @@ class HeavyWork:
             raise ValueError(f"threads must be >= 1, got {threads} ({COPY_THREADS_SETTING})")
         self._limiter = anyio.CapacityLimiter(threads)
 
-    @property
-    def threads(self) -> int:
-        return int(self._limiter.total_tokens)
-
-    @property
-    def running(self) -> int:
-        """Calls that hold a thread of this pool now."""
-        return int(self._limiter.borrowed_tokens)
-
-    @property
-    def waiting(self) -> int:
-        """Calls waiting for a thread of this pool."""
-        return int(self._limiter.statistics().tasks_waiting)
-
     async def run(self, function: Callable[[Unpack[_Args]], _T], *args: *_Args) -> _T:
         """``function(*args)`` in a thread of this pool, once one is free; its result or its
         exception."""
