@@ -8,7 +8,9 @@ weights file each hold their thread for as long as the object takes to read: 40 
 and every sync route (``/healthz`` included) waits for one to end, and even 20 of them, each
 holding the GIL by turns, make a short request wait behind 20 others for the interpreter.
 
-So this work takes its turn in a pool of its own: :class:`HeavyWork`, a capacity limiter of
+So this work takes its turn in a pool of its own (a streamed upload's pieces, a few
+milliseconds each, stay on the request path: NOTE [ Streamed uploads ] in
+service/api/transfers.py): :class:`HeavyWork`, a capacity limiter of
 ``BNADAPT_API_COPY_THREADS`` threads (4 by default). The work beyond it waits, first come
 first served, without holding a thread of the request path; the routes still answer when the
 work is done, so the API's contract (201 with the dataset) is unchanged. What waits is a
