@@ -10,7 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from rq import Queue
 
 from api_schemas import ID_PATTERN, DatasetPublic, JobPublic, ModelPublic
-from service.api.problems import ApiError, not_found
+from service.api.problems import invalid_key, missing_key, not_found
 from service.records.aio import AsyncRecords
 from service.records.sync import Records
 from service.settings import Settings
@@ -72,20 +72,12 @@ QueueDep = Annotated[Queue, Depends(get_queue)]
 AsyncRecordsDep = Annotated[AsyncRecords, Depends(get_async_records)]
 
 
-_UNAUTHORIZED: Final = {"WWW-Authenticate": "Bearer"}
-
-
 def _presented_key(request: Request) -> str | None:
     """The key in the request's ``Authorization: Bearer`` header; raises the 401 when there
     is no such header, None when it is not a bearer key."""
     authorization = request.headers.get("authorization")
     if authorization is None:
-        raise ApiError(
-            401,
-            "no API key: send 'Authorization: Bearer <key>' (create one with "
-            "`bnadapt keys create`)",
-            headers=_UNAUTHORIZED,
-        )
+        raise missing_key()
     match = _BEARER.match(authorization)
     return match.group(1) if match else None
 
@@ -93,9 +85,7 @@ def _presented_key(request: Request) -> str | None:
 def _known(tenant_id: str | None, request: Request) -> str:
     """The caller's tenant, kept for the request's other dependencies; the 401 when None."""
     if tenant_id is None:
-        raise ApiError(
-            401, "the API key is not valid; check it or create a new one", headers=_UNAUTHORIZED
-        )
+        raise invalid_key()
     request.state.tenant = tenant_id
     return tenant_id
 

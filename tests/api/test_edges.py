@@ -1,0 +1,246 @@
+"""The API's edges (issue 27, points 2, 3 and 9): nothing read before the key is checked, a
+body limit on every route, JSON depth; /metrics behind its own credential and cheap, /readyz
+cheap and silent; no internals in what a tenant sees; event streams end with their key; a
+deleted job's Idempotency-Key free again.
+
+Against the API in process (tests/inprocess.py) over real sockets; the memory check runs the
+API as its own process (uvicorn, as deployed)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+import pytest
+
+from service.api.edge import nesting_depth
+from service.local.embedded import RedisServer, free_port
+from service.local.up import api_command
+from tests.e2e.test_e2e import created, problem
+from tests.inprocess import InProcessApi
+from tests.servers import stop_process, wait_for
+from tests.stack import REPO, Client
+
+GIB: Final = 1024**3
+MIB: Final = 1024**2
+
+
+@pytest.fixture(scope="module")
+def client(api: InProcessApi) -> Client:
+    return api.client("edges")
+
+
+def _raw_request(port: int, head: bytes, body: bytes) -> tuple[socket.socket, bytes]:
+    """Sends ``head`` and the start of a body on a new connection; returns the socket and the
+    response's head (status line and headers), read before anything more is sent."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(head + body)
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed without answering: {received!r}"
+        received += chunk
+    return sock, received
+
+
+def _rest_until_closed(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (a timeout fails the test: the
+    server kept the connection open to read the body's rest)."""
+    sock.settimeout(30)
+    rest = b""
+    try:
+        while chunk := sock.recv(65536):
+            rest += chunk
+    except ConnectionResetError:
+        pass
+    return rest
+
+
+def _huge_post(path: str, authorization: str | None = None, length: int = GIB) -> bytes:
+    lines = [
+        f"POST {path} HTTP/1.1",
+        "Host: 127.0.0.1",
+        "Content-Type: application/json",
+        f"Content-Length: {length}",
+    ]
+    if authorization is not None:
+        lines.append(f"Authorization: {authorization}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/uploads", "/v1/jobs", "/v1/datasets:import", "/v1/models", "/v1/datasets"]
+)
+def test_anonymous_1gib_body_is_401_before_the_body_is_read(api: InProcessApi, path: str) -> None:
+    # Before: FastAPI read (and parsed) the JSON body, then ran the key check: 422 after
+    # holding the whole body.
+    sock, head = _raw_request(api.port, _huge_post(path), b"{" + b" " * 1023)
+    with sock:
+        status_line, _, headers = head.partition(b"\r\n")
+        assert status_line.split()[1] == b"401", head
+        assert b"connection: close" in headers.lower()
+        assert b"no API key" in head + _rest_until_closed(sock)
+
+
+def test_a_wrong_key_is_401_before_the_body_too(api: InProcessApi) -> None:
+    for authorization in ("Bearer bna_0123_nope", "Basic abc", "Bearer"):
+        sock, head = _raw_request(api.port, _huge_post("/v1/jobs", authorization), b"{")
+        with sock:
+            assert head.split()[1] == b"401", head
+            assert b"not valid" in head + _rest_until_closed(sock)
+
+
+def test_a_known_key_with_a_body_over_the_json_limit_is_413_unread(
+    api: InProcessApi, client: Client
+) -> None:
+    authorization = client.http.headers["Authorization"]
+    sock, head = _raw_request(api.port, _huge_post("/v1/uploads", authorization), b"{")
+    with sock:
+        assert head.split()[1] == b"413", head
+        assert b"BNADAPT_MAX_JSON_BODY_BYTES" in head + _rest_until_closed(sock)
+
+
+def test_a_chunked_json_body_over_the_limit_is_413(api: InProcessApi, client: Client) -> None:
+    limit = api.settings.max_json_body_bytes
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"name": "'
+        for _ in range(limit // (64 * 1024) + 2):
+            yield b"a" * 64 * 1024
+        yield b'"}'
+
+    response = client.http.post(
+        "/v1/uploads", content=chunks(), headers={"Content-Type": "application/json"}
+    )
+    problem(response, 413, "BNADAPT_MAX_JSON_BODY_BYTES")
+
+
+def test_json_nested_100000_deep_is_422_not_500(client: Client) -> None:
+    # Before: RecursionError in the json parser, a 500.
+    body = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/v1/jobs", "/v1/uploads", "/v1/direct-uploads"):
+        response = client.http.post(
+            path, content=body, headers={"Content-Type": "application/json"}
+        )
+        problem(response, 422, "nests 100000 levels", "BNADAPT_MAX_JSON_DEPTH")
+
+
+def test_json_nesting_up_to_the_limit_passes_the_edge(api: InProcessApi, client: Client) -> None:
+    depth = api.settings.max_json_depth
+    deep_ok = '{"name": "deep", "x": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+    response = client.http.post(
+        "/v1/uploads", content=deep_ok, headers={"Content-Type": "application/json"}
+    )
+    # The edge lets it through; the route refuses the unknown field or takes the upload.
+    assert response.status_code in (201, 422), response.text
+    assert "nests" not in response.text
+    too_deep = '{"name": "deep", "x": ' + "[" * depth + "]" * depth + "}"
+    response = client.http.post(
+        "/v1/uploads", content=too_deep, headers={"Content-Type": "application/json"}
+    )
+    problem(response, 422, f"nests {depth + 1} levels")
+
+
+def test_nesting_depth_ignores_brackets_in_strings() -> None:
+    assert nesting_depth(b"1") == 0
+    assert nesting_depth(b'{"a": ["[[[[", "\\"[[", {"b": []}]}') == 4
+    assert nesting_depth(b"[]" * 1000) == 1
+    assert nesting_depth(b"[" * 500) == 500
+
+
+def test_public_routes_take_no_key_and_streaming_routes_still_stream(
+    api: InProcessApi, client: Client
+) -> None:
+    anonymous = api.anonymous()
+    assert anonymous.http.get("/healthz").status_code == 200
+    assert anonymous.http.get("/openapi.json").status_code == 200
+    assert anonymous.http.get("/ui/").status_code == 200
+    assert anonymous.http.post("/healthz", content=b"{}").status_code == 405
+    # A body without a key on a tenant route: the edge's 401, in the API's problem shape.
+    problem(anonymous.http.post("/v1/uploads", json={}), 401, "no API key")
+    # With a key, the streamed routes and the JSON routes work as before.
+    upload = created(client.http.post("/v1/uploads", json={"name": "edge"}))
+    part = client.http.put(f"/v1/uploads/{upload['id']}/parts/1", content=b"x" * 1000)
+    assert part.status_code == 200, part.text
+
+
+def _rss_anon_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no RssAnon for process {pid}")
+
+
+@pytest.fixture
+def api_process(redis_server: RedisServer, tmp_path: Path) -> Iterator[tuple[int, int]]:
+    """The API as its own process (as deployed); yields (port, pid)."""
+    port = free_port()
+    env = {
+        "BNADAPT_REDIS_URL": redis_server.url,
+        "BNADAPT_DATA_DIR": str(tmp_path / "data"),
+        "PYTHONPATH": str(REPO),
+        "PATH": "/usr/bin:/bin",
+    }
+    process = subprocess.Popen(api_command("127.0.0.1", port), env=env, cwd=REPO)
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(ready, timeout_s=60, what="the API process to answer /healthz")
+        yield port, process.pid
+    finally:
+        stop_process(process)
+
+
+def _push(port: int, path: str, total: int) -> tuple[bytes, int]:
+    """Declares a 1 GiB body and pushes up to ``total`` bytes of it, as fast as the server
+    takes them; returns the response's status line and the bytes the server let in."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sent = 0
+    piece = b" " * (1024 * 1024)
+    with sock:
+        sock.sendall(_huge_post(path))
+        sock.settimeout(5)
+        try:
+            while sent < total:
+                sent += sock.send(piece)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass
+        sock.settimeout(30)
+        try:
+            answer = sock.recv(65536)
+        except ConnectionResetError:
+            answer = b""
+    return answer.split(b"\r\n", 1)[0], sent
+
+
+def test_anonymous_bodies_do_not_grow_the_api_process(
+    api_process: tuple[int, int], tmp_path: Path
+) -> None:
+    # Before: an anonymous 512 MiB body to POST /v1/uploads grew the API by 640 MiB.
+    port, pid = api_process
+    httpx.post(f"http://127.0.0.1:{port}/v1/uploads", json={})  # warm up the route
+    before = _rss_anon_kib(pid)
+    for path in ("/v1/uploads", "/v1/jobs", "/v1/models", "/v1/datasets"):
+        status, sent = _push(port, path, 256 * MIB)
+        assert sent < 256 * MIB, f"{path}: the API took the whole body ({sent} bytes)"
+        assert status in (b"", b"HTTP/1.1 401 Unauthorized"), status
+    time.sleep(0.5)  # let the server drop what its socket buffers held
+    grown_kib = _rss_anon_kib(pid) - before
+    assert grown_kib < 32 * 1024, f"the API grew by {grown_kib} KiB"
+    leftovers = [p for p in (tmp_path / "data").rglob("*") if p.is_file() and "tmp" in p.parts]
+    assert leftovers == []
+
+
+def _json(response: httpx.Response) -> Any:
+    assert response.status_code == 200, response.text
+    return response.json()
