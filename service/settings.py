@@ -133,6 +133,9 @@ class Settings(BaseSettings):
     # (jobs, queue, workers, store) are recomputed at most this often, by one API process.
     metrics_token: SecretStr | None = None
     metrics_refresh_s: float = Field(default=30.0, ge=1)
+    # GET /readyz checks Redis and the store at most this often per API process, and answers
+    # the last result in between (NOTE [ Cheap readiness ] in service/api/routes/health.py).
+    ready_check_s: float = Field(default=5.0, gt=0)
 
     # How every process writes its log lines: `text`, or `json`, one object per line
     # (NOTE [ JSON logs ] in service/log_format.py).

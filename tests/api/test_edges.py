@@ -8,17 +8,22 @@ API as its own process (uvicorn, as deployed)."""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import os
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import httpx
+import numpy as np
 import pytest
 
 from service.api.edge import nesting_depth
+from service.api.metrics import SNAPSHOT_KEY
 from service.local.embedded import RedisServer, free_port
 from service.local.up import api_command
 from tests.e2e.test_e2e import created, problem
@@ -28,6 +33,13 @@ from tests.stack import REPO, Client
 
 GIB: Final = 1024**3
 MIB: Final = 1024**2
+_PROBE_SHA256: Final = hashlib.sha256(b"bnadapt readiness probe\n").hexdigest()
+
+
+def _tiny_npz() -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, x=np.random.default_rng(0).random((4, 1, 8, 8), dtype=np.float32))
+    return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +253,102 @@ def test_anonymous_bodies_do_not_grow_the_api_process(
     assert leftovers == []
 
 
-def _json(response: httpx.Response) -> Any:
-    assert response.status_code == 200, response.text
-    return response.json()
+METRICS_TOKEN: Final = "scrape-secret-0123456789"
+
+
+@pytest.fixture(scope="module")
+def guarded_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessApi]:
+    """An API with a metrics token, and figures and readiness that stay cached for the
+    module (so that what a scrape or a probe does is seen, not timed)."""
+    from tests.inprocess import running_api
+
+    data_dir = tmp_path_factory.mktemp("guarded")
+    with running_api(
+        data_dir, metrics_token=METRICS_TOKEN, metrics_refresh_s=3600, ready_check_s=3600
+    ) as running:
+        yield running
+
+
+def _gauge(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics:\n{text[:2000]}")
+
+
+def test_metrics_need_the_metrics_token(guarded_api: InProcessApi) -> None:
+    tenant = guarded_api.client("scraper")
+    anonymous = guarded_api.anonymous()
+    # Before: anyone could scrape.
+    problem(anonymous.http.get("/metrics"), 401, "BNADAPT_METRICS_TOKEN")
+    problem(tenant.http.get("/metrics"), 401, "BNADAPT_METRICS_TOKEN")  # a tenant's key
+    for wrong in (
+        "Bearer nope",
+        f"Bearer {METRICS_TOKEN}x",
+        METRICS_TOKEN,
+        f"Basic {METRICS_TOKEN}",
+    ):
+        response = anonymous.http.get("/metrics", headers={"Authorization": wrong})
+        problem(response, 401, "BNADAPT_METRICS_TOKEN")
+    good = anonymous.http.get("/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    assert good.status_code == 200, good.text
+    assert "bnadapt_queue_depth " in good.text
+
+
+def test_metrics_without_a_token_answer_only_loopback(api: InProcessApi) -> None:
+    anonymous = api.anonymous()
+    assert anonymous.http.get("/metrics").status_code == 200
+    # A client behind a proxy on this machine (uvicorn trusts X-Forwarded-For from loopback).
+    outside = anonymous.http.get("/metrics", headers={"X-Forwarded-For": "203.0.113.7"})
+    problem(outside, 403, "BNADAPT_METRICS_TOKEN")
+
+
+def test_a_scrape_answers_the_snapshot_without_reading_the_store(
+    guarded_api: InProcessApi,
+) -> None:
+    # Before: every scrape read up to 10,000 job records and listed every store object.
+    scraper = guarded_api.anonymous()
+    headers = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    first = scraper.http.get("/metrics", headers=headers).text
+    objects = _gauge(first, "bnadapt_store_objects")
+    client = guarded_api.client("snapshot")
+    created(client.http.post("/v1/datasets", files={"file": ("d.npz", _tiny_npz())}))
+    for _ in range(5):
+        again = scraper.http.get("/metrics", headers=headers).text
+        assert _gauge(again, "bnadapt_store_objects") == objects
+        assert _gauge(again, "bnadapt_metrics_snapshot_age_seconds") >= 0
+    # A new snapshot (what the refresh every BNADAPT_METRICS_REFRESH_S does) sees the dataset.
+    guarded_api.records().client.delete(SNAPSHOT_KEY)
+    fresh = scraper.http.get("/metrics", headers=headers).text
+    assert _gauge(fresh, "bnadapt_store_objects") > objects
+
+
+def test_readyz_checks_at_most_every_ready_check_s(guarded_api: InProcessApi) -> None:
+    anonymous = guarded_api.anonymous()
+    assert anonymous.http.get("/readyz").status_code == 200
+    probe = next((guarded_api.settings.store_path / "objects").rglob(_PROBE_SHA256))
+    os.utime(probe, (1, 1))
+    for _ in range(10):
+        ready = anonymous.http.get("/readyz")
+        assert ready.json() == {
+            "status": "ready",
+            "checks": {"redis": "ok", "workers": "ok", "store": "ok"},
+        }
+    # Before: every probe wrote the probe object again (a store write, a PUT on S3).
+    assert probe.stat().st_mtime == 1
+
+
+def test_readyz_names_what_is_not_ready_and_nothing_more(tmp_path: Path) -> None:
+    from tests.inprocess import running_api
+
+    with running_api(tmp_path) as broken:
+        store = broken.settings.store_path
+        store.mkdir(parents=True, exist_ok=True)
+        (store / "tmp").write_text("not a directory")  # every write into the store fails
+        response = broken.anonymous().http.get("/readyz")
+    assert response.status_code == 503
+    # Before: "not writable: [Errno 20] Not a directory: '/tmp/.../store/tmp/...'".
+    assert response.json() == {
+        "status": "not ready",
+        "checks": {"redis": "ok", "workers": "ok", "store": "not writable"},
+    }
