@@ -51,7 +51,7 @@ from service.api.problems import (
 from service.records.aio import AsyncRecords
 from service.settings import Settings
 
-__all__ = ["EdgeMiddleware", "nesting_depth"]
+__all__ = ["EdgeMiddleware", "bearer_key", "nesting_depth"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,12 @@ def nesting_depth(body: bytes) -> int:
     closing bracket has its maximum taken in C (``accumulate``, ``map``, ``max``)."""
     brackets = _STRING.sub(b"", _ESCAPE.sub(b"", body)).translate(None, _NOT_BRACKETS)
     return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header; None for any other header."""
+    match = None if authorization is None else _BEARER.match(authorization)
+    return None if match is None else match.group(1)
 
 
 def _declared_length(headers: Headers) -> int | None:
@@ -156,12 +162,12 @@ class EdgeMiddleware:
         authorization = headers.get("authorization")
         if authorization is None:
             return missing_key()
-        match = _BEARER.match(authorization)
-        if match is None:
+        presented = bearer_key(authorization)
+        if presented is None:
             return invalid_key()
         records: AsyncRecords = scope["app"].state.async_records
         try:
-            tenant = await records.tenant_for_key(match.group(1))
+            tenant = await records.tenant_for_key(presented)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("redis unreachable: %s", exc)
             return ApiError(503, REDIS_UNREACHABLE, headers={"Retry-After": "5"})

@@ -16,7 +16,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import httpx
 import numpy as np
@@ -26,7 +26,7 @@ from service.api.edge import nesting_depth
 from service.api.metrics import SNAPSHOT_KEY
 from service.local.embedded import RedisServer, free_port
 from service.local.up import api_command
-from tests.e2e.test_e2e import created, problem
+from tests.e2e.test_e2e import created, digits_npz, problem
 from tests.inprocess import InProcessApi
 from tests.servers import stop_process, wait_for
 from tests.stack import REPO, Client
@@ -352,3 +352,56 @@ def test_readyz_names_what_is_not_ready_and_nothing_more(tmp_path: Path) -> None
         "status": "not ready",
         "checks": {"redis": "ok", "workers": "ok", "store": "not writable"},
     }
+
+
+def _queued_job(client: Client, **headers: str) -> dict[str, Any]:
+    model = created(client.add_model("digits_cnn", {"width": 4}, seed=1))
+    dataset = created(client.add_dataset(digits_npz(n=40)))
+    body = {
+        "kind": "adapt",
+        "model_id": model["id"],
+        "dataset_id": dataset["id"],
+        "params": {"batch_size": 10, "estimator": "cumulative"},
+    }
+    return created(client.submit(body, **headers), 202) | {"_body": body}
+
+
+def test_a_deleted_jobs_idempotency_key_makes_a_new_job(api: InProcessApi) -> None:
+    client = api.client("idempotency-delete")
+    first = _queued_job(client, **{"Idempotency-Key": "nightly-42"})
+    body = first.pop("_body")
+    assert (
+        created(client.submit(body, **{"Idempotency-Key": "nightly-42"}), 202)["id"]
+        == (first["id"])
+    )
+    assert client.http.post(f"/v1/jobs/{first['id']}:cancel").status_code == 202
+    assert client.http.delete(f"/v1/jobs/{first['id']}").status_code == 204
+    # Before: 409 "still being processed" for the key's 24 hours.
+    again = created(client.submit(body, **{"Idempotency-Key": "nightly-42"}), 202)
+    assert again["id"] != first["id"]
+    # The new binding holds as the first did.
+    repeat = created(client.submit(body, **{"Idempotency-Key": "nightly-42"}), 202)
+    assert repeat["id"] == again["id"]
+
+
+def test_an_event_stream_ends_when_its_key_is_revoked(api: InProcessApi) -> None:
+    records = api.records()
+    key = records.create_api_key("revoked-stream").key
+    client = Client(api.url, key)
+    job = _queued_job(client)
+    events: list[str] = []
+    with client.http.stream(
+        "GET", f"/v1/jobs/{job['id']}/events", timeout=httpx.Timeout(30)
+    ) as stream:
+        lines = stream.iter_lines()
+        for line in lines:
+            if line.startswith("event: "):
+                events.append(line.removeprefix("event: "))
+                break
+        assert records.revoke_api_key(key)
+        # Before: the stream went on polling for as long as the job lived.
+        rest = list(lines)  # ends: the server closes the stream
+    assert events == ["status"]
+    assert "event: error" in rest
+    assert any('"status":401' in line and "revoked" in line for line in rest), rest
+    assert client.http.get(f"/v1/jobs/{job['id']}").status_code == 401
