@@ -405,3 +405,47 @@ def test_an_event_stream_ends_when_its_key_is_revoked(api: InProcessApi) -> None
     assert "event: error" in rest
     assert any('"status":401' in line and "revoked" in line for line in rest), rest
     assert client.http.get(f"/v1/jobs/{job['id']}").status_code == 401
+
+
+def test_a_job_error_never_shows_paths_hosts_or_buckets() -> None:
+    import redis
+
+    from service.errors import ObjectNotFoundError
+    from workers.running.saving import error_message
+
+    store_path = "/srv/bnadapt/data/store/objects/ab/" + "ab" * 32
+    hidden = {
+        # Before: each text went to the job's record as it was.
+        OSError(2, "No such file or directory", store_path): "system error",
+        ObjectNotFoundError("cannot read s3://team-bucket/bnadapt/objects/ab: 403"): "store",
+        redis.ConnectionError("Error 111 connecting to 10.0.0.7:6379."): "Redis",
+        RuntimeError(f"failed to open {store_path} at http://seaweed:8333/x"): "failed to open",
+    }
+    for exc, phrase in hidden.items():
+        text = error_message(exc)
+        assert phrase in text, text
+        for secret in ("/srv", "team-bucket", "10.0.0.7", "seaweed", socket.gethostname()):
+            assert secret not in text, text
+    shapes = RuntimeError("mat1 and mat2 shapes cannot be multiplied (64x10 and 12x5)")
+    assert error_message(shapes) == str(shapes)  # the job's own failure says what it was
+
+
+def test_workers_are_named_without_their_hostname() -> None:
+    from workers.running import job
+    from workers.sharding import child
+
+    for name in (job._worker_name(), child.process_name()):
+        assert socket.gethostname() not in name
+        assert name == job._worker_name().rsplit(":", 1)[0] + f":{os.getpid()}"
+
+
+def test_a_missing_part_is_409_without_the_stores_path(api: InProcessApi) -> None:
+    client = api.client("edges-part-gone")
+    upload = created(client.http.post("/v1/uploads", json={"name": "gone"}))
+    part = client.http.put(f"/v1/uploads/{upload['id']}/parts/1", content=b"y" * 4096).json()
+    store = api.settings.store_path
+    (store / "objects" / part["sha256"][:2] / part["sha256"]).unlink()
+    response = client.http.post(f"/v1/uploads/{upload['id']}:complete", json={})
+    # Before: "... no longer in the store (no object <sha256> in /tmp/.../store); ...".
+    body = problem(response, 409, "no longer in the store")
+    assert str(store) not in body["detail"] and "/tmp" not in body["detail"]

@@ -16,6 +16,7 @@ from service.api.problems import ApiError, problem_items
 from service.api.transfers import store_upload, stream_object
 from service.errors import WeightsFileError
 from service.formats.weights import read_weights_header
+from service.public_text import scrub_internals
 from service.settings import DEFAULT_MAX_WEIGHTS_BYTES
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
@@ -60,7 +61,7 @@ def create_model(
         try:
             read_weights_header(store.local_path(sha256))
         except WeightsFileError as exc:
-            raise ApiError(422, str(exc), errors=None) from exc
+            raise ApiError(422, scrub_internals(str(exc)), errors=None) from exc
     request = InspectRequest(
         request_id=new_request_id(),
         architecture=create.architecture,
