@@ -15,10 +15,11 @@ Content-Length above 0, or a chunked one) as follows, having read only its heade
    routes' own dependency (service/api/deps.py), which reads a job and its key in one round
    trip for a status poll.
 2. The route's body limit, against the declared Content-Length (413 unread), then while the
-   body arrives: the streaming routes keep the limits of their settings (POST /v1/models the
-   weights, POST /v1/datasets a dataset file, PUT /v1/uploads/{id}/parts/{n} a part) and read
-   their bodies themselves, chunk by chunk; every other route gets
-   ``BNADAPT_MAX_JSON_BODY_BYTES``.
+   body arrives: every route that takes JSON gets ``BNADAPT_MAX_JSON_BODY_BYTES``. The
+   streaming routes (POST /v1/models the weights, POST /v1/datasets a dataset file,
+   PUT /v1/uploads/{id}/parts/{n} a part) read their bodies themselves, chunk by chunk, and
+   check the limits of their settings (Content-Length first) with messages that name them;
+   here they only get a backstop a little above those limits.
 3. A body of every other route is read here (it is small), its nesting depth measured
    without parsing it (:func:`nesting_depth`), and handed on as it was: deeper than
    ``BNADAPT_MAX_JSON_DEPTH`` is a 422 before any parser sees it.
@@ -60,6 +61,9 @@ _BEARER: Final = re.compile(r"^Bearer\s+(\S+)$", re.IGNORECASE)
 _TENANT_PREFIX: Final = "/v1/"
 # Multipart framing and a form's small fields around a streamed file.
 _MULTIPART_SLACK: Final = 1024 * 1024
+# What a streaming route may have received past its limit before it notices (it counts the
+# body in pieces of a few MiB: NOTE [ Streamed uploads ] in service/api/transfers.py).
+_STREAM_SLACK: Final = 16 * 1024 * 1024
 # A body is measured in a worker thread from this size up (the event loop keeps serving).
 _THREAD_SCAN_BYTES: Final = 64 * 1024
 
@@ -133,11 +137,14 @@ class EdgeMiddleware:
                 await self._refuse(scope, receive, send, refused)
                 return
         limit, streamed = self._limit(scope["method"], path)
+        if streamed:
+            # The route checks Content-Length before it reads, and the bytes as they arrive,
+            # with the message of its own setting; this is the backstop, with the slack of
+            # the pieces the route gathers before it counts them.
+            await self._app(scope, _counted(receive, limit + _STREAM_SLACK), send)
+            return
         if declared is not None and declared > limit:
             await self._refuse(scope, receive, send, _too_large(limit, streamed))
-            return
-        if streamed:
-            await self._app(scope, _counted(receive, limit), send)
             return
         body = await _read_body(receive, limit)
         if body is None:  # the client went away
