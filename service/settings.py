@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Final, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
@@ -126,6 +126,20 @@ class Settings(BaseSettings):
     # Ended jobs (their records, logs and reports) are deleted this long after they ended, by
     # housekeeping (service/upkeep/retention.py); None keeps them until deleted by hand.
     job_retention_s: float | None = Field(default=None, gt=0)
+
+    # NOTE [ Checks at the edge ] in service/api/edge.py: the body limit of every route that
+    # takes JSON (the streaming routes keep theirs: weights, dataset files, upload parts), and
+    # how deep a JSON body may nest.
+    max_json_body_bytes: int = Field(default=1 * MIB, ge=1024)
+    max_json_depth: int = Field(default=64, ge=2, le=512)
+    # GET /metrics: the bearer token a scraper sends (Prometheus' `authorization` setting);
+    # unset, only clients on this machine (loopback) may scrape. The deployment's figures
+    # (jobs, queue, workers, store) are recomputed at most this often, by one API process.
+    metrics_token: SecretStr | None = None
+    metrics_refresh_s: float = Field(default=30.0, ge=1)
+    # GET /readyz checks Redis and the store at most this often per API process, and answers
+    # the last result in between (NOTE [ Cheap readiness ] in service/api/routes/health.py).
+    ready_check_s: float = Field(default=5.0, gt=0)
 
     # How every process writes its log lines: `text`, or `json`, one object per line
     # (NOTE [ JSON logs ] in service/log_format.py).

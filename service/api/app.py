@@ -21,6 +21,7 @@ from pydantic import TypeAdapter
 from rq import Queue
 
 from api_schemas import JobCreate, Problem, ProblemItem
+from service.api.edge import EdgeMiddleware
 from service.api.metrics import install_metrics
 from service.api.offload import HeavyWork
 from service.api.problems import install_problem_handlers, problem_responses
@@ -126,6 +127,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         direct_uploads.router,
     ):
         app.include_router(router, responses=problem_responses(400, 401, 404, 409, 413, 422, 503))
+    # Inside the latency middleware (added by install_metrics): its 401s and 413s are timed.
+    app.add_middleware(EdgeMiddleware, settings=settings)
     install_metrics(app)
     _add_problem_schema(app)
     return app

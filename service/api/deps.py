@@ -11,7 +11,7 @@ from rq import Queue
 
 from api_schemas import ID_PATTERN, DatasetPublic, JobPublic, ModelPublic
 from service.api.offload import HeavyWork
-from service.api.problems import ApiError, not_found
+from service.api.problems import invalid_key, missing_key, not_found
 from service.records.aio import AsyncRecords
 from service.records.sync import Records
 from service.settings import Settings
@@ -81,20 +81,12 @@ AsyncRecordsDep = Annotated[AsyncRecords, Depends(get_async_records)]
 HeavyWorkDep = Annotated[HeavyWork, Depends(get_heavy_work)]
 
 
-_UNAUTHORIZED: Final = {"WWW-Authenticate": "Bearer"}
-
-
 def _presented_key(request: Request) -> str | None:
     """The key in the request's ``Authorization: Bearer`` header; raises the 401 when there
     is no such header, None when it is not a bearer key."""
     authorization = request.headers.get("authorization")
     if authorization is None:
-        raise ApiError(
-            401,
-            "no API key: send 'Authorization: Bearer <key>' (create one with "
-            "`bnadapt keys create`)",
-            headers=_UNAUTHORIZED,
-        )
+        raise missing_key()
     match = _BEARER.match(authorization)
     return match.group(1) if match else None
 
@@ -102,9 +94,7 @@ def _presented_key(request: Request) -> str | None:
 def _known(tenant_id: str | None, request: Request) -> str:
     """The caller's tenant, kept for the request's other dependencies; the 401 when None."""
     if tenant_id is None:
-        raise ApiError(
-            401, "the API key is not valid; check it or create a new one", headers=_UNAUTHORIZED
-        )
+        raise invalid_key()
     request.state.tenant = tenant_id
     return tenant_id
 

@@ -19,10 +19,14 @@ from api_schemas import Problem, ProblemItem
 from service.errors import BnadaptError, InvalidPageTokenError
 
 __all__ = [
+    "REDIS_UNREACHABLE",
     "ApiError",
     "install_problem_handlers",
+    "invalid_key",
+    "missing_key",
     "not_found",
     "problem_items",
+    "problem_response",
     "problem_responses",
     "refuse_other_methods",
 ]
@@ -102,12 +106,61 @@ def not_found(kind: str, resource_id: str) -> ApiError:
     )
 
 
+_UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
+
+
+def missing_key() -> ApiError:
+    """The 401 of a request without an ``Authorization`` header."""
+    return ApiError(
+        401,
+        "no API key: send 'Authorization: Bearer <key>' (create one with `bnadapt keys create`)",
+        headers=_UNAUTHORIZED,
+    )
+
+
+def invalid_key() -> ApiError:
+    """The 401 of a key that is malformed, unknown or revoked (one answer for all three)."""
+    return ApiError(
+        401, "the API key is not valid; check it or create a new one", headers=_UNAUTHORIZED
+    )
+
+
+REDIS_UNREACHABLE = (
+    "the record store (Redis) is unreachable; retry shortly, and if it persists check "
+    "that Redis runs and BNADAPT_REDIS_URL points at it"
+)
+
+
 def problem_items(errors: Sequence[Any]) -> list[ProblemItem]:
     """pydantic's error list as problem items (loc and msg only: no input echoed back)."""
     return [
         ProblemItem(loc=[p if isinstance(p, int) else str(p) for p in e["loc"]], msg=e["msg"])
         for e in errors
     ]
+
+
+def problem_response(
+    status: int,
+    detail: str | None,
+    instance: str,
+    errors: list[ProblemItem] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """The one error body, for ``instance`` (the request's path); also what the edge
+    middleware (service/api/edge.py) answers before the app sees a request."""
+    body = Problem(
+        title=_TITLES.get(status, "Error"),
+        status=status,
+        detail=detail,
+        instance=instance,
+        errors=errors,
+    )
+    return JSONResponse(
+        body.model_dump(exclude_none=True),
+        status_code=status,
+        media_type="application/problem+json",
+        headers=headers,
+    )
 
 
 def _response(
@@ -117,19 +170,7 @@ def _response(
     errors: list[ProblemItem] | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = Problem(
-        title=_TITLES.get(status, "Error"),
-        status=status,
-        detail=detail,
-        instance=request.url.path,
-        errors=errors,
-    )
-    return JSONResponse(
-        body.model_dump(exclude_none=True),
-        status_code=status,
-        media_type="application/problem+json",
-        headers=headers,
-    )
+    return problem_response(status, detail, request.url.path, errors, headers)
 
 
 def _summary(errors: list[ProblemItem]) -> str:
@@ -175,13 +216,7 @@ def install_problem_handlers(app: FastAPI) -> None:
 
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         log.warning("redis unreachable: %s", exc)
-        return _response(
-            request,
-            503,
-            "the record store (Redis) is unreachable; retry shortly, and if it persists check "
-            "that Redis runs and BNADAPT_REDIS_URL points at it",
-            headers={"Retry-After": "5"},
-        )
+        return _response(request, 503, REDIS_UNREACHABLE, headers={"Retry-After": "5"})
 
     async def bad_page_token(request: Request, exc: Exception) -> JSONResponse:
         return _response(request, 422, str(exc))

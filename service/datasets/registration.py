@@ -14,6 +14,7 @@ from service.errors import ArrayFileError, ArrayLimitError
 from service.formats.arrays import describe_arrays
 from service.formats.images import describe_tar
 from service.formats.sniff import sniff
+from service.public_text import scrub_internals
 from service.records.sync import Records
 from service.settings import Settings
 from service.store.base import Store
@@ -51,9 +52,9 @@ def register_dataset(
             max_ratio=settings.max_npz_ratio,
         )
     except ArrayLimitError as exc:
-        raise ApiError(413, str(exc)) from exc
-    except ArrayFileError as exc:
-        raise ApiError(422, str(exc)) from exc
+        raise ApiError(413, scrub_internals(str(exc))) from exc
+    except ArrayFileError as exc:  # may quote a reader's message, which may name the file
+        raise ApiError(422, scrub_internals(str(exc))) from exc
     shape = list(facts.sample_shape)
     image = facts.dtype == "uint8" and len(shape) == 3  # (C, H, W)
     if preprocessing is not None:

@@ -1,8 +1,11 @@
 """Idempotency keys of job submissions: ``keys.idempotency(tenant, key)`` holds
 ``<body sha256>:<job id>``, first as a short lease, then for the key's full lifetime once the
-job is written (NOTE [ Idempotency lease ] in service/jobs/idempotency.py)."""
+job is written (NOTE [ Idempotency lease ] in service/jobs/idempotency.py). The job's record
+names its key (field ``idempotency_key``), so that deleting the job frees the key."""
 
 from __future__ import annotations
+
+from typing import Final
 
 import redis
 
@@ -10,7 +13,19 @@ from service.records import keys
 from service.records.base import RedisRecords
 from service.records.format import text
 
-__all__ = ["IdempotencyKeys"]
+__all__ = ["IDEMPOTENCY_FIELD", "IdempotencyKeys"]
+
+# The job record's field that names the Idempotency-Key the job was submitted with.
+IDEMPOTENCY_FIELD: Final = "idempotency_key"
+# KEYS[1]: the key's binding; ARGV[1]: the job id. Deletes the binding only while it still
+# names that job (a later request may have bound the key anew).
+_RELEASE_LUA: Final = """
+local bound = redis.call('GET', KEYS[1])
+if bound and string.sub(bound, -string.len(ARGV[1]) - 1) == ':' .. ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
 
 
 class IdempotencyKeys(RedisRecords):
@@ -39,8 +54,18 @@ class IdempotencyKeys(RedisRecords):
         job_id: str,
         ttl_s: int,
     ) -> None:
-        """Queues on ``pipe`` the long binding of ``key`` to the job it writes."""
+        """Queues on ``pipe`` the long binding of ``key`` to the job it writes, and the key's
+        name on the job's record (written earlier on the same pipe)."""
         pipe.set(keys.idempotency(tenant_id, key), f"{body_sha256}:{job_id}", ex=ttl_s)
+        pipe.hset(keys.record("job", job_id), IDEMPOTENCY_FIELD, key)
+
+    @staticmethod
+    def release_idempotency(
+        pipe: redis.client.Pipeline, tenant_id: str, key: str, job_id: str
+    ) -> None:
+        """Queues on ``pipe`` the end of ``key``'s binding to ``job_id``, the job being
+        deleted: a request with the key then makes a new job instead of answering 409."""
+        pipe.eval(_RELEASE_LUA, 1, keys.idempotency(tenant_id, key), job_id)
 
     def forget_idempotency(self, tenant_id: str, key: str) -> None:
         self.client.delete(keys.idempotency(tenant_id, key))

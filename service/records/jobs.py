@@ -21,6 +21,7 @@ import redis
 from api_schemas import JobPayload, JobPublic, JobResultLinks, JobStatus, Page, utc_now
 from service.records import keys
 from service.records.format import job_from_fields, text
+from service.records.idempotency import IDEMPOTENCY_FIELD, IdempotencyKeys
 from service.records.paging import newest_first
 from service.records.resources import TenantResources
 from service.records.store_refs import release_sha_ref
@@ -133,14 +134,16 @@ class JobRecords(TenantResources):
         return job_from_fields(tenant_id, fields, progress)
 
     def delete_finished_job(self, tenant_id: str, job: JobPublic) -> None:
-        """Deletes an ended job's record, progress and logs, and drops its uses of the store
-        objects: its inputs' and its report's (the collector deletes those nothing else uses).
-        A model the job registered is a resource of its own and stays."""
+        """Deletes an ended job's record, progress and logs, drops its uses of the store
+        objects (its inputs' and its report's: the collector deletes those nothing else uses)
+        and frees its Idempotency-Key. A model the job registered is a resource of its own and
+        stays."""
         if not job.status.is_terminal:
             raise ValueError(f"job {job.id} is {job.status.value}; only an ended job is deleted")
         job_key = keys.record("job", job.id)
-        payload, report = cast(
-            "list[bytes | None]", self.client.hmget(job_key, ["payload", "report_sha256"])
+        payload, report, idempotency_key = cast(
+            "list[bytes | None]",
+            self.client.hmget(job_key, ["payload", "report_sha256", IDEMPOTENCY_FIELD]),
         )
         used: list[str] = []
         if payload is not None:
@@ -162,6 +165,8 @@ class JobRecords(TenantResources):
         pipe.zrem(keys.FINISHED_JOBS, job.id)
         for sha256 in used:
             release_sha_ref(pipe, sha256, job.id)
+        if idempotency_key is not None:
+            IdempotencyKeys.release_idempotency(pipe, tenant_id, text(idempotency_key), job.id)
         pipe.execute()
 
     def jobs_finished_before(self, epoch_s: float, limit: int) -> list[tuple[str, str]]:

@@ -26,6 +26,7 @@ from api_schemas.inspection import InspectFailure, InspectRequest, InspectSucces
 from service.errors import ObjectNotFoundError, WeightsFileError
 from service.formats.weights import read_weights_header
 from service.log_format import configure_logging
+from service.public_text import scrub_internals
 from service.records import keys
 from service.records.connection import redis_client
 from service.settings import Settings, get_settings
@@ -203,9 +204,11 @@ def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFa
     except WeightsFileError as exc:
         return _failure(422, str(exc))
     except ObjectNotFoundError as exc:
-        return _failure(422, f"the uploaded weights are gone from the store ({exc}); upload again")
+        log.warning("inspection %s: %s", request.request_id, exc)
+        return _failure(422, "the uploaded weights are gone from the store; upload them again")
     except RuntimeError as exc:  # load_state_dict: dtypes that do not convert, say
-        return _failure(422, f"the weights do not load into {request.architecture}: {exc}")
+        detail = scrub_internals(str(exc))
+        return _failure(422, f"the weights do not load into {request.architecture}: {detail}")
     return InspectSuccess(
         weights_sha256=sha256,
         size_bytes=size,
@@ -232,7 +235,11 @@ def _handle(client: redis.Redis, store: Store, raw: bytes | str) -> None:
         reply: InspectSuccess | InspectFailure = inspect(request, store)
     except Exception as exc:  # a bug must not kill the inspector: report it as a 500
         log.exception("inspection %s failed", request.request_id)
-        reply = _failure(500, f"the worker failed to inspect the model: {exc}")
+        reply = _failure(
+            500,
+            f"the worker failed to inspect the model ({type(exc).__name__}); the worker's log "
+            "has the detail",
+        )
     pipe = client.pipeline()
     pipe.lpush(keys.inspect_reply(request.request_id), reply.model_dump_json())
     pipe.expire(keys.inspect_reply(request.request_id), REPLY_TTL_S)

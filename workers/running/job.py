@@ -20,6 +20,7 @@ import redis
 from rq import get_current_job
 
 from api_schemas import ESTIMATORS, JOB_KINDS, JobPayload, JobStatus
+from service.public_text import worker_label
 from service.records.connection import redis_client
 from service.records.sync import Records
 from service.settings import Settings, get_settings
@@ -43,7 +44,8 @@ _LOST_REDIS: Final = (
 
 
 def _worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """This process as the job's record shows it to its tenant: no hostname."""
+    return worker_label(os.getpid())
 
 
 def run_job(payload: dict[str, Any]) -> dict[str, str]:
@@ -59,7 +61,13 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
     # The job's copies of store objects stay on this machine while it runs (NOTE [ Pinned
     # copies ] in service/store/cache.py).
     with job_logging(records, job.job_id), store.pinning():  # NOTE [ Job logs ]
-        log.info("job %s (%s) started on %s", job.job_id, job.kind, _worker_name())
+        log.info(
+            "job %s (%s) started on %s (%s)",
+            job.job_id,
+            job.kind,
+            f"{socket.gethostname()}:{os.getpid()}",
+            _worker_name(),
+        )
         result = _run_started(job, records, store, settings)
         log.info("job %s ended %s", job.job_id, result.get("status"))
         return result
@@ -81,10 +89,9 @@ def _run_started(
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # Redis stayed away past the retries of every write: not the job's fault. If Redis is
         # still away, the sweep sees the lost heartbeat instead.
+        log.warning("job %s lost Redis: %s", job.job_id, exc)
         with contextlib.suppress(redis.RedisError):
-            records.interrupt(
-                job.job_id, (JobStatus.RUNNING,), f"{_LOST_REDIS} ({exc})", _rq_id(job)
-            )
+            records.interrupt(job.job_id, (JobStatus.RUNNING,), _LOST_REDIS, _rq_id(job))
         raise
     except Exception as exc:
         # The job's own failure (bad data, NaN, a bug): retrying would fail the same way.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+import redis
 import safetensors.torch
 import torch
 from pydantic import BaseModel
@@ -26,6 +27,8 @@ from api_schemas import (
     utc_now,
 )
 from api_schemas.reports import Report
+from service.errors import StoreError
+from service.public_text import scrub_internals
 from service.records.sync import Records
 from service.store.base import Store
 from workers.errors import JobCanceled
@@ -153,6 +156,22 @@ def mark_succeeded(job: JobPayload, saved: SavedOutcome, records: Records) -> di
 
 
 def error_message(exc: BaseException) -> str:
-    """What a failed job's record says: the exception's message, bounded."""
-    text = str(exc) or type(exc).__name__
+    """What a failed job's record says, to its tenant: the exception's message without
+    hostnames, paths, buckets or addresses, bounded; for a failure of the service's own
+    parts (the store, Redis, the system) a sentence that says so, the exception itself being
+    in the worker's log (issue 27, point 9; service/public_text.py)."""
+    if isinstance(exc, StoreError):
+        text = (
+            "the artifact store failed to read or write this job's files (the worker's log "
+            "has the detail); retry the job, and tell the operator if it persists"
+        )
+    elif isinstance(exc, redis.RedisError):
+        text = "the job's process lost the record store (Redis); retry the job"
+    elif isinstance(exc, OSError):
+        text = (
+            f"the worker hit a system error ({type(exc).__name__}; its log has the detail); "
+            "retry the job, and tell the operator if it persists"
+        )
+    else:
+        text = scrub_internals(str(exc) or type(exc).__name__)
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " [...]"

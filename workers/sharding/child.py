@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -16,6 +15,7 @@ from typing import TypeVar
 from rq import get_current_job
 
 from api_schemas import JobStatus, Progress
+from service.public_text import opaque_name, worker_label
 from service.records.connection import redis_client
 from service.records.shards import (
     FINISH,
@@ -79,13 +79,16 @@ class ChildRuntime(JobRuntime):
 
 
 def process_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """This process as reports show it to tenants: no hostname (service/public_text.py)."""
+    return worker_label(os.getpid())
 
 
 def rq_worker_name() -> str:
+    """The RQ worker running this part, as reports show it: a stable name without the
+    hostname RQ's worker name holds."""
     current = get_current_job()
     if current is not None and current.worker_name:
-        return current.worker_name
+        return opaque_name(current.worker_name)
     return process_name()
 
 

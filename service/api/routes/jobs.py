@@ -23,6 +23,7 @@ from api_schemas import (
     JobPublic,
     JobStatus,
     Page,
+    Problem,
     Report,
     parse_job_create,
 )
@@ -37,6 +38,7 @@ from service.api.deps import (
     StoreDep,
     TenantDep,
 )
+from service.api.edge import bearer_key
 from service.api.problems import ApiError, refuse_other_methods
 from service.errors import ObjectNotFoundError
 from service.jobs.queues import job_queue
@@ -220,7 +222,10 @@ async def get_logs(
 # (the whole job once it has ended; the stream then closes). The API polls the job's record
 # every EVENTS_POLL_S, on the event loop (redis.asyncio), so a watcher costs one Redis round
 # trip per poll and no thread; a comment line every EVENTS_KEEPALIVE_S keeps proxies from
-# closing a quiet stream. A client that reconnects gets the current state again first.
+# closing a quiet stream. A client that reconnects gets the current state again first. Each
+# poll reads the caller's API key with the job (the same round trip): once the key is revoked
+# the stream sends ``error`` (a problem body, status 401) and closes, as any request with that
+# key would be refused.
 EVENTS_POLL_S: Final = 0.25
 EVENTS_KEEPALIVE_S: Final = 15.0
 _EVENT_STREAM: Final[dict[int | str, dict[str, Any]]] = {
@@ -236,15 +241,25 @@ def _sse(event: str, data: str) -> str:
     return f"event: {event}\ndata: {data}\n\n"
 
 
+_REVOKED: Final = Problem(
+    title="Unauthorized",
+    status=401,
+    detail="the API key of this stream was revoked; the stream ends (use a valid key)",
+).model_dump_json(exclude_none=True)
+
+
 async def _job_events(
-    records: AsyncRecords, tenant: str, job_id: str, logs: bool, after: int
+    records: AsyncRecords, key: str, tenant: str, job_id: str, logs: bool, after: int
 ) -> AsyncIterator[str]:
     last_status: JobStatus | None = None
     last_progress: str | None = None
     last_seq = after
     last_sent = time.monotonic()
     while True:
-        job = await records.get_job(tenant, job_id)
+        key_tenant, job = await records.tenant_and_job(key, job_id)
+        if key_tenant != tenant:  # the key was revoked meanwhile
+            yield _sse("error", _REVOKED)
+            return
         if job is None:  # deleted meanwhile
             yield _sse("end", json.dumps({"id": job_id, "status": "deleted"}))
             return
@@ -281,13 +296,15 @@ async def job_events(
     job: JobDep,
     tenant: TenantDep,
     records: AsyncRecordsDep,
+    request: Request,
     logs: Annotated[bool, Query(description="also send the job's log entries")] = False,
     after: Annotated[int, Query(ge=0, description="with logs: entries after this seq")] = 0,
 ) -> StreamingResponse:
     """The job's live status, progress and (with ``logs``) log entries as server-sent events,
     until it ends (NOTE [ Job events ])."""
+    key = bearer_key(request.headers.get("authorization")) or ""  # checked by JobDep
     return StreamingResponse(
-        _job_events(records, tenant, job.id, logs, after),
+        _job_events(records, key, tenant, job.id, logs, after),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

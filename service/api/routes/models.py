@@ -24,6 +24,7 @@ from service.api.problems import ApiError, problem_items
 from service.api.transfers import store_upload, stream_object
 from service.errors import WeightsFileError
 from service.formats.weights import read_weights_header
+from service.public_text import scrub_internals
 from service.records.sync import Records
 from service.settings import DEFAULT_MAX_WEIGHTS_BYTES, Settings
 from service.store.base import Store
@@ -59,7 +60,7 @@ def _store_weights(store: Store, weights: UploadFile, settings: Settings) -> str
     try:
         read_weights_header(store.local_path(sha256))
     except WeightsFileError as exc:
-        raise ApiError(422, str(exc), errors=None) from exc
+        raise ApiError(422, scrub_internals(str(exc)), errors=None) from exc
     return sha256
 
 

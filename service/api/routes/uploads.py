@@ -15,6 +15,7 @@ it like ``POST /v1/datasets`` and registers it.
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Final
 
 from fastapi import APIRouter, Body, Path, Request, Response
@@ -41,6 +42,8 @@ from service.settings import Settings
 from service.store.base import Store
 
 __all__ = ["router"]
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/uploads", tags=["uploads"])
 
@@ -179,8 +182,11 @@ def _join(
                     while chunk := part.read(CHUNK_BYTES):
                         writer.write(chunk)
     except ObjectNotFoundError as exc:
+        log.warning("upload %s: a part is gone: %s", session.id, exc)
         raise ApiError(
-            409, f"a part of upload {session.id} is no longer in the store ({exc}); send it again"
+            409,
+            f"a part of upload {session.id} is no longer in the store; send the parts again "
+            "(GET the upload to see which arrived)",
         ) from exc
     except StoreTooLargeError as exc:
         raise too_large("dataset file", max_bytes, DATASET_BYTES_SETTING) from exc
