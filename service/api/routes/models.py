@@ -54,6 +54,7 @@ def create_model(
     """Register a model: an architecture, its kwargs and safetensors weights that load into it
     with strict=True; without weights, it is initialized with ``seed``."""
     create = _parse_meta(meta)
+    records.check_stored_bytes(tenant, 1, settings.tenant_max_stored_bytes)
     sha256: str | None = None
     if weights is not None:
         sha256, _ = store_upload(store, weights.file, settings.max_weights_bytes, "weights file")
@@ -82,7 +83,7 @@ def create_model(
         source="upload" if weights is not None else "init",
         created_at=utc_now(),
     )
-    records.put_model(tenant, model)
+    records.put_model(tenant, model, settings.tenant_max_stored_bytes)
     response.headers["Location"] = f"/v1/models/{model.id}"
     return model
 
