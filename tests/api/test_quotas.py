@@ -294,3 +294,33 @@ def test_the_cli_sets_and_shows_a_tenants_quotas(
     with pytest.raises(ValueError, match="whole number"):
         parse_quota_value("max_streams", "1.5")
     assert parse_quota_value("rate_per_s", "0.5") == 0.5
+
+
+@pytest.mark.slow
+def test_direct_uploads_to_s3_count_as_open_uploads(s3_bucket: str, tmp_path: Path) -> None:
+    """Direct uploads (an S3 store: SeaweedFS) and resumable ones share the open-uploads
+    quota; completing a direct upload ends it, and its bytes count as stored."""
+    with running_api(
+        tmp_path,
+        store_url=f"s3://{s3_bucket}/quotas",
+        tenant_max_open_uploads=1,
+        tenant_rate_per_s=0,
+    ) as api:
+        client = api.client("direct-uploads")
+        content = digits_npz(n=64)
+        announce = {"direct": True, "size": len(content)}
+        started = created(client.http.post("/v1/direct-uploads", json=announce))
+        refused(client.http.post("/v1/direct-uploads", json=announce), "max_open_uploads")
+        refused(client.http.post("/v1/uploads", json={}), "max_open_uploads")
+        etags = []
+        part = started["part_bytes"]
+        for number, url in enumerate(started["part_urls"]):
+            put = httpx.put(url, content=content[number * part : (number + 1) * part])
+            assert put.status_code == 200, put.text
+            etags.append(put.headers["etag"])
+        created(client.http.post(started["complete_url"], json={"etags": etags}))
+        created(client.http.post("/v1/uploads", json={}))
+        # No room left for the bytes a direct upload announces: refused before it starts.
+        set_quota(api, "direct-uploads", "max_open_uploads", "0")
+        set_quota(api, "direct-uploads", "max_stored_bytes", str(len(content) + 1))
+        refused(client.http.post("/v1/direct-uploads", json=announce), "max_stored_bytes")
