@@ -9,6 +9,7 @@ Exception tree::
     ├── ArrayFileError           a dataset file is unreadable or breaks the dataset rules
     │   └── ArrayLimitError      it would take more memory to read than the limits allow
     ├── InvalidPageTokenError    a page token this service did not hand out
+    ├── QuotaExceededError       a tenant is at one of its quotas (service/records/quotas.py)
     ├── WeightsFileError         a weights file is not an acceptable safetensors file
     └── EmbeddedServerError      the private Redis-compatible server (service/local/embedded.py)
         ├── ServerBinaryNotFoundError  no server binary to run
@@ -26,6 +27,7 @@ __all__ = [
     "EmbeddedServerError",
     "InvalidPageTokenError",
     "ObjectNotFoundError",
+    "QuotaExceededError",
     "ServerBinaryNotFoundError",
     "ServerStartError",
     "StoreDigestMismatchError",
@@ -69,6 +71,18 @@ class WeightsFileError(BnadaptError):
 
 class InvalidPageTokenError(BnadaptError):
     """A page token that this service did not hand out."""
+
+
+class QuotaExceededError(BnadaptError):
+    """A tenant is at one of its quotas (NOTE [ Tenant quotas ] in service/records/quotas.py):
+    the message names the limit, its value and what to do; ``retry_after_s`` is when trying
+    again may succeed."""
+
+    def __init__(self, message: str, quota: str, limit: float, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.quota = quota
+        self.limit = limit
+        self.retry_after_s = retry_after_s
 
 
 class EmbeddedServerError(BnadaptError):

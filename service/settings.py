@@ -141,6 +141,19 @@ class Settings(BaseSettings):
     # the last result in between (NOTE [ Cheap readiness ] in service/api/routes/health.py).
     ready_check_s: float = Field(default=5.0, gt=0)
 
+    # Quotas per tenant (NOTE [ Tenant quotas ] in service/records/quotas.py), each answered 429
+    # with Retry-After; 0 means no limit. `bnadapt tenants set-quota` gives a tenant its own.
+    # Active (queued + running) jobs; bytes of the models and datasets a tenant holds; open
+    # uploads (resumable and direct); open job event streams; requests per second, a token
+    # bucket shared by every API process, holding up to tenant_rate_burst requests (0: as many
+    # as one second's rate).
+    tenant_max_active_jobs: int = Field(default=100, ge=0)
+    tenant_max_stored_bytes: int = Field(default=100 * GIB, ge=0)
+    tenant_max_open_uploads: int = Field(default=20, ge=0)
+    tenant_max_streams: int = Field(default=10, ge=0)
+    tenant_rate_per_s: float = Field(default=50.0, ge=0)
+    tenant_rate_burst: int = Field(default=100, ge=0)
+
     # How every process writes its log lines: `text`, or `json`, one object per line
     # (NOTE [ JSON logs ] in service/log_format.py).
     log_format: Literal["text", "json"] = "text"

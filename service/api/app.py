@@ -37,6 +37,7 @@ from service.api.routes import (
 from service.log_format import configure_logging
 from service.records.aio import AsyncRecords, async_redis_client
 from service.records.connection import redis_client
+from service.records.quotas import AsyncTenantQuotas
 from service.records.sync import Records
 from service.settings import Settings, get_settings
 from service.store import open_store
@@ -78,6 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.queue = Queue(settings.queue, connection=client, serializer="json")
         async_client = async_redis_client(settings.redis_url)
         app.state.async_records = AsyncRecords(async_client)
+        app.state.async_quotas = AsyncTenantQuotas(async_client)
         housekeeping = Housekeeping(records, app.state.store, settings, HOUSEKEEPING_INTERVAL_S)
         housekeeping.start()
         try:
@@ -126,7 +128,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         jobs.router,
         direct_uploads.router,
     ):
-        app.include_router(router, responses=problem_responses(400, 401, 404, 409, 413, 422, 503))
+        app.include_router(
+            router, responses=problem_responses(400, 401, 404, 409, 413, 422, 429, 503)
+        )
     # Inside the latency middleware (added by install_metrics): its 401s and 413s are timed.
     app.add_middleware(EdgeMiddleware, settings=settings)
     install_metrics(app)

@@ -13,11 +13,13 @@ from api_schemas import ID_PATTERN, DatasetPublic, JobPublic, ModelPublic
 from service.api.offload import HeavyWork
 from service.api.problems import invalid_key, missing_key, not_found
 from service.records.aio import AsyncRecords
+from service.records.quotas import AsyncTenantQuotas
 from service.records.sync import Records
 from service.settings import Settings
 from service.store.base import Store
 
 __all__ = [
+    "AsyncQuotasDep",
     "AsyncRecordsDep",
     "DatasetDep",
     "HeavyWorkDep",
@@ -73,12 +75,18 @@ async def get_heavy_work(request: Request) -> HeavyWork:
     return heavy_work
 
 
+async def get_async_quotas(request: Request) -> AsyncTenantQuotas:
+    quotas: AsyncTenantQuotas = request.app.state.async_quotas
+    return quotas
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RecordsDep = Annotated[Records, Depends(get_records)]
 StoreDep = Annotated[Store, Depends(get_store)]
 QueueDep = Annotated[Queue, Depends(get_queue)]
 AsyncRecordsDep = Annotated[AsyncRecords, Depends(get_async_records)]
 HeavyWorkDep = Annotated[HeavyWork, Depends(get_heavy_work)]
+AsyncQuotasDep = Annotated[AsyncTenantQuotas, Depends(get_async_quotas)]
 
 
 def _presented_key(request: Request) -> str | None:
@@ -99,6 +107,21 @@ def _known(tenant_id: str | None, request: Request) -> str:
     return tenant_id
 
 
+async def within_rate(request: Request, tenant_id: str) -> None:
+    """The tenant's request rate: one token of its bucket per request, shared by every API
+    process (NOTE [ Tenant quotas ] in service/records/quotas.py); 429 when it is empty. The
+    auth dependencies (``get_tenant``, ``owned_job``) call it once the tenant is known, so every
+    authenticated route is limited, once a request, with no lookup of its own."""
+    if getattr(request.state, "rate_checked", False):
+        return
+    request.state.rate_checked = True
+    settings: Settings = request.app.state.settings
+    quotas: AsyncTenantQuotas = request.app.state.async_quotas
+    await quotas.take_request_token(
+        tenant_id, settings.tenant_rate_per_s, settings.tenant_rate_burst
+    )
+
+
 async def get_tenant(
     request: Request,
     records: AsyncRecordsDep,
@@ -106,10 +129,13 @@ async def get_tenant(
 ) -> str:
     known: str | None = getattr(request.state, "tenant", None)
     if known is not None:  # found with the job by owned_job
+        await within_rate(request, known)
         return known
     presented = _presented_key(request)
     tenant_id = None if presented is None else await records.tenant_for_key(presented)
-    return _known(tenant_id, request)
+    tenant_id = _known(tenant_id, request)
+    await within_rate(request, tenant_id)
+    return tenant_id
 
 
 TenantDep = Annotated[str, Depends(get_tenant)]
@@ -152,7 +178,8 @@ async def owned_job(
         tenant_id, job = (
             (None, None) if presented is None else await records.tenant_and_job(presented, job_id)
         )
-        _known(tenant_id, request)
+        known = _known(tenant_id, request)
+    await within_rate(request, known)
     if job is None:
         raise not_found("job", job_id)
     return job

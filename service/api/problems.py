@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from api_schemas import Problem, ProblemItem
-from service.errors import BnadaptError, InvalidPageTokenError
+from service.errors import BnadaptError, InvalidPageTokenError, QuotaExceededError
 
 __all__ = [
     "REDIS_UNREACHABLE",
@@ -42,6 +42,7 @@ _TITLES = {
     413: "Payload too large",
     415: "Unsupported media type",
     422: "Unprocessable content",
+    429: "Too many requests",
     500: "Internal server error",
     503: "Service unavailable",
 }
@@ -221,6 +222,10 @@ def install_problem_handlers(app: FastAPI) -> None:
     async def bad_page_token(request: Request, exc: Exception) -> JSONResponse:
         return _response(request, 422, str(exc))
 
+    async def over_quota(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, QuotaExceededError)
+        return _response(request, 429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
+
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return _response(request, 500, "internal error; it was logged on the server")
@@ -230,6 +235,7 @@ def install_problem_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(InvalidPageTokenError, bad_page_token)
+    app.add_exception_handler(QuotaExceededError, over_quota)
     app.add_exception_handler(redis.ConnectionError, redis_down)
     app.add_exception_handler(redis.TimeoutError, redis_down)
     app.add_exception_handler(Exception, unexpected)

@@ -39,11 +39,18 @@ def register_dataset(
     against every rule, in bounded memory, and registers it; 422 (413 past a limit) naming
     what to fix, and nothing registered, when it breaks one. Blocking: call it from a worker
     thread."""
+    records.check_stored_bytes(tenant, size, settings.tenant_max_stored_bytes)
     path = store.local_path(sha256)
     try:
         if sniff(path)[0] == "tar":
             return _register(
-                tenant, records, sha256, size, name, _describe_images(path, preprocessing, settings)
+                tenant,
+                records,
+                settings,
+                sha256,
+                size,
+                name,
+                _describe_images(path, preprocessing, settings),
             )
         facts = describe_arrays(
             path,
@@ -75,7 +82,7 @@ def register_dataset(
         image_size=list(facts.sample_shape[1:]) if image else None,
         created_at=utc_now(),
     )
-    return _register(tenant, records, sha256, size, name, dataset)
+    return _register(tenant, records, settings, sha256, size, name, dataset)
 
 
 def _describe_images(
@@ -108,8 +115,16 @@ def _describe_images(
 
 
 def _register(
-    tenant: str, records: Records, sha256: str, size: int, name: str, dataset: DatasetPublic
+    tenant: str,
+    records: Records,
+    settings: Settings,
+    sha256: str,
+    size: int,
+    name: str,
+    dataset: DatasetPublic,
 ) -> DatasetPublic:
     dataset = dataset.model_copy(update={"name": name, "sha256": sha256, "size_bytes": size})
-    records.put_dataset(tenant, dataset)
+    # Checked again with the record's write: a registration racing this one may have taken
+    # the room (QuotaExceededError, 429; the stored file is then collected unused).
+    records.put_dataset(tenant, dataset, settings.tenant_max_stored_bytes)
     return dataset

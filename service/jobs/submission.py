@@ -98,8 +98,14 @@ def submit_job(
             )
 
     try:
+        # Past the tenant's active jobs, QuotaExceededError (429): nothing was written.
         records.create_job(
-            tenant, job, payload, uses=(model.sha256, dataset.sha256), enqueue=enqueue
+            tenant,
+            job,
+            payload,
+            uses=(model.sha256, dataset.sha256),
+            enqueue=enqueue,
+            max_active_jobs=settings.tenant_max_active_jobs,
         )
     except redis.RedisError:
         # The MULTI wrote all or nothing, but its answer may have been lost: undo it, so that

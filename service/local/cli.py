@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from api_schemas import ESTIMATORS, JOB_KINDS, JobStatus
 from service.client import ApiClientError
@@ -52,6 +53,9 @@ from service.local.up import (
     worker_command,
 )
 from service.settings import get_settings
+
+if TYPE_CHECKING:
+    from service.records.sync import Records
 
 __all__ = ["main"]
 
@@ -145,6 +149,49 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     if not Records(redis_client(url)).revoke_api_key(args.key):
         raise BnadaptError(f"no API key {args.key!r}; list them with `bnadapt keys list`")
     print(f"revoked {args.key}", file=sys.stderr)
+    return 0
+
+
+def _quota_records(args: argparse.Namespace) -> tuple[Records, str]:
+    from service.records.connection import redis_client
+    from service.records.sync import Records
+
+    records = Records(redis_client(args.redis_url or get_settings().redis_url))
+    tenant_id = records.find_tenant(args.tenant)
+    if tenant_id is None:
+        raise BnadaptError(
+            f"no tenant {args.tenant!r}; give a tenant's name or id (`bnadapt keys list`)"
+        )
+    return records, tenant_id
+
+
+def cmd_tenants_set_quota(args: argparse.Namespace) -> int:
+    from service.records.quotas import parse_quota_value
+
+    try:
+        value = parse_quota_value(args.name, args.value)
+    except ValueError as exc:
+        raise BnadaptError(str(exc)) from None
+    records, tenant_id = _quota_records(args)
+    records.set_quota(tenant_id, args.name, value)
+    shown = "the setting's value" if value is None else f"{value:g}"
+    print(f"tenant {tenant_id}: {args.name} is {shown}", file=sys.stderr)
+    return 0
+
+
+def cmd_tenants_quotas(args: argparse.Namespace) -> int:
+    from service.records.quotas import QUOTAS
+
+    records, tenant_id = _quota_records(args)
+    own = records.quota_overrides(tenant_id)
+    effective = records.effective_quotas(tenant_id, get_settings())
+    used = records.quota_usage(tenant_id)
+    print(f"{'quota':18} {'value':>14} {'in use':>14}  from")
+    for name, quota in QUOTAS.items():
+        value = "no limit" if effective[name] == 0 else f"{effective[name]:g}"
+        origin = "tenant" if name in own else quota.setting
+        in_use = f"{used[name]:g}" if name in used else "-"
+        print(f"{name:18} {value:>14} {in_use:>14}  {origin}")
     return 0
 
 
@@ -258,6 +305,26 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("key", help="the key's id (from `keys list`) or the whole key")
     revoke.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
     revoke.set_defaults(func=cmd_keys_revoke)
+
+    # Quotas per tenant (NOTE [ Tenant quotas ] in service/records/quotas.py).
+    tenants = sub.add_parser("tenants", help="tenants' settings (talks to Redis directly)")
+    tcmds = tenants.add_subparsers(dest="tenants", required=True)
+    set_quota = tcmds.add_parser(
+        "set-quota", help="give a tenant its own value of a quota (0: no limit)"
+    )
+    set_quota.add_argument("tenant", help="the tenant's name or id")
+    set_quota.add_argument(
+        "name",
+        help="max_active_jobs, max_stored_bytes, max_open_uploads, max_streams, rate_per_s or "
+        "rate_burst",
+    )
+    set_quota.add_argument("value", help="a number (0: no limit), or 'default': the setting's")
+    set_quota.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
+    set_quota.set_defaults(func=cmd_tenants_set_quota)
+    show_quotas = tcmds.add_parser("quotas", help="a tenant's quotas in effect, and its use")
+    show_quotas.add_argument("tenant", help="the tenant's name or id")
+    show_quotas.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
+    show_quotas.set_defaults(func=cmd_tenants_quotas)
 
     store = sub.add_parser("store", help="the artifact store").add_subparsers(
         dest="store", required=True

@@ -13,8 +13,12 @@ __all__ = ["DatasetRecords"]
 class DatasetRecords(TenantResources):
     """A tenant's datasets: written, read, listed newest first, deleted."""
 
-    def put_dataset(self, tenant_id: str, dataset: DatasetPublic) -> None:
-        self._put_stored(tenant_id, "dataset", dataset)
+    def put_dataset(
+        self, tenant_id: str, dataset: DatasetPublic, max_stored_bytes: float | None = None
+    ) -> None:
+        """With ``max_stored_bytes``: only within the tenant's stored-bytes quota (NOTE
+        [ Tenant quotas ] in service/records/quotas.py)."""
+        self._put_stored(tenant_id, "dataset", dataset, max_stored_bytes)
 
     def get_dataset(self, tenant_id: str, dataset_id: str) -> DatasetPublic | None:
         return self._get(tenant_id, "dataset", dataset_id, DatasetPublic)

@@ -23,6 +23,7 @@ from service.records import keys
 from service.records.format import job_from_fields, text
 from service.records.idempotency import IDEMPOTENCY_FIELD, IdempotencyKeys
 from service.records.paging import newest_first
+from service.records.quotas import active_job_ids, within_quota
 from service.records.resources import TenantResources
 from service.records.store_refs import release_sha_ref
 
@@ -94,13 +95,42 @@ class JobRecords(TenantResources):
         payload: JobPayload,
         uses: Iterable[str] = (),
         enqueue: Callable[[redis.client.Pipeline], object] | None = None,
+        max_active_jobs: float | None = None,
     ) -> None:
         """Writes the job's record, marks the store objects ``uses`` as used by it (the job
         keeps its inputs: deleting the model or dataset later leaves their files) and runs
         ``enqueue`` on the same pipeline: all in one MULTI, so a job is never queued without
-        its record or recorded without being queued."""
-        pipe = self.client.pipeline()
-        pipe.multi()
+        its record or recorded without being queued. With ``max_active_jobs`` (the setting;
+        the tenant's own value wins) only if the tenant is under it, else
+        :class:`~service.errors.QuotaExceededError` (NOTE [ Tenant quotas ])."""
+        active_key = keys.tenant_active_jobs(tenant_id)
+        ended: list[str] = []
+
+        def count(pipe: redis.client.Pipeline) -> float:
+            ids = [text(m) for m in pipe.smembers(active_key)]
+            active = active_job_ids(self.client, tenant_id, ids)
+            ended[:] = sorted(set(ids) - set(active))
+            return len(active)
+
+        def write(pipe: redis.client.Pipeline) -> None:
+            if ended:
+                pipe.srem(active_key, *ended)
+            pipe.sadd(active_key, job.id)
+            self._write_job(pipe, tenant_id, job, payload, uses, enqueue)
+
+        within_quota(
+            self.client, tenant_id, "max_active_jobs", max_active_jobs, active_key, count, 1, write
+        )
+
+    def _write_job(
+        self,
+        pipe: redis.client.Pipeline,
+        tenant_id: str,
+        job: JobPublic,
+        payload: JobPayload,
+        uses: Iterable[str],
+        enqueue: Callable[[redis.client.Pipeline], object] | None,
+    ) -> None:
         self._put(pipe, tenant_id, "job", job.id, job, job.created_at)
         pipe.hset(
             keys.record("job", job.id),
@@ -117,13 +147,13 @@ class JobRecords(TenantResources):
             pipe.sadd(keys.sha_refs(sha256), job.id)
         if enqueue is not None:
             enqueue(pipe)
-        pipe.execute()
 
     def delete_job(self, tenant_id: str, job: JobPublic) -> None:
         """Only for a job that could not be enqueued."""
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, "job", job.id, job.created_at)
         pipe.srem(keys.QUEUED_JOBS, job.id)
+        pipe.srem(keys.tenant_active_jobs(tenant_id), job.id)
         pipe.execute()
 
     def get_job(self, tenant_id: str, job_id: str) -> JobPublic | None:
@@ -163,6 +193,7 @@ class JobRecords(TenantResources):
             keys.job_shard_progress(job.id),
         )
         pipe.zrem(keys.FINISHED_JOBS, job.id)
+        pipe.srem(keys.tenant_active_jobs(tenant_id), job.id)
         for sha256 in used:
             release_sha_ref(pipe, sha256, job.id)
         if idempotency_key is not None:

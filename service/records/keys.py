@@ -41,8 +41,14 @@ __all__ = [
     "sha_refs",
     "store_deleting",
     "tenant",
+    "tenant_active_jobs",
     "tenant_by_name",
     "tenant_index",
+    "tenant_quotas",
+    "tenant_rate",
+    "tenant_stored_bytes",
+    "tenant_streams",
+    "tenant_uploads",
     "upload",
     "upload_part_holders",
     "upload_parts",
@@ -89,6 +95,38 @@ def tenant(tenant_id: str) -> str:
 
 def tenant_by_name(name: str) -> str:
     return f"{PREFIX}:tenant-name:{name}"
+
+
+def tenant_quotas(tenant_id: str) -> str:
+    """Hash: quota name -> the tenant's own value, where it has one (service/records/quotas.py)."""
+    return f"{PREFIX}:tenant:{tenant_id}:quota-overrides"
+
+
+def tenant_active_jobs(tenant_id: str) -> str:
+    """Set: ids of the tenant's jobs submitted and not yet seen ended (NOTE [ Tenant quotas ])."""
+    return f"{PREFIX}:tenant:{tenant_id}:active-jobs"
+
+
+def tenant_stored_bytes(tenant_id: str) -> str:
+    """Counter: the bytes of the tenant's models and datasets (NOTE [ Tenant quotas ])."""
+    return f"{PREFIX}:tenant:{tenant_id}:stored-bytes"
+
+
+def tenant_uploads(tenant_id: str) -> str:
+    """Sorted set: the tenant's open uploads (resumable and direct), scored by when they expire
+    (seconds since the epoch)."""
+    return f"{PREFIX}:tenant:{tenant_id}:open-uploads"
+
+
+def tenant_streams(tenant_id: str) -> str:
+    """Sorted set: leases of the tenant's open event streams, scored by when they expire
+    (Redis server time, ms); with a TTL."""
+    return f"{PREFIX}:tenant:{tenant_id}:event-streams"
+
+
+def tenant_rate(tenant_id: str) -> str:
+    """Hash: the tenant's request token bucket (tokens, ts); with a TTL."""
+    return f"{PREFIX}:tenant:{tenant_id}:rate-bucket"
 
 
 def record(kind: ResourceKind, resource_id: str) -> str:

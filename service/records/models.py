@@ -12,8 +12,12 @@ __all__ = ["ModelRecords"]
 class ModelRecords(TenantResources):
     """A tenant's models: written, read, listed newest first, deleted."""
 
-    def put_model(self, tenant_id: str, model: ModelPublic) -> None:
-        self._put_stored(tenant_id, "model", model)
+    def put_model(
+        self, tenant_id: str, model: ModelPublic, max_stored_bytes: float | None = None
+    ) -> None:
+        """With ``max_stored_bytes``: only within the tenant's stored-bytes quota (NOTE
+        [ Tenant quotas ] in service/records/quotas.py)."""
+        self._put_stored(tenant_id, "model", model, max_stored_bytes)
 
     def get_model(self, tenant_id: str, model_id: str) -> ModelPublic | None:
         return self._get(tenant_id, "model", model_id, ModelPublic)

@@ -19,6 +19,7 @@ from service.records import keys
 from service.records.base import RedisRecords
 from service.records.format import RESOURCE_FIELDS, index_member, owned_resource
 from service.records.paging import newest_first
+from service.records.quotas import within_quota
 from service.records.store_refs import release_sha_ref
 
 __all__ = ["StoredResource", "TenantResources"]
@@ -32,13 +33,35 @@ class TenantResources(RedisRecords):
     """The writes and reads of the layout above, for the classes of one resource kind."""
 
     def _put_stored(
-        self, tenant_id: str, kind: keys.ResourceKind, resource: StoredResource
+        self,
+        tenant_id: str,
+        kind: keys.ResourceKind,
+        resource: StoredResource,
+        max_stored_bytes: float | None = None,
     ) -> None:
-        """Writes the record of ``resource`` and its use of its store object, at once."""
-        pipe = self.client.pipeline()
-        self._put(pipe, tenant_id, kind, resource.id, resource, resource.created_at)
-        pipe.sadd(keys.sha_refs(resource.sha256), resource.id)
-        pipe.execute()
+        """Writes the record of ``resource``, its use of its store object and its bytes in the
+        tenant's count, at once; with ``max_stored_bytes`` (the setting; the tenant's own value
+        wins) only if they fit, else :class:`~service.errors.QuotaExceededError` (NOTE
+        [ Tenant quotas ] in service/records/quotas.py)."""
+        counted = keys.tenant_stored_bytes(tenant_id)
+
+        def write(pipe: redis.client.Pipeline) -> None:
+            self._put(pipe, tenant_id, kind, resource.id, resource, resource.created_at)
+            pipe.sadd(keys.sha_refs(resource.sha256), resource.id)
+            pipe.incrby(counted, resource.size_bytes)
+
+        fields_added = within_quota(
+            self.client,
+            tenant_id,
+            "max_stored_bytes",
+            max_stored_bytes,
+            counted,
+            lambda pipe: float(pipe.get(counted) or 0),
+            resource.size_bytes,
+            write,
+        )[0]
+        if not fields_added:  # the record was there (a job's attempts racing): counted once
+            self.client.decrby(counted, resource.size_bytes)
 
     def _delete_stored(
         self, tenant_id: str, kind: keys.ResourceKind, resource: StoredResource
@@ -49,7 +72,9 @@ class TenantResources(RedisRecords):
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, kind, resource.id, resource.created_at)
         release_sha_ref(pipe, resource.sha256, resource.id)
-        pipe.execute()
+        pipe.decrby(keys.tenant_stored_bytes(tenant_id), resource.size_bytes)
+        if not pipe.execute()[0]:  # deleted meanwhile by another request: counted out once
+            self.client.incrby(keys.tenant_stored_bytes(tenant_id), resource.size_bytes)
 
     def _put(
         self,

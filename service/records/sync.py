@@ -16,7 +16,9 @@ root, ``RedisRecords``, is in base.py):
   policy ], NOTE [ Job attempts ]);
 - :class:`~service.records.logs.JobLogs` (logs.py), :class:`~service.records.signals.JobSignals`
   (signals.py: heartbeats, progress, cancel requests) and
-  :class:`~service.records.idempotency.IdempotencyKeys` (idempotency.py).
+  :class:`~service.records.idempotency.IdempotencyKeys` (idempotency.py);
+- :class:`~service.records.quotas.TenantQuotas` (quotas.py): tenants' own quota values and
+  what they use (NOTE [ Tenant quotas ]).
 
 The records of a sharded job's children (shards.py) and of what RQ workers took from their
 queues (dequeues.py) are apart: only the workers and the reaper use them.
@@ -34,6 +36,7 @@ from service.records.idempotency import IdempotencyKeys
 from service.records.jobs import JobFilter, JobRecords
 from service.records.logs import JOB_LOG_MAX_ENTRIES, JobLogs
 from service.records.models import ModelRecords
+from service.records.quotas import TenantQuotas
 from service.records.retries import JobAttempts
 from service.records.signals import JobSignals
 from service.records.store_refs import StoreRefs, release_sha_ref
@@ -58,6 +61,7 @@ class Records(
     JobLogs,
     JobSignals,
     IdempotencyKeys,
+    TenantQuotas,
 ):
     """All record reads and writes, over one redis-py client (thread-safe, pooled): the
     methods of every class it combines, and the one read that spans two of them."""

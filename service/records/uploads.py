@@ -27,6 +27,7 @@ from typing import Any, Final, cast
 import redis
 
 from service.records import keys
+from service.records.quotas import open_upload_within
 
 __all__ = ["UploadRecords", "UploadSession"]
 
@@ -63,8 +64,16 @@ class UploadRecords:
         self._release_part = client.register_script(_RELEASE_PART_LUA)
 
     def create(
-        self, upload_id: str, tenant: str, name: str | None, expected_bytes: int | None
+        self,
+        upload_id: str,
+        tenant: str,
+        name: str | None,
+        expected_bytes: int | None,
+        max_open_uploads: float | None = None,
     ) -> UploadSession:
+        """With ``max_open_uploads`` (the setting; the tenant's own value wins): only if the
+        tenant may open one more, else :class:`~service.errors.QuotaExceededError` (NOTE
+        [ Tenant quotas ] in service/records/quotas.py)."""
         now = time.time()
         fields: dict[str | bytes, str | bytes | int | float] = {
             "tenant": tenant,
@@ -73,10 +82,14 @@ class UploadRecords:
             "created_at": repr(now),
             "expires_at": repr(now + self.ttl_s),
         }
-        pipe = self.client.pipeline()
-        pipe.hset(keys.upload(upload_id), mapping=cast("Mapping[Any, Any]", fields))
-        pipe.expire(keys.upload(upload_id), int(self.ttl_s) + 1)
-        pipe.execute()
+
+        def write(pipe: redis.client.Pipeline) -> None:
+            pipe.hset(keys.upload(upload_id), mapping=cast("Mapping[Any, Any]", fields))
+            pipe.expire(keys.upload(upload_id), int(self.ttl_s) + 1)
+
+        open_upload_within(
+            self.client, tenant, upload_id, now + self.ttl_s, max_open_uploads, write
+        )
         return UploadSession(
             upload_id, tenant, name, expected_bytes, _utc(now), _utc(now + self.ttl_s), parts={}
         )
@@ -125,6 +138,7 @@ class UploadRecords:
         now = time.time()
         pipe = self.client.pipeline()
         pipe.delete(keys.upload(session.id), keys.upload_parts(session.id))
+        pipe.zrem(keys.tenant_uploads(session.tenant), session.id)
         for sha256 in {sha256 for sha256, _ in session.parts.values()}:
             self._release_part(
                 keys=[keys.STORE_RELEASED, keys.upload_part_holders(sha256)],

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from api_schemas import DatasetPublic, Page, Preprocessing
 from service.api.deps import (
@@ -96,6 +97,8 @@ async def create_dataset(
     sample, valid labels, readable image headers. For big files use the resumable
     ``/v1/uploads``."""
     limit = settings.max_dataset_bytes
+    # Refused before the body is read when nothing more fits (NOTE [ Tenant quotas ]).
+    await run_in_threadpool(records.check_stored_bytes, tenant, 1, settings.tenant_max_stored_bytes)
     if request.headers.get("content-type", "").startswith("multipart/"):
         upload = await store_multipart(
             request, store, limit, "dataset file", DATASET_BYTES_SETTING, "file", heavy

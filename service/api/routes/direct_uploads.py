@@ -5,9 +5,11 @@ store both answer 409: upload through POST /v1/datasets."""
 from __future__ import annotations
 
 import secrets
+import time
 from datetime import timedelta
 from typing import Final
 
+import redis
 from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
 
@@ -31,6 +33,7 @@ from service.datasets.registration import register_dataset
 from service.errors import StoreError, StoreTooLargeError
 from service.records import keys
 from service.records.format import text
+from service.records.quotas import open_upload_within
 from service.records.sync import Records
 from service.settings import Settings
 from service.store.base import DirectTransfers, DirectUpload, Store
@@ -99,6 +102,9 @@ def create_upload(
             f"the dataset file is larger than the limit of {settings.max_dataset_bytes} bytes "
             f"({body.size}); upload a smaller file or raise the limit in the settings",
         )
+    # The quotas, before the store starts an upload (NOTE [ Tenant quotas ]).
+    records.check_stored_bytes(tenant, body.size, settings.tenant_max_stored_bytes)
+    records.check_open_uploads(tenant, settings.tenant_max_open_uploads)
     try:
         upload = direct.start_direct_upload(body.size)
     except StoreError as exc:
@@ -107,12 +113,22 @@ def create_upload(
     ttl_s = settings.s3_presign_ttl_s
     key = keys.direct_upload(upload_id)
     values = (tenant, upload.upload_id, upload.temp_key, upload.part_bytes, body.size, body.name)
-    pipe = records.client.pipeline()
-    for field, value in zip(_UPLOAD_FIELDS, values, strict=True):
-        if value is not None:
-            pipe.hset(key, field, str(value))
-    pipe.expire(key, ttl_s)
-    pipe.execute()
+
+    def write(pipe: redis.client.Pipeline) -> None:
+        for field, value in zip(_UPLOAD_FIELDS, values, strict=True):
+            if value is not None:
+                pipe.hset(key, field, str(value))
+        pipe.expire(key, ttl_s)
+
+    # Counted open until its URLs expire, or until it is completed.
+    open_upload_within(
+        records.client,
+        tenant,
+        upload_id,
+        time.time() + ttl_s,
+        settings.tenant_max_open_uploads,
+        write,
+    )
     return DirectUploadPublic(
         id=upload_id,
         part_bytes=upload.part_bytes,
@@ -155,6 +171,7 @@ def _claim(records: Records, tenant: str, upload_id: str) -> dict[str, str]:
             f"upload {upload_id!r} not found: it was completed, it expired, or it is not "
             "yours; start a new one with POST /v1/direct-uploads",
         )
+    records.client.zrem(keys.tenant_uploads(tenant), upload_id)
     return fields
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Final
 
+import anyio
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import StringConstraints
@@ -30,6 +32,7 @@ from api_schemas import (
 from api_schemas.jobs.params import TAG_KEY_PATTERN
 from api_schemas.jobs.public import JobLogEntry, JobLogPage
 from service.api.deps import (
+    AsyncQuotasDep,
     AsyncRecordsDep,
     JobDep,
     QueueDep,
@@ -45,6 +48,7 @@ from service.jobs.queues import job_queue
 from service.jobs.submission import submit_job
 from service.records.aio import AsyncRecords
 from service.records.queue import JOB_FUNCTION
+from service.records.quotas import STREAM_LEASE_S, AsyncTenantQuotas
 from service.records.sync import JobFilter
 
 __all__ = ["JOB_FUNCTION", "router"]
@@ -249,9 +253,40 @@ _REVOKED: Final = Problem(
 
 
 async def _job_events(
-    records: AsyncRecords, key: str, tenant: str, job_id: str, logs: bool, after: int
+    records: AsyncRecords,
+    quotas: AsyncTenantQuotas,
+    key: str,
+    tenant: str,
+    job_id: str,
+    logs: bool,
+    after: int,
+    lease_id: str,
+) -> AsyncIterator[str]:
+    """The stream, holding the lease ``lease_id`` on one of the tenant's streams: renewed while
+    it runs, given back when it ends, however it ends (NOTE [ Tenant quotas ])."""
+    try:
+        async for item in _job_event_items(
+            records, quotas, key, tenant, job_id, logs, after, lease_id
+        ):
+            yield item
+    finally:
+        # The client may be gone and this task cancelled: give the lease back all the same.
+        with anyio.CancelScope(shield=True):
+            await quotas.close_stream(tenant, lease_id)
+
+
+async def _job_event_items(
+    records: AsyncRecords,
+    quotas: AsyncTenantQuotas,
+    key: str,
+    tenant: str,
+    job_id: str,
+    logs: bool,
+    after: int,
+    lease_id: str,
 ) -> AsyncIterator[str]:
     last_status: JobStatus | None = None
+    renewed = time.monotonic()
     last_progress: str | None = None
     last_seq = after
     last_sent = time.monotonic()
@@ -288,6 +323,9 @@ async def _job_events(
         elif time.monotonic() - last_sent > EVENTS_KEEPALIVE_S:
             yield ": keepalive\n\n"
             last_sent = time.monotonic()
+        if time.monotonic() - renewed > STREAM_LEASE_S / 3:
+            await quotas.renew_stream(tenant, lease_id)
+            renewed = time.monotonic()
         await asyncio.sleep(EVENTS_POLL_S)
 
 
@@ -297,14 +335,19 @@ async def job_events(
     tenant: TenantDep,
     records: AsyncRecordsDep,
     request: Request,
+    quotas: AsyncQuotasDep,
+    settings: SettingsDep,
     logs: Annotated[bool, Query(description="also send the job's log entries")] = False,
     after: Annotated[int, Query(ge=0, description="with logs: entries after this seq")] = 0,
 ) -> StreamingResponse:
     """The job's live status, progress and (with ``logs``) log entries as server-sent events,
-    until it ends (NOTE [ Job events ])."""
+    until it ends (NOTE [ Job events ]). A tenant has at most ``BNADAPT_TENANT_MAX_STREAMS``
+    open at once; one more is a 429."""
     key = bearer_key(request.headers.get("authorization")) or ""  # checked by JobDep
+    lease_id = secrets.token_hex(8)
+    await quotas.open_stream(tenant, lease_id, settings.tenant_max_streams)
     return StreamingResponse(
-        _job_events(records, key, tenant, job.id, logs, after),
+        _job_events(records, quotas, key, tenant, job.id, logs, after, lease_id),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -78,6 +78,7 @@ async def create_model(
     """Register a model: an architecture, its kwargs and safetensors weights that load into it
     with strict=True; without weights, it is initialized with ``seed``."""
     create = _parse_meta(meta)
+    records.check_stored_bytes(tenant, 1, settings.tenant_max_stored_bytes)
     sha256: str | None = None
     if weights is not None:
         sha256 = await heavy.run(_store_weights, store, weights, settings)
@@ -114,7 +115,7 @@ def _register(
         source="upload" if sha256 is not None else "init",
         created_at=utc_now(),
     )
-    records.put_model(tenant, model)
+    records.put_model(tenant, model, settings.tenant_max_stored_bytes)
     response.headers["Location"] = f"/v1/models/{model.id}"
     return model
 

@@ -101,8 +101,10 @@ def create_upload(
     """Starts a resumable upload; send its parts next."""
     if request.size_bytes is not None and request.size_bytes > settings.max_dataset_bytes:
         raise too_large("dataset file", settings.max_dataset_bytes, DATASET_BYTES_SETTING)
+    if request.size_bytes is not None:
+        records.check_stored_bytes(tenant, request.size_bytes, settings.tenant_max_stored_bytes)
     session = _uploads(records, settings).create(
-        new_id("up"), tenant, request.name, request.size_bytes
+        new_id("up"), tenant, request.name, request.size_bytes, settings.tenant_max_open_uploads
     )
     response.headers["Location"] = f"/v1/uploads/{session.id}"
     return _public(session, settings)

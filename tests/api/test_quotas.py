@@ -1,0 +1,326 @@
+"""Quotas per tenant (NOTE [ Tenant quotas ] in service/records/quotas.py), on an API in this
+process whose settings make every quota small: active jobs, stored bytes, open uploads, event
+streams and the request rate, each answered 429 with Retry-After and a problem body naming the
+limit; a tenant's own values (``bnadapt tenants set-quota``); counts that hold under racing
+requests; and one token bucket shared by two API processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.errors import QuotaExceededError
+from service.local.cli import main as cli_main
+from service.local.embedded import free_port
+from service.local.up import api_command
+from service.records.aio import async_redis_client
+from service.records.quotas import AsyncTenantQuotas, parse_quota_value
+from tests.e2e.test_e2e import created, digits_npz, problem
+from tests.inprocess import InProcessApi, running_api
+from tests.servers import stop_process, wait_for
+from tests.stack import REPO, Client
+
+MAX_ACTIVE_JOBS = 2
+MAX_OPEN_UPLOADS = 2
+MAX_STREAMS = 2
+# Room for a few small datasets of digits_npz(n=32) (about 19 KiB each).
+MAX_STORED_BYTES = 100_000
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessApi]:
+    """The API with small quotas; no request rate limit unless a tenant is given one."""
+    with running_api(
+        tmp_path_factory.mktemp("quotas"),
+        tenant_max_active_jobs=MAX_ACTIVE_JOBS,
+        tenant_max_stored_bytes=MAX_STORED_BYTES,
+        tenant_max_open_uploads=MAX_OPEN_UPLOADS,
+        tenant_max_streams=MAX_STREAMS,
+        tenant_rate_per_s=0,
+    ) as running:
+        yield running
+
+
+def refused(response: httpx.Response, quota: str, *phrases: str) -> dict[str, Any]:
+    """A 429 naming the quota, its setting and the phrases, with a Retry-After."""
+    setting = f"BNADAPT_TENANT_{quota.upper()}"
+    body = problem(response, 429, quota, setting, *phrases)
+    assert int(response.headers["retry-after"]) >= 1
+    return body
+
+
+def set_quota(api: InProcessApi, tenant: str, name: str, value: str) -> None:
+    """As an operator does: ``bnadapt tenants set-quota``, straight to Redis."""
+    code = cli_main(["tenants", "set-quota", tenant, name, value, "--redis-url", api.redis.url])
+    assert code == 0
+
+
+def job_body(client: Client) -> dict[str, Any]:
+    model = created(client.add_model("digits_cnn", {"width": 4}))
+    dataset = created(client.add_dataset(digits_npz(n=32)))
+    return {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"]}
+
+
+def test_active_jobs_are_bounded_and_free_again_when_one_ends(small: InProcessApi) -> None:
+    client = small.client("active-jobs")
+    body = job_body(client)
+    jobs = [created(client.submit(body), 202) for _ in range(MAX_ACTIVE_JOBS)]
+    refused(client.submit(body), "max_active_jobs", f"at most {MAX_ACTIVE_JOBS}", "cancel")
+    assert len(client.http.get("/v1/jobs").json()["items"]) == MAX_ACTIVE_JOBS
+    # Another tenant has quotas of its own.
+    other = small.client("active-jobs-other")
+    created(other.submit(job_body(other)), 202)
+    # A job that ended stops counting.
+    created(client.http.post(f"/v1/jobs/{jobs[0]['id']}:cancel"), 202)
+    created(client.submit(body), 202)
+    refused(client.submit(body), "max_active_jobs")
+    # The tenant's own value wins over the setting; 0 means no limit.
+    set_quota(small, "active-jobs", "max_active_jobs", "3")
+    created(client.submit(body), 202)
+    refused(client.submit(body), "max_active_jobs", "at most 3")
+    set_quota(small, "active-jobs", "max_active_jobs", "0")
+    created(client.submit(body), 202)
+    set_quota(small, "active-jobs", "max_active_jobs", "default")
+    refused(client.submit(body), "max_active_jobs", f"at most {MAX_ACTIVE_JOBS}")
+
+
+def test_racing_submissions_never_pass_the_active_jobs_quota(small: InProcessApi) -> None:
+    client = small.client("racing-jobs")
+    body = job_body(client)
+    statuses: list[int] = []
+    start = threading.Barrier(8)
+
+    def submit() -> None:
+        own = Client(small.url, client.http.headers["authorization"].split(" ", 1)[1])
+        start.wait()
+        statuses.append(own.submit(body).status_code)
+
+    threads = [threading.Thread(target=submit) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(statuses) == [202] * MAX_ACTIVE_JOBS + [429] * (8 - MAX_ACTIVE_JOBS)
+    queued = client.http.get("/v1/jobs", params={"status": "queued"}).json()["items"]
+    assert len(queued) == MAX_ACTIVE_JOBS
+
+
+def test_stored_bytes_count_models_and_datasets_until_deleted(small: InProcessApi) -> None:
+    client = small.client("stored-bytes")
+    data = digits_npz(n=32)
+    size = len(data)
+    kept = [created(client.add_dataset(data)) for _ in range(MAX_STORED_BYTES // size)]
+    refused(client.add_dataset(data), "max_stored_bytes", str(MAX_STORED_BYTES), "delete")
+    # A resumable or direct upload announcing its size is refused before any byte is sent.
+    refused(client.http.post("/v1/uploads", json={"size_bytes": size}), "max_stored_bytes")
+    assert client.http.delete(f"/v1/datasets/{kept[0]['id']}").status_code == 204
+    created(client.add_dataset(data))
+    # Models count too: with no room left, one is refused.
+    set_quota(small, "stored-bytes", "max_stored_bytes", str(len(kept) * size))
+    refused(client.add_model("digits_cnn", {"width": 4}), "max_stored_bytes")
+    set_quota(small, "stored-bytes", "max_stored_bytes", str(10 * MAX_STORED_BYTES))
+    model = created(client.add_model("digits_cnn", {"width": 4}))
+    assert model["size_bytes"] > 0
+
+
+def test_open_uploads_are_bounded_until_completed_or_deleted(small: InProcessApi) -> None:
+    client = small.client("uploads")
+    opened = [created(client.http.post("/v1/uploads", json={})) for _ in range(MAX_OPEN_UPLOADS)]
+    refused(client.http.post("/v1/uploads", json={}), "max_open_uploads", "delete")
+    assert client.http.delete(f"/v1/uploads/{opened[0]['id']}").status_code == 204
+    last = created(client.http.post("/v1/uploads", json={}))
+    refused(client.http.post("/v1/uploads", json={}), "max_open_uploads")
+    # Completing one ends it.
+    part = client.http.put(f"/v1/uploads/{last['id']}/parts/1", content=digits_npz(n=32))
+    assert part.status_code == 200, part.text
+    created(client.http.post(f"/v1/uploads/{last['id']}:complete", json={}))
+    created(client.http.post("/v1/uploads", json={}))
+
+
+def test_event_streams_are_bounded_and_released_when_the_client_leaves(
+    small: InProcessApi,
+) -> None:
+    client = small.client("streams")
+    set_quota(small, "streams", "max_active_jobs", "0")
+    body = job_body(client)
+    job = created(client.submit(body), 202)  # stays queued: no worker here
+    path = f"/v1/jobs/{job['id']}/events"
+    streams = []
+    for _ in range(MAX_STREAMS):
+        stream = httpx.Client(base_url=small.url, headers=dict(client.http.headers), timeout=10)
+        response = stream.send(stream.build_request("GET", path), stream=True)
+        assert response.status_code == 200
+        # Keep the line iterator: dropping it half-read would close the connection.
+        lines = response.iter_lines()
+        assert next(lines).startswith("event: status")
+        streams.append((stream, response, lines))
+    refused(client.http.get(path), "max_streams", f"at most {MAX_STREAMS}", "close")
+    # One client goes away: its stream's lease is given back.
+    stream, response, _ = streams.pop()
+    response.close()
+    stream.close()
+
+    def one_more() -> bool:
+        with (
+            httpx.Client(base_url=small.url, headers=dict(client.http.headers)) as again,
+            again.stream("GET", path) as opened,
+        ):
+            return opened.status_code == 200
+
+    wait_for(one_more, timeout_s=30, what="the closed stream's lease to be released")
+    for stream, response, _ in streams:
+        response.close()
+        stream.close()
+
+
+def test_a_stream_lease_of_a_dead_api_expires(small: InProcessApi) -> None:
+    """An API process that dies holding streams never gives their leases back: they expire."""
+
+    async def scenario() -> None:
+        quotas = AsyncTenantQuotas(async_redis_client(small.redis.url))
+        for lease in ("a", "b"):
+            await quotas.open_stream("tenant-of-a-dead-api", lease, 2, lease_s=0.5)
+        with pytest.raises(QuotaExceededError) as refused_now:
+            await quotas.open_stream("tenant-of-a-dead-api", "c", 2, lease_s=0.5)
+        assert "max_streams" in str(refused_now.value)
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            try:
+                await quotas.open_stream("tenant-of-a-dead-api", "c", 2, lease_s=0.5)
+                break
+            except QuotaExceededError:
+                assert asyncio.get_running_loop().time() < deadline, "leases never expired"
+                await asyncio.sleep(0.1)
+        await quotas.client.aclose()
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture
+def second_api(small: InProcessApi, tmp_path: Path) -> Iterator[str]:
+    """Another API process over the same Redis: what a deployment with several runs."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "BNADAPT_REDIS_URL": small.redis.url,
+        "BNADAPT_DATA_DIR": str(small.settings.data_dir),
+        "BNADAPT_TENANT_RATE_PER_S": "0",
+    }
+    process = subprocess.Popen(api_command("127.0.0.1", port), env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(ready, timeout_s=60, what="the second API to answer /healthz")
+        yield url
+    finally:
+        stop_process(process)
+
+
+def test_the_request_rate_is_one_bucket_for_every_api_process(
+    small: InProcessApi, second_api: str
+) -> None:
+    client = small.client("rate")
+    key = client.http.headers["authorization"].split(" ", 1)[1]
+    here, there = client, Client(second_api, key)
+    # A burst of 4, refilled at one request per 1000 s: nothing refills during the test.
+    set_quota(small, "rate", "rate_per_s", "0.001")
+    set_quota(small, "rate", "rate_burst", "4")
+    for api in (here, there, here, there):
+        assert api.http.get("/v1/jobs").status_code == 200
+    for api in (here, there):
+        body = refused(api.http.get("/v1/jobs"), "rate_per_s", "requests per second")
+        assert "0.001" in body["detail"]
+        retry_after = int(api.http.get("/v1/models").headers["retry-after"])
+        assert retry_after > 100  # a token comes back in ~1000 s, not at once
+    # A status poll (its own lookup of key and job) is limited as well; others are not.
+    assert here.http.get("/v1/jobs/job_missing").status_code == 429
+    other = small.client("rate-other")
+    assert (
+        Client(second_api, other.http.headers["authorization"].split(" ", 1)[1])
+        .http.get("/v1/jobs")
+        .status_code
+        == 200
+    )
+    # Anonymous routes are not a tenant's.
+    assert here.http.get("/healthz").status_code == 200
+
+
+def test_the_cli_sets_and_shows_a_tenants_quotas(
+    small: InProcessApi, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = small.client("cli-quotas")
+    created(client.add_dataset(digits_npz(n=32)))
+    set_quota(small, "cli-quotas", "max_streams", "7")
+    assert cli_main(["tenants", "quotas", "cli-quotas", "--redis-url", small.redis.url]) == 0
+    shown = capsys.readouterr().out
+    streams = next(line for line in shown.splitlines() if line.startswith("max_streams"))
+    assert streams.split()[1] == "7" and streams.split()[-1] == "tenant"
+    stored = next(line for line in shown.splitlines() if line.startswith("max_stored_bytes"))
+    assert stored.split()[2] == str(len(digits_npz(n=32)))
+    assert stored.split()[-1] == "BNADAPT_TENANT_MAX_STORED_BYTES"
+    # Mistakes say what is accepted.
+    assert cli_main(["tenants", "set-quota", "cli-quotas", "max_jobs", "1"]) == 1
+    assert "max_active_jobs" in capsys.readouterr().err
+    assert (
+        cli_main(
+            [
+                "tenants",
+                "set-quota",
+                "nobody-here",
+                "max_streams",
+                "1",
+                "--redis-url",
+                small.redis.url,
+            ]
+        )
+        == 1
+    )
+    assert "no tenant" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="whole number"):
+        parse_quota_value("max_streams", "1.5")
+    assert parse_quota_value("rate_per_s", "0.5") == 0.5
+
+
+@pytest.mark.slow
+def test_direct_uploads_to_s3_count_as_open_uploads(s3_bucket: str, tmp_path: Path) -> None:
+    """Direct uploads (an S3 store: SeaweedFS) and resumable ones share the open-uploads
+    quota; completing a direct upload ends it, and its bytes count as stored."""
+    with running_api(
+        tmp_path,
+        store_url=f"s3://{s3_bucket}/quotas",
+        tenant_max_open_uploads=1,
+        tenant_rate_per_s=0,
+    ) as api:
+        client = api.client("direct-uploads")
+        content = digits_npz(n=64)
+        announce = {"direct": True, "size": len(content)}
+        started = created(client.http.post("/v1/direct-uploads", json=announce))
+        refused(client.http.post("/v1/direct-uploads", json=announce), "max_open_uploads")
+        refused(client.http.post("/v1/uploads", json={}), "max_open_uploads")
+        etags = []
+        part = started["part_bytes"]
+        for number, url in enumerate(started["part_urls"]):
+            put = httpx.put(url, content=content[number * part : (number + 1) * part])
+            assert put.status_code == 200, put.text
+            etags.append(put.headers["etag"])
+        created(client.http.post(started["complete_url"], json={"etags": etags}))
+        created(client.http.post("/v1/uploads", json={}))
+        # No room left for the bytes a direct upload announces: refused before it starts.
+        set_quota(api, "direct-uploads", "max_open_uploads", "0")
+        set_quota(api, "direct-uploads", "max_stored_bytes", str(len(content) + 1))
+        refused(client.http.post("/v1/direct-uploads", json=announce), "max_stored_bytes")
