@@ -42,6 +42,7 @@ __all__ = [
     "store_deleting",
     "tenant",
     "tenant_by_name",
+    "tenant_import_sources",
     "tenant_index",
     "upload",
     "upload_parts",
@@ -88,6 +89,12 @@ def tenant(tenant_id: str) -> str:
 
 def tenant_by_name(name: str) -> str:
     return f"{PREFIX}:tenant-name:{name}"
+
+
+def tenant_import_sources(tenant_id: str) -> str:
+    """Set: the ``s3://BUCKET/PREFIX/`` sources the tenant may import datasets from
+    (service/records/import_sources.py)."""
+    return f"{PREFIX}:tenant:{tenant_id}:import-sources"
 
 
 def record(kind: ResourceKind, resource_id: str) -> str:

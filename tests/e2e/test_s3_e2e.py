@@ -18,6 +18,7 @@ import pytest
 from rq import Queue
 
 from service.records import keys
+from service.records.format import text
 from tests.e2e.test_e2e import created, digits_npz, long_train
 from tests.servers import S3Server, wait_for
 from tests.stack import Client, Stack, running_stack
@@ -192,8 +193,11 @@ def test_direct_upload_and_import_bypass_the_api(s3_stack: S3Stack) -> None:
     again = client.http.post(started["complete_url"], json={"etags": etags})
     assert again.status_code == 404
 
-    # A file already in a bucket: registered by reference, copied server-side.
+    # A file already in a bucket the operator allowed: registered by reference, copied
+    # server-side.
     s3_stack.server.client().put_object(Bucket=s3_stack.bucket, Key="incoming/d.npz", Body=content)
+    tenant_id = text(stack.records().client.get(keys.tenant_by_name("direct")))
+    stack.records().allow_import(tenant_id, f"s3://{s3_stack.bucket}/incoming/")
     imported = created(
         client.http.post(
             "/v1/datasets:import", json={"source": f"s3://{s3_stack.bucket}/incoming/d.npz"}
@@ -205,7 +209,7 @@ def test_direct_upload_and_import_bypass_the_api(s3_stack: S3Stack) -> None:
     missing = client.http.post(
         "/v1/datasets:import", json={"source": f"s3://{s3_stack.bucket}/incoming/none.npz"}
     )
-    assert missing.status_code == 422
+    assert missing.status_code == 404
     # Announced size and sent bytes differ: nothing registered.
     announced = {"direct": True, "size": len(content) + 1}
     short = created(client.http.post("/v1/direct-uploads", json=announced))
