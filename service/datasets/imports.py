@@ -73,9 +73,13 @@ def import_dataset(
             sha256, size = direct.import_object(request.source, settings.max_dataset_bytes)
     except ObjectNotFoundError as exc:
         raise ApiError(404, NOT_A_SOURCE) from exc
-    except (StoreTooLargeError, ArrayLimitError) as exc:
+    except StoreTooLargeError as exc:
         raise ApiError(413, _OVER_A_LIMIT) from exc
-    except ArrayFileError as exc:  # a folder's own rules: their texts name nothing read
+    # A folder's own rules (service/formats/folder_tars.py): their texts give counts, never a
+    # key or a byte of the source.
+    except ArrayLimitError as exc:
+        raise ApiError(413, str(exc)) from exc
+    except ArrayFileError as exc:
         raise ApiError(422, str(exc)) from exc
     except StoreError as exc:
         raise ApiError(422, _NOT_COPIED) from exc

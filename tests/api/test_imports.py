@@ -342,8 +342,8 @@ def test_folders_that_break_a_rule_are_refused(s3_api: S3Api) -> None:
         "mixed/": ({"top.png": png, "cls/a.png": png}, 422, "both directly and in folders"),
         "hollow/": ({"a/x.png": png, "CONFIDENT/readme.txt": b"x"}, 422, "class folder 0"),
         "webp/": ({"a.webp": b"RIFF", "b.png": png}, 422, ".webp"),
-        "classes/": ({f"c{i}/x.png": png for i in range(6)}, 413, "BNADAPT_MAX_"),
-        "huge/": ({f"{i}.png": os.urandom(800_000) for i in range(3)}, 413, "BNADAPT_MAX_"),
+        "classes/": ({f"c{i}/x.png": png for i in range(6)}, 413, "BNADAPT_MAX_CLASSES"),
+        "huge/": ({f"{i}.png": os.urandom(800_000) for i in range(3)}, 413, "_DATASET_BYTES"),
     }
     for prefix, (files, status, phrase) in cases.items():
         for name, body in files.items():
