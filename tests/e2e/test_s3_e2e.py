@@ -6,6 +6,7 @@ worker, and a machine lost mid-job."""
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import signal
 from collections.abc import Iterator
@@ -14,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 from rq import Queue
 
 from service.records import keys
@@ -210,6 +213,30 @@ def test_direct_upload_and_import_bypass_the_api(s3_stack: S3Stack) -> None:
         "/v1/datasets:import", json={"source": f"s3://{s3_stack.bucket}/incoming/none.npz"}
     )
     assert missing.status_code == 404
+
+    # A folder of images (a class a folder), registered without a tar and adapted on by a job.
+    for number in range(6):
+        pixels = np.random.default_rng(number).integers(0, 256, size=(8, 8), dtype=np.uint8)
+        png = io.BytesIO()
+        Image.fromarray(pixels).save(png, format="PNG")
+        key = f"incoming/digits/{number % 2}/{number}.png"
+        s3_stack.server.client().put_object(Bucket=s3_stack.bucket, Key=key, Body=png.getvalue())
+    folder = created(
+        client.http.post(
+            "/v1/datasets:import",
+            json={
+                "source": f"s3://{s3_stack.bucket}/incoming/digits/",
+                "preprocessing": {"channels": "gray"},
+            },
+        )
+    )
+    assert (folder["format"], folder["sample_shape"], folder["num_classes"]) == (
+        "tar",
+        [1, 8, 8],
+        2,
+    )
+    succeeded(client, job("adapt", model, folder, batch_size=3))
+
     # Announced size and sent bytes differ: nothing registered.
     announced = {"direct": True, "size": len(content) + 1}
     short = created(client.http.post("/v1/direct-uploads", json=announced))
