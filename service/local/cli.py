@@ -5,6 +5,8 @@ Servers: ``up`` (everything on one machine), ``api``, ``worker``, ``keys create|
 add|list|delete``, ``jobs submit|show|list|cancel|download|report|logs|delete``
 (service/local/cli_client.py). ``demo`` runs the README's main
 job.
+Operators: ``tenants`` (what each tenant may do, kept in Redis):
+``allow-import|list-imports|revoke-import``.
 
 About 400 lines on purpose: the whole command-line grammar in one place (what each command
 does lives in service/local/cli_client.py and service/local/up.py).
@@ -192,6 +194,74 @@ def cmd_tenants_quotas(args: argparse.Namespace) -> int:
         origin = "tenant" if name in own else quota.setting
         in_use = f"{used[name]:g}" if name in used else "-"
         print(f"{name:18} {value:>14} {in_use:>14}  {origin}")
+
+
+def _tenant_records(args: argparse.Namespace) -> tuple[Records, str]:
+    """The records over ``--redis-url`` and the id of the tenant ``args.tenant`` names (its
+    name, as given to `keys create --tenant`, or its id); ``BnadaptError`` if there is none."""
+    from service.records import keys
+    from service.records.connection import redis_client
+    from service.records.format import text
+    from service.records.sync import Records
+
+    records = Records(redis_client(args.redis_url or get_settings().redis_url))
+    found = records.client.get(keys.tenant_by_name(args.tenant))
+    if found is not None:
+        return records, text(found)
+    if records.client.exists(keys.tenant(args.tenant)):
+        return records, str(args.tenant)
+    raise BnadaptError(
+        f"no tenant named {args.tenant!r}; a tenant is made with its first key: "
+        f"`bnadapt keys create --tenant {args.tenant}`"
+    )
+
+
+def _source_prefix(text: str) -> str:
+    from service.records.import_sources import normalize_prefix
+
+    try:
+        bucket, prefix = normalize_prefix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return f"s3://{bucket}/{prefix}"
+
+
+def cmd_tenants_allow_import(args: argparse.Namespace) -> int:
+    from service.records.import_sources import normalize_prefix
+
+    records, tenant_id = _tenant_records(args)
+    store_url = get_settings().store_url
+    if store_url is not None and store_url.startswith("s3://"):
+        store_bucket, store_prefix = normalize_prefix(store_url)
+        bucket, prefix = normalize_prefix(args.prefix)
+        if bucket == store_bucket and prefix.startswith(store_prefix):
+            raise BnadaptError(
+                f"{args.prefix} is inside the store ({store_url}), which is never a source: "
+                "every tenant's datasets and weights are there"
+            )
+    try:
+        source = records.allow_import(tenant_id, args.prefix)
+    except ValueError as exc:
+        raise BnadaptError(str(exc)) from exc
+    print(f"tenant {args.tenant} may import from {source}", file=sys.stderr)
+    return 0
+
+
+def cmd_tenants_list_imports(args: argparse.Namespace) -> int:
+    records, tenant_id = _tenant_records(args)
+    for source in records.import_sources(tenant_id):
+        print(source)
+    return 0
+
+
+def cmd_tenants_revoke_import(args: argparse.Namespace) -> int:
+    records, tenant_id = _tenant_records(args)
+    if not records.revoke_import(tenant_id, args.prefix):
+        raise BnadaptError(
+            f"tenant {args.tenant} has no import source {args.prefix}; list them with "
+            f"`bnadapt tenants list-imports {args.tenant}`"
+        )
+    print(f"tenant {args.tenant} may no longer import from {args.prefix}", file=sys.stderr)
     return 0
 
 
@@ -306,25 +376,41 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
     revoke.set_defaults(func=cmd_keys_revoke)
 
-    # Quotas per tenant (NOTE [ Tenant quotas ] in service/records/quotas.py).
-    tenants = sub.add_parser("tenants", help="tenants' settings (talks to Redis directly)")
-    tcmds = tenants.add_subparsers(dest="tenants", required=True)
-    set_quota = tcmds.add_parser(
-        "set-quota", help="give a tenant its own value of a quota (0: no limit)"
+    tenants = sub.add_parser(
+        "tenants", help="what each tenant may do (talks to Redis directly)"
+    ).add_subparsers(dest="tenants", required=True)
+
+    def tenant_command(name: str, summary: str) -> argparse.ArgumentParser:
+        command = tenants.add_parser(name, help=summary)
+        command.add_argument("tenant", help="the tenant's name (as in `keys create`) or id")
+        command.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
+        return command
+
+    source_help = "s3://BUCKET/PREFIX/ (a folder; s3://BUCKET/ for the whole bucket)"
+    allow = tenant_command(
+        "allow-import", "let the tenant import datasets from everything under an S3 prefix"
     )
-    set_quota.add_argument("tenant", help="the tenant's name or id")
+    allow.add_argument("prefix", type=_source_prefix, help=source_help)
+    allow.set_defaults(func=cmd_tenants_allow_import)
+    tenant_command("list-imports", "the S3 prefixes the tenant may import from").set_defaults(
+        func=cmd_tenants_list_imports
+    )
+    revoke_import = tenant_command("revoke-import", "take back an S3 prefix from the tenant")
+    revoke_import.add_argument("prefix", type=_source_prefix, help=source_help)
+    revoke_import.set_defaults(func=cmd_tenants_revoke_import)
+
+    # Quotas per tenant (NOTE [ Tenant quotas ] in service/records/quotas.py).
+    set_quota = tenant_command("set-quota", "give a tenant its own value of a quota (0: no limit)")
     set_quota.add_argument(
         "name",
         help="max_active_jobs, max_stored_bytes, max_open_uploads, max_streams, rate_per_s or "
         "rate_burst",
     )
     set_quota.add_argument("value", help="a number (0: no limit), or 'default': the setting's")
-    set_quota.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
     set_quota.set_defaults(func=cmd_tenants_set_quota)
-    show_quotas = tcmds.add_parser("quotas", help="a tenant's quotas in effect, and its use")
-    show_quotas.add_argument("tenant", help="the tenant's name or id")
-    show_quotas.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
-    show_quotas.set_defaults(func=cmd_tenants_quotas)
+    tenant_command("quotas", "a tenant's quotas in effect, and its use").set_defaults(
+        func=cmd_tenants_quotas
+    )
 
     store = sub.add_parser("store", help="the artifact store").add_subparsers(
         dest="store", required=True

@@ -43,6 +43,7 @@ __all__ = [
     "tenant",
     "tenant_active_jobs",
     "tenant_by_name",
+    "tenant_import_sources",
     "tenant_index",
     "tenant_quotas",
     "tenant_rate",
@@ -127,6 +128,12 @@ def tenant_streams(tenant_id: str) -> str:
 def tenant_rate(tenant_id: str) -> str:
     """Hash: the tenant's request token bucket (tokens, ts); with a TTL."""
     return f"{PREFIX}:tenant:{tenant_id}:rate-bucket"
+
+
+def tenant_import_sources(tenant_id: str) -> str:
+    """Set: the ``s3://BUCKET/PREFIX/`` sources the tenant may import datasets from
+    (service/records/import_sources.py)."""
+    return f"{PREFIX}:tenant:{tenant_id}:import-sources"
 
 
 def record(kind: ResourceKind, resource_id: str) -> str:

@@ -5,6 +5,8 @@ concerns; each class is usable alone, over a client of its own, like RQ's regist
 root, ``RedisRecords``, is in base.py):
 
 - :class:`~service.records.api_keys.ApiKeys` (api_keys.py): tenants and API keys;
+- :class:`~service.records.import_sources.ImportSources` (import_sources.py): the S3 prefixes
+  each tenant may import datasets from;
 - :class:`~service.records.models.ModelRecords` (models.py) and
   :class:`~service.records.datasets.DatasetRecords` (datasets.py): tenants' resources, in the
   layout of resources.py;
@@ -33,6 +35,7 @@ from service.records.api_keys import ApiKey, ApiKeys
 from service.records.datasets import DatasetRecords
 from service.records.format import RESOURCE_FIELDS, owned_resource
 from service.records.idempotency import IdempotencyKeys
+from service.records.import_sources import ImportSources
 from service.records.jobs import JobFilter, JobRecords
 from service.records.logs import JOB_LOG_MAX_ENTRIES, JobLogs
 from service.records.models import ModelRecords
@@ -62,6 +65,7 @@ class Records(
     JobSignals,
     IdempotencyKeys,
     TenantQuotas,
+    ImportSources,
 ):
     """All record reads and writes, over one redis-py client (thread-safe, pooled): the
     methods of every class it combines, and the one read that spans two of them."""

@@ -21,6 +21,8 @@ __all__ = [
     "DirectUpload",
     "HashingWriter",
     "ObjectWriter",
+    "SourceFolders",
+    "SourcePage",
     "Store",
     "StoredObject",
     "check_sha256",
@@ -211,6 +213,29 @@ class DirectUpload(NamedTuple):
     part_urls: list[str]
 
 
+class SourcePage(NamedTuple):
+    """One page of a folder's listing in a bucket: what lies directly in it, in key order."""
+
+    files: list[tuple[str, int]]  # (key, size) of each object directly in the folder
+    folders: list[str]  # the key prefix, ending in "/", of each folder directly in it
+
+
+class SourceFolders(Protocol):
+    """A bucket read with the service's credentials as a tree of folders, for importing a
+    folder of images; never the store's own objects (NOTE [ Import sources ] in
+    service/records/import_sources.py)."""
+
+    def pages(self, prefix: str) -> Iterator[SourcePage]:
+        """The folder ``prefix`` (ending in ``/``, or ``""``), a page at a time; nothing
+        of the store's own prefix."""
+        ...
+
+    def open(self, key: str) -> contextlib.AbstractContextManager[tuple[int, BinaryIO]]:
+        """(size, a reader of the object's bytes); ``ObjectNotFoundError`` if it is absent,
+        unreadable, or the store's own."""
+        ...
+
+
 @runtime_checkable
 class DirectTransfers(Protocol):
     """What a store whose objects can reach it without passing through the API offers (the
@@ -227,5 +252,10 @@ class DirectTransfers(Protocol):
         ...
 
     def import_object(self, url: str, max_bytes: int | None) -> tuple[str, int]:
-        """Copies an ``s3://`` object into the store; (sha256, size)."""
+        """Copies an ``s3://`` object into the store; (sha256, size). ``ObjectNotFoundError``
+        if it is absent, unreadable, or one of the store's own."""
+        ...
+
+    def source_folders(self, bucket: str) -> SourceFolders:
+        """``bucket`` as folders to import from (its reads happen on use)."""
         ...

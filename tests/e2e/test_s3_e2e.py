@@ -6,6 +6,7 @@ worker, a machine lost mid-job, and a running job's dataset kept in a cache two 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import signal
 import time
@@ -15,10 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 from rq import Queue
 
 from service.records import keys
+from service.records.format import text
 from tests.e2e.test_e2e import created, digits_npz, long_train
 from tests.servers import S3Server, wait_for
 from tests.stack import Client, Stack, running_stack
@@ -193,8 +197,11 @@ def test_direct_upload_and_import_bypass_the_api(s3_stack: S3Stack) -> None:
     again = client.http.post(started["complete_url"], json={"etags": etags})
     assert again.status_code == 404
 
-    # A file already in a bucket: registered by reference, copied server-side.
+    # A file already in a bucket the operator allowed: registered by reference, copied
+    # server-side.
     s3_stack.server.client().put_object(Bucket=s3_stack.bucket, Key="incoming/d.npz", Body=content)
+    tenant_id = text(stack.records().client.get(keys.tenant_by_name("direct")))
+    stack.records().allow_import(tenant_id, f"s3://{s3_stack.bucket}/incoming/")
     imported = created(
         client.http.post(
             "/v1/datasets:import", json={"source": f"s3://{s3_stack.bucket}/incoming/d.npz"}
@@ -206,7 +213,31 @@ def test_direct_upload_and_import_bypass_the_api(s3_stack: S3Stack) -> None:
     missing = client.http.post(
         "/v1/datasets:import", json={"source": f"s3://{s3_stack.bucket}/incoming/none.npz"}
     )
-    assert missing.status_code == 422
+    assert missing.status_code == 404
+
+    # A folder of images (a class a folder), registered without a tar and adapted on by a job.
+    for number in range(6):
+        pixels = np.random.default_rng(number).integers(0, 256, size=(8, 8), dtype=np.uint8)
+        png = io.BytesIO()
+        Image.fromarray(pixels).save(png, format="PNG")
+        key = f"incoming/digits/{number % 2}/{number}.png"
+        s3_stack.server.client().put_object(Bucket=s3_stack.bucket, Key=key, Body=png.getvalue())
+    folder = created(
+        client.http.post(
+            "/v1/datasets:import",
+            json={
+                "source": f"s3://{s3_stack.bucket}/incoming/digits/",
+                "preprocessing": {"channels": "gray"},
+            },
+        )
+    )
+    assert (folder["format"], folder["sample_shape"], folder["num_classes"]) == (
+        "tar",
+        [1, 8, 8],
+        2,
+    )
+    succeeded(client, job("adapt", model, folder, batch_size=3))
+
     # Announced size and sent bytes differ: nothing registered.
     announced = {"direct": True, "size": len(content) + 1}
     short = created(client.http.post("/v1/direct-uploads", json=announced))

@@ -29,6 +29,7 @@ from service.api.deps import (
     TenantDep,
 )
 from service.api.problems import ApiError
+from service.datasets import imports
 from service.datasets.registration import register_dataset
 from service.errors import StoreError, StoreTooLargeError
 from service.records import keys
@@ -215,26 +216,13 @@ async def import_dataset(
     heavy: HeavyWorkDep,
     response: Response,
 ) -> DatasetPublic:
-    """Register a dataset from an object already in a bucket (``s3://BUCKET/KEY``, readable
-    with the service's credentials): copied server-side, then checked like an upload."""
-    direct = _direct(store)
-    return await heavy.run(_import, direct, records, tenant, settings, store, body, response)
-
-
-def _import(
-    direct: DirectTransfers,
-    records: Records,
-    tenant: str,
-    settings: Settings,
-    store: Store,
-    body: DatasetImport,
-    response: Response,
-) -> DatasetPublic:
-    try:
-        sha256, size = direct.import_object(body.source, settings.max_dataset_bytes)
-    except StoreTooLargeError as exc:
-        raise ApiError(413, str(exc)) from exc
-    except (StoreError, ValueError) as exc:  # ObjectNotFoundError too: the source is missing
-        raise ApiError(422, str(exc)) from exc
-    name = body.name or body.source.rpartition("/")[2]
-    return _register(records, tenant, settings, store, sha256, size, name, response)
+    """Register a dataset from a bucket the operator allowed your tenant to import from
+    (``bnadapt tenants allow-import``): an object (``s3://BUCKET/KEY``), copied server-side, or
+    a folder of images (``s3://BUCKET/PREFIX/``), streamed into the store as an image tar;
+    then checked like an upload. Any source you may not read, or that is not there, is the
+    same 404."""
+    dataset = await heavy.run(
+        imports.import_dataset, tenant, records, store, _direct(store), settings, body
+    )
+    response.headers["Location"] = f"/v1/datasets/{dataset.id}"
+    return dataset

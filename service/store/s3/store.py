@@ -66,6 +66,7 @@ from service.store.cache import ObjectCache
 from service.store.s3.client import S3Bucket, not_found, over_tls, parse_s3_url
 from service.store.s3.client import warm_up as warm_up_clients
 from service.store.s3.collection import S3Collection
+from service.store.s3.sources import S3SourceFolders
 from service.store.s3.transfers import MAX_PARTS, BodyReader, PartUpload, Transfers
 
 __all__ = ["S3Store"]
@@ -488,13 +489,21 @@ class S3Store:
                 return found
             marker = int(reply["NextPartNumberMarker"])
 
+    def owns(self, bucket: str, key: str) -> bool:
+        """Whether ``s3://bucket/key`` is under this store's prefix: never a source to import
+        from (NOTE [ Import sources ] in service/records/import_sources.py)."""
+        return bucket == self.bucket and key.startswith(self.prefix)
+
     def import_object(self, url: str, max_bytes: int | None) -> tuple[str, int]:
         """Copies ``s3://bucket/key`` (readable with this store's credentials) server-side to
-        a temp key, then checks and installs it like any write; returns (sha256, size)."""
+        a temp key, then checks and installs it like any write; returns (sha256, size).
+        ``ObjectNotFoundError`` if it is absent, unreadable, or under this store's prefix."""
         bucket, key = parse_s3_url(url)
         key = key.rstrip("/")
         if not key:
             raise ValueError(f"{url!r} names a bucket, not an object: write s3://BUCKET/KEY")
+        if self.owns(bucket, key):
+            raise ObjectNotFoundError(f"{url} is in the store itself, never a source")
         try:
             head = self.client.head_object(Bucket=bucket, Key=key)
         except ClientError as exc:
@@ -506,6 +515,10 @@ class S3Store:
         except ClientError as exc:
             raise StoreError(f"cannot copy {url} into the store: {exc}") from exc
         return self._adopt_temp(temp_key, max_bytes)
+
+    def source_folders(self, bucket: str) -> S3SourceFolders:
+        """``bucket`` as folders of objects to import, without this store's own."""
+        return S3SourceFolders(self.client, bucket, self.owns)
 
     def _adopt_temp(
         self, temp_key: str, max_bytes: int | None, announced: int | None = None
