@@ -29,6 +29,7 @@ from api_schemas import JobPublic
 from service.records import keys
 from service.records.format import text
 from service.records.sync import Records
+from service.records.turns import Turns
 from service.store.base import Store
 
 __all__ = ["MULTIPROC_ENV", "install_metrics"]
@@ -98,8 +99,10 @@ class _DeploymentCollector(Collector):
         yield from (jobs, duration, wait)
 
         client = self._records.client
-        queue = Queue(self._queue_name, connection=client, serializer="json")
-        yield GaugeMetricFamily("bnadapt_queue_depth", "RQ jobs waiting in the queue", queue.count)
+        # The queue's own list and its tenants' queues (NOTE [ Fair turns ]).
+        names = [self._queue_name, *Turns(client).queue_names(self._queue_name)]
+        depth = sum(Queue(name, connection=client, serializer="json").count for name in names)
+        yield GaugeMetricFamily("bnadapt_queue_depth", "RQ jobs waiting in the queue", depth)
         yield GaugeMetricFamily(
             "bnadapt_queue_oldest_wait_seconds", "age of the oldest queued job", oldest_queued
         )
