@@ -44,7 +44,7 @@ from workers.running.job import load_runners
 from workers.running.loading import WORKER_DEVICE_ENV
 from workers.sharding.jobs import fail_killed_child
 
-__all__ = ["main"]
+__all__ = ["TurnQueue", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ HOLDS_BEAT_S: Final = 0.5
 TURN_POLL_S: Final = 1.0
 
 
-class _TurnQueue(Queue):
+class TurnQueue(Queue):
     """RQ's queue, but a worker's dequeue takes the next job by the tenants' turns of its
     device queues (NOTE [ Fair turns ] in service/records/turns.py) instead of popping the
     queues' own lists in order."""
@@ -277,11 +277,11 @@ def main() -> None:
     if device_class in DEVICE_CLASSES:
         names.insert(0, settings.job_queue(device_class))
     worker = _Worker(
-        [_TurnQueue(name, connection=client, serializer="json") for name in names],
+        [TurnQueue(name, connection=client, serializer="json") for name in names],
         name=f"bnadapt-{socket.gethostname()}-{os.getpid()}",
         connection=client,
         serializer="json",
-        queue_class=_TurnQueue,
+        queue_class=TurnQueue,
         work_horse_killed_handler=horse_killed,
     )
     worker.log.addFilter(_OutcomeFilter(worker))
