@@ -11,8 +11,10 @@ from collections.abc import Iterator
 import pytest
 from rq import Queue
 
+from service.local.cli import main
 from service.records.connection import redis_client
 from service.records.queue import enqueue_run
+from service.records.sync import Records
 from service.records.turns import Turns, turn_queue_name
 
 BASE = "turn-tests"
@@ -127,3 +129,19 @@ def test_jobs_put_back_by_rq_itself_are_found(turns: Turns) -> None:
     )
     assert take(turns, 1) == ["dependent"]
     assert turns.queue_names(BASE) == [name]
+
+
+def test_an_operator_sets_a_tenants_weight(
+    turns: Turns, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tenant_id = Records(turns.client).create_api_key("heavy").tenant_id
+    assert main(["tenants", "set-weight", "heavy", "3", "--redis-url", redis_url]) == 0
+    assert turns.weights() == {tenant_id: 3.0}
+    assert main(["tenants", "weights", "--redis-url", redis_url]) == 0
+    assert capsys.readouterr().out.split() == [tenant_id, "heavy", "3"]
+    assert main(["tenants", "set-weight", "nobody", "3", "--redis-url", redis_url]) == 1
+    assert "no tenant named 'nobody'" in capsys.readouterr().err
+    assert main(["tenants", "set-weight", "heavy", "-1", "--redis-url", redis_url]) == 1
+    assert "weight is in (0, 1000]" in capsys.readouterr().err
+    assert main(["tenants", "set-weight", "heavy", "1", "--redis-url", redis_url]) == 0
+    assert turns.weights() == {}
