@@ -24,8 +24,8 @@ own jobs only; they never move a tenant's turn.
 
 Tenants stay registered once they queued a job: jobs reach their queues also through RQ
 itself (a sharded job's children once their dependencies end, RQ's own retries), without
-passing :func:`announce`. Each take reads every registered tenant's queue lengths up to the
-first one with work: a few microseconds per tenant and priority in use.
+passing :func:`announce`. A take tries the registered tenants' queues in the order of their
+turns until one has a job: one LPOP per (tenant, priority) queue tried, in one script.
 """
 
 from __future__ import annotations
