@@ -149,6 +149,22 @@ class _Worker(Worker):
             stop_at("held", result[0].id)
         return result
 
+    def clean_registries(self) -> None:
+        # RQ's maintenance cleans the registries of the queues a worker serves; its jobs run
+        # from the tenants' queues of those (NOTE [ Fair turns ]), whose registries (finished,
+        # failed, started...) would otherwise grow without end: they are cleaned alike.
+        serving = self.queues
+        turns = Turns(self.connection)
+        owned = [name for queue in serving for name in turns.queue_names(queue.name)]
+        self.queues = [
+            *serving,
+            *(TurnQueue(name, connection=self.connection, serializer="json") for name in owned),
+        ]
+        try:
+            super().clean_registries()  # type: ignore[no-untyped-call]  # RQ: untyped
+        finally:
+            self.queues = serving
+
     def prepare_execution(self, job: Job) -> Execution:
         execution = super().prepare_execution(job)
         stop_at("execution", job.id)
