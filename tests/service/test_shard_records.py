@@ -26,7 +26,7 @@ from service.records.connection import redis_client
 from service.records.dequeues import DequeueHolds
 from service.records.shards import FINISH, MERGE, ChildState, ShardRecords, child_job_id
 from service.records.sync import Records
-from service.records.turns import turn_queue_name
+from service.records.turns import Turns, turn_queue_name
 from service.settings import Settings
 from service.store.local import LocalStore
 from service.upkeep.reaper import enqueue_ready_children, reap_stale_jobs
@@ -96,6 +96,25 @@ def labelled(records: Records, redis_url: str, tmp_path: Path) -> JobPayload:
 def rq_status(records: Records, job_id: str, child: str) -> str:
     job = Job.fetch(child_job_id(job_id, child), connection=records.client, serializer="json")
     return str(job.get_status().value)
+
+
+def test_children_wait_in_their_tenants_queue_of_the_jobs_priority(
+    records: Records, redis_url: str, tmp_path: Path
+) -> None:
+    """NOTE [ Fair turns ] in service/records/turns.py: a sharded job's children take the
+    turns of its tenant, at its priority."""
+    store = LocalStore(tmp_path / "store")
+    params = AdaptParams(estimator="precise", batch_size=4, shards=2)
+    job = new_job(records, store, params).model_copy(update={"priority": 3})
+    settings = Settings(redis_url=redis_url, data_dir=tmp_path, queue="shard-tests")
+    with JobRuntime(records, job.job_id, TIMEOUT_S) as runtime:
+        start_shards(job, records, store, runtime, settings)
+    own = turn_queue_name("shard-tests", TENANT, 3)
+    assert Queue(own, connection=records.client, serializer="json").job_ids == [
+        child_job_id(job.job_id, "shard-0"),
+        child_job_id(job.job_id, "shard-1"),
+    ]
+    assert Turns(records.client).queue_names("shard-tests") == [own]
 
 
 def test_dispatch_records_the_plan_and_queues_the_children(
