@@ -242,11 +242,14 @@ class Client:
         params: dict[str, Any] | None = None,
         idempotency_key: str | None = None,
         tags: Mapping[str, str] | None = None,
+        priority: int = 0,
     ) -> JobPublic:
         body: dict[str, Any] = {"kind": kind, "model_id": model_id, "dataset_id": dataset_id}
         body["params"] = params or {}
         if tags:
             body["tags"] = dict(tags)
+        if priority:
+            body["priority"] = priority
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         response = self.request("POST", "/v1/jobs", json=body, headers=headers)
         return JobPublic.model_validate(self._check(response).json())

@@ -22,6 +22,7 @@ from api_schemas.jobs.params import (
     CheckpointPolicy,
     CompileBackend,
     Device,
+    JobPriority,
     JobTags,
     MaxAttempts,
     ModulePattern,
@@ -362,3 +363,4 @@ class AdaptJobCreate(RequestModel):
     params: AdaptParams = Field(default_factory=AdaptParams)
     max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
     tags: JobTags = Field(default_factory=dict)
+    priority: JobPriority = 0

@@ -11,12 +11,15 @@ __all__ = [
     "DEVICE_PATTERN",
     "MAX_ATTEMPTS",
     "MAX_BATCH_SIZE",
+    "MAX_PRIORITY",
     "MAX_SHARDS",
+    "MIN_PRIORITY",
     "TAG_KEY_PATTERN",
     "BatchSize",
     "CheckpointPolicy",
     "CompileBackend",
     "Device",
+    "JobPriority",
     "JobTags",
     "MaxAttempts",
     "ModulePattern",
@@ -34,6 +37,12 @@ MAX_SHARDS: Final = 256
 DEFAULT_MAX_ATTEMPTS: Final = 3
 MAX_ATTEMPTS: Final = 10
 MaxAttempts = Annotated[int, Field(ge=1, le=MAX_ATTEMPTS)]
+# The order of a tenant's own queued jobs: higher first, first in first out within one
+# priority. It never moves the tenant's turn among other tenants (NOTE [ Fair turns ] in
+# service/records/turns.py).
+MIN_PRIORITY: Final = -10
+MAX_PRIORITY: Final = 10
+JobPriority = Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
 
 
 # A job's tags: a string map the client chooses (`{"experiment": "shift-3"}`), shown on the job

@@ -9,7 +9,7 @@ from api_schemas.architectures import ArchitectureKwargs, ArchitectureName
 from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
 from api_schemas.datasets import ArrayFormat, LabelKind, Preprocessing, SampleDtype
 from api_schemas.jobs.kinds import JobKind, JobParams, params_for_kind
-from api_schemas.jobs.params import JobTags, MaxAttempts
+from api_schemas.jobs.params import JobPriority, JobTags, MaxAttempts
 
 __all__ = [
     "JobAttempt",
@@ -99,6 +99,7 @@ class JobPublic(BaseModel):
     max_attempts: MaxAttempts = 1
     attempts: list[JobAttempt] = Field(default_factory=list)
     tags: JobTags = Field(default_factory=dict)
+    priority: JobPriority = 0
 
     @field_validator("params", mode="before")
     @classmethod
@@ -142,6 +143,9 @@ class JobPayload(RequestModel):
     model: JobPayloadModel
     dataset: JobPayloadDataset
     params: JobParams
+    # Which of the tenant's queues its retries and children wait in (0 in payloads of
+    # releases without priorities).
+    priority: JobPriority = 0
 
     @field_validator("params", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from api_schemas.jobs.params import (
     CheckpointPolicy,
     CompileBackend,
     Device,
+    JobPriority,
     JobTags,
     MaxAttempts,
     compile_backend_fits,
@@ -60,3 +61,4 @@ class TrainJobCreate(RequestModel):
     params: TrainParams = Field(default_factory=TrainParams)
     max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
     tags: JobTags = Field(default_factory=dict)
+    priority: JobPriority = 0

@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 import safetensors.torch
-from rq import Queue, SimpleWorker
+from rq import SimpleWorker
 
 from service.records.connection import redis_client
 from service.settings import get_settings
 from tests.inprocess import InProcessApi, running_api
 from tests.stack import Client, npz_bytes
 from workers.models.architectures import build_model
+from workers.processes.rq_worker import TurnQueue
 
 
 def model_and_data(client: Client) -> tuple[str, str]:
@@ -39,8 +40,11 @@ def run_queued(api: InProcessApi) -> None:
     os.environ["BNADAPT_DATA_DIR"] = str(api.settings.data_dir)
     get_settings.cache_clear()
     connection = redis_client(api.redis.url)
-    queue = Queue(api.settings.queue, connection=connection, serializer="json")
-    SimpleWorker([queue], connection=connection, serializer="json").work(burst=True)
+    # The worker's own dequeue: jobs wait in their tenant's queue (NOTE [ Fair turns ]).
+    queue = TurnQueue(api.settings.queue, connection=connection, serializer="json")
+    SimpleWorker([queue], connection=connection, serializer="json", queue_class=TurnQueue).work(
+        burst=True
+    )
 
 
 def submitted_and_run(api: InProcessApi, body: dict[str, Any]) -> tuple[Client, dict[str, Any]]:

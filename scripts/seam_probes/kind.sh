@@ -39,6 +39,7 @@ class ZeroBnJobCreate(RequestModel):
     params: ZeroBnParams = Field(default_factory=ZeroBnParams)
     max_attempts: shared.MaxAttempts = shared.DEFAULT_MAX_ATTEMPTS
     tags: shared.JobTags = Field(default_factory=dict)
+    priority: shared.JobPriority = 0
 EOF
 python3 - <<'EOF'
 p = "api_schemas/jobs/kinds.py"

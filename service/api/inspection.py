@@ -41,7 +41,8 @@ def inspect_model(client: redis.Redis, request: InspectRequest, timeout_s: float
     if not client.exists(keys.INSPECTORS_ALIVE):
         raise ApiError(503, NO_WORKER, headers={"Retry-After": "5"})
     reply_key = keys.inspect_reply(request.request_id)
-    client.lpush(keys.INSPECT_REQUESTS, request.model_dump_json())
+    # At the tail: inspectors pop the head, so requests are served first in, first out.
+    client.rpush(keys.INSPECT_REQUESTS, request.model_dump_json())
     deadline = time.monotonic() + timeout_s
     popped = None
     while popped is None and (left := deadline - time.monotonic()) > 0:

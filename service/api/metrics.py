@@ -51,6 +51,7 @@ from service.api.problems import ApiError
 from service.records import keys
 from service.records.format import text
 from service.records.sync import Records
+from service.records.turns import Turns
 from service.settings import Settings
 from service.store.base import Store
 
@@ -103,7 +104,6 @@ def compute_figures(records: Records, store: Store, queue_name: str) -> dict[str
         elif job.status.value == "queued":
             oldest_queued = max(oldest_queued, now - job.created_at.timestamp())
     client = records.client
-    queue = Queue(queue_name, connection=client, serializer="json")
     workers = Worker.all(connection=client)
     sizes = [obj.size for obj in store.objects()]
     return {
@@ -111,7 +111,11 @@ def compute_figures(records: Records, store: Store, queue_name: str) -> dict[str
         "jobs": [[kind, status, n] for (kind, status), n in sorted(counts.items())],
         "durations": [[k, s, len(v), sum(v)] for (k, s), v in sorted(durations.items())],
         "waits": [[kind, len(v), sum(v)] for kind, v in sorted(waits.items())],
-        "queue_depth": queue.count,
+        # The queue's own list and its tenants' queues (NOTE [ Fair turns ]).
+        "queue_depth": sum(
+            Queue(name, connection=client, serializer="json").count
+            for name in [queue_name, *Turns(client).queue_names(queue_name)]
+        ),
         "oldest_queued_s": oldest_queued,
         "workers": len(workers),
         "workers_busy": sum(1 for w in workers if w.get_state() == "busy"),

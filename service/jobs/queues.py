@@ -1,14 +1,15 @@
 """Which RQ queue a job waits in, and what it shows while it waits there (NOTE [ Queues by
-device ] in service/settings.py)."""
+device ] in service/settings.py, NOTE [ Fair turns ] in service/records/turns.py)."""
 
 from __future__ import annotations
 
 from rq import Queue
 
 from api_schemas import Progress, utc_now
+from service.records.turns import turn_queue
 from service.settings import Settings
 
-__all__ = ["job_queue", "waiting_progress"]
+__all__ = ["job_queue", "tenant_queue", "waiting_progress"]
 
 
 def job_queue(default: Queue, settings: Settings, device: str) -> Queue:
@@ -18,6 +19,14 @@ def job_queue(default: Queue, settings: Settings, device: str) -> Queue:
     if name == default.name:
         return default
     return Queue(name, connection=default.connection, serializer="json")
+
+
+def tenant_queue(
+    default: Queue, settings: Settings, device: str, tenant: str, priority: int
+) -> Queue:
+    """The queue a job of ``tenant`` and ``priority`` asking for ``device`` waits in: its
+    tenant's, in the turns of its device's queue."""
+    return turn_queue(default.connection, settings.job_queue(device), tenant, priority)
 
 
 def waiting_progress(device: str) -> Progress | None:

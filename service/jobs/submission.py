@@ -76,6 +76,7 @@ def submit_job(
         created_at=utc_now(),
         max_attempts=request.max_attempts,
         tags=request.tags,
+        priority=request.priority,
     )
     payload = job_payload(job_id, tenant, request, model, dataset)
     queue = job_queue(default_queue, settings, request.params.device)
@@ -191,4 +192,5 @@ def job_payload(
         # Every fact the payload carries has its name in DatasetPublic.
         dataset=JobPayloadDataset.model_validate(dataset, from_attributes=True),
         params=request.params,
+        priority=request.priority,
     )

@@ -54,6 +54,7 @@ from service.local.up import (
     fresh_metrics_dir,
     worker_command,
 )
+from service.records.turns import MAX_WEIGHT
 from service.settings import get_settings
 
 if TYPE_CHECKING:
@@ -262,6 +263,39 @@ def cmd_tenants_revoke_import(args: argparse.Namespace) -> int:
             f"`bnadapt tenants list-imports {args.tenant}`"
         )
     print(f"tenant {args.tenant} may no longer import from {args.prefix}", file=sys.stderr)
+
+
+def cmd_tenants_set_weight(args: argparse.Namespace) -> int:
+    from service.records import keys
+    from service.records.connection import redis_client
+    from service.records.format import text
+    from service.records.turns import Turns
+
+    client = redis_client(args.redis_url or get_settings().redis_url)
+    tenant_id = client.get(keys.tenant_by_name(args.tenant))
+    if tenant_id is None:
+        raise BnadaptError(
+            f"no tenant named {args.tenant!r}; a tenant is made with its first key "
+            "(`bnadapt keys create --tenant NAME`), and `bnadapt keys list` shows them"
+        )
+    try:
+        Turns(client).set_weight(text(tenant_id), args.weight)
+    except ValueError as exc:
+        raise BnadaptError(str(exc)) from exc
+    print(f"tenant {args.tenant} ({text(tenant_id)}): weight {args.weight:g}", file=sys.stderr)
+    return 0
+
+
+def cmd_tenants_weights(args: argparse.Namespace) -> int:
+    from service.records import keys
+    from service.records.connection import redis_client
+    from service.records.format import text
+    from service.records.turns import Turns
+
+    client = redis_client(args.redis_url or get_settings().redis_url)
+    for tenant_id, weight in sorted(Turns(client).weights().items()):
+        name = client.hget(keys.tenant(tenant_id), "name")
+        print(f"{tenant_id}  {'' if name is None else text(name):16} {weight:g}")
     return 0
 
 
@@ -412,6 +446,17 @@ def _parser() -> argparse.ArgumentParser:
         func=cmd_tenants_quotas
     )
 
+    weight = tenant_command(
+        "set-weight",
+        "how many turns the tenant's queued jobs get for each one of a tenant of weight 1 "
+        "(default 1; docs/service.md, Fair turns)",
+    )
+    weight.add_argument("weight", type=float, help=f"in (0, {MAX_WEIGHT:g}]; 1 resets it")
+    weight.set_defaults(func=cmd_tenants_set_weight)
+    weights = tenants.add_parser("weights", help="the tenants whose weight is not 1")
+    weights.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
+    weights.set_defaults(func=cmd_tenants_weights)
+
     store = sub.add_parser("store", help="the artifact store").add_subparsers(
         dest="store", required=True
     )
@@ -492,6 +537,13 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="a tag on the job; repeat for several",
+    )
+    submit.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="order among your own queued jobs, -10..10, higher first (default 0); other "
+        "tenants' turns are not affected",
     )
     submit.add_argument(
         "--idempotency-key", help="repeating a submit with the same key returns the same job"

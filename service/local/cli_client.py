@@ -216,7 +216,13 @@ def _print_outcome(client: Client, job: JobPublic) -> None:
 def cmd_jobs_submit(args: argparse.Namespace) -> int:
     client = api_client(args)
     job = client.submit(
-        args.kind, args.model, args.dataset, args.params, args.idempotency_key, dict(args.tag)
+        args.kind,
+        args.model,
+        args.dataset,
+        args.params,
+        args.idempotency_key,
+        dict(args.tag),
+        args.priority,
     )
     if not args.wait:
         print_value(job)

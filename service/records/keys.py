@@ -20,6 +20,7 @@ __all__ = [
     "STORE_GC_STARTED",
     "STORE_RELEASED",
     "STORE_WRITTEN",
+    "TURN_WEIGHTS",
     "ResourceKind",
     "api_key",
     "direct_upload",
@@ -50,6 +51,7 @@ __all__ = [
     "tenant_stored_bytes",
     "tenant_streams",
     "tenant_uploads",
+    "turns",
     "upload",
     "upload_part_holders",
     "upload_parts",
@@ -62,7 +64,8 @@ ResourceKind = Literal["model", "dataset", "job"]
 ARCHITECTURES: Final = f"{PREFIX}:architectures"
 # Set while at least one inspector runs (TTL refreshed by each).
 INSPECTORS_ALIVE: Final = f"{PREFIX}:inspectors-alive"
-# List of pending inspection requests (JSON), popped by inspectors.
+# List of pending inspection requests (JSON): the API pushes at the tail, inspectors pop the
+# head (first in, first out).
 INSPECT_REQUESTS: Final = f"{PREFIX}:inspect:requests"
 # Set of job ids whose status is `running`, for the reaper.
 RUNNING_JOBS: Final = f"{PREFIX}:jobs:running"
@@ -82,6 +85,9 @@ STORE_WRITTEN: Final = f"{PREFIX}:store:written"
 STORE_GC_LOCK: Final = f"{PREFIX}:store:gc-lock"
 # Present (with a TTL of the collection interval) once a collection started.
 STORE_GC_STARTED: Final = f"{PREFIX}:store:gc-started"
+# Hash: tenant id -> the weight of its turns (NOTE [ Fair turns ] in service/records/turns.py);
+# a tenant not in it has weight 1.
+TURN_WEIGHTS: Final = f"{PREFIX}:turns:weights"
 
 
 def api_key(key_id: str) -> str:
@@ -250,3 +256,10 @@ def idempotency(tenant_id: str, key: str) -> str:
 
 def inspect_reply(request_id: str) -> str:
     return f"{PREFIX}:inspect:reply:{request_id}"
+
+
+def turns(base_queue: str) -> str:
+    """Prefix of the keys that take turns between the tenants of the RQ queue ``base_queue``
+    (NOTE [ Fair turns ] in service/records/turns.py): ``<prefix>:tenants``, ``<prefix>:clock``,
+    ``<prefix>:bell``, ``<prefix>:queues:<tenant id>``."""
+    return f"{PREFIX}:turns:{base_queue}"

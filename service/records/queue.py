@@ -1,5 +1,6 @@
 """Putting a job's run on the RQ queue: by the API for a job's first attempt, by the sweep for
-each later one (NOTE [ Job attempts ] in service/records/retries.py)."""
+each later one (NOTE [ Job attempts ] in service/records/retries.py), in the queue of its
+tenant and priority (NOTE [ Fair turns ] in service/records/turns.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any, Final
 
 import redis
 from rq import Queue
+
+from service.records.turns import announce, turn_queue
 
 __all__ = ["JOB_FUNCTION", "RQ_FAILURE_TTL_S", "RQ_RESULT_TTL_S", "enqueue_run"]
 
@@ -25,10 +28,13 @@ def enqueue_run(
     description: str,
     pipeline: redis.client.Pipeline | None = None,
 ) -> None:
-    """Queues one attempt of the job ``payload`` describes under the RQ id ``rq_id``. Without
+    """Queues one attempt of the job ``payload`` describes under the RQ id ``rq_id``, in the
+    device queue ``queue``'s turns: the queue of the job's tenant and priority there. Without
     a pipeline the id must be new: a second enqueue of it raises RQ's ``DuplicateJobError``
     (two sweeps enqueueing the same attempt at once)."""
-    queue.enqueue_call(
+    tenant, priority = str(payload["tenant_id"]), int(payload.get("priority", 0))
+    own = turn_queue(queue.connection, queue.name, tenant, priority)
+    own.enqueue_call(
         JOB_FUNCTION,
         args=(payload,),
         job_id=rq_id,
@@ -39,3 +45,4 @@ def enqueue_run(
         pipeline=pipeline,
         unique=pipeline is None,
     )
+    announce(queue.connection if pipeline is None else pipeline, queue.name, tenant, priority)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import redis
 
 from service.records.sync import Records
+from service.records.turns import Turns
 from service.settings import Settings
 from service.store.base import Store
 from service.store.gc import collect_if_due
@@ -88,9 +89,12 @@ class Housekeeping:
         ):
             self._records.client.ping()
             return
+        # Children wait in their tenant's queues of the device queues (NOTE [ Fair turns ]).
+        turns = Turns(self._records.client)
         moved = sum(
             enqueue_ready_children(self._records.client, queue)
-            for queue in self._settings.job_queues
+            for base in self._settings.job_queues
+            for queue in (base, *turns.queue_names(base))
         )
         if moved:
             log.info("moved %d jobs RQ left ready to the queue", moved)

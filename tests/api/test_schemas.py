@@ -225,7 +225,7 @@ def test_params_of_other_kind_rejected() -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        job_body(priority=1),
+        job_body(urgency=1),
         job_body(params={"batchsize": 8}),
         job_body(params={"checkpoint": {"preset": "blocks", "wrap": True}}),
     ],
@@ -234,6 +234,17 @@ def test_extra_fields_rejected(body: dict[str, Any]) -> None:
     with pytest.raises(ValidationError) as exc:
         parse_job_create(body)
     assert [t for _, t in error_types(exc)] == ["extra_forbidden"]
+
+
+@pytest.mark.parametrize("priority", [-11, 11, 1.5, "1", True])
+def test_priority_is_a_small_integer(priority: Any) -> None:
+    """A tenant orders its own jobs with -10..10 (NOTE [ Fair turns ] in
+    service/records/turns.py); 0 when left out."""
+    assert parse_job_create(job_body()).priority == 0
+    assert parse_job_create(job_body(priority=-10)).priority == -10
+    with pytest.raises(ValidationError) as exc:
+        parse_job_create(job_body(priority=priority))
+    assert [loc[-1] for loc, _ in error_types(exc)] == ["priority"]
 
 
 @pytest.mark.parametrize("bad", ["", "abc:cancel", "../etc", "a/b", "a" * 65, "mdl_a\n", "é"])

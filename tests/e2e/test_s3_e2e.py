@@ -23,9 +23,10 @@ from rq import Queue
 
 from service.records import keys
 from service.records.format import text
+from service.records.turns import turn_queue_name
 from tests.e2e.test_e2e import created, digits_npz, long_train
 from tests.servers import S3Server, wait_for
-from tests.stack import Client, Stack, running_stack
+from tests.stack import Client, Stack, job_payload, running_stack
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +120,13 @@ def test_cancel_and_a_cuda_job_waits_for_a_cuda_worker(s3_stack: S3Stack) -> Non
     dataset = created(client.add_dataset(digits_npz(n=200)))
     cuda = created(client.submit(job("adapt", model, dataset, device="cuda:0")), 202)
     assert cuda["progress"]["phase"] == "waiting for a cuda worker"
-    cuda_queue = Queue("bnadapt-cuda", connection=stack.records().client, serializer="json")
+    # Its tenant's queue among the CUDA jobs (NOTE [ Fair turns ] in service/records/turns.py).
+    tenant = job_payload(stack, cuda["id"]).tenant_id
+    cuda_queue = Queue(
+        turn_queue_name("bnadapt-cuda", tenant, 0),
+        connection=stack.records().client,
+        serializer="json",
+    )
     assert cuda_queue.job_ids == [cuda["id"]]
     # CPU workers serve CPU and `auto` jobs meanwhile, and leave the CUDA job alone.
     succeeded(client, job("adapt", model, dataset, device="cpu"))

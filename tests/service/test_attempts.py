@@ -18,6 +18,7 @@ from service.records.dequeues import DequeueHolds
 from service.records.queue import enqueue_run
 from service.records.retries import RETRY_BACKOFF_BASE_S
 from service.records.sync import Records
+from service.records.turns import turn_queue_name
 from service.settings import Settings
 from service.store.local import LocalStore
 from service.upkeep.reaper import heartbeat_key_ttl_s, reap_lost_queued_jobs
@@ -112,12 +113,17 @@ def test_a_queued_job_whose_queue_entry_is_gone_is_retried(
     assert "queue entry is gone" in job.attempts[0].reason
 
 
+def own_queue(settings: Settings) -> str:
+    """The queue the jobs of TENANT wait in (NOTE [ Fair turns ] in service/records/turns.py)."""
+    return turn_queue_name(settings.queue, TENANT, 0)
+
+
 def taken_from_queue(records: Records, settings: Settings, job_id: str) -> None:
     """What RQ's worker does first with a job: moves it from its queue onto the queue's
     intermediate list (RQ 3 with Redis >= 6.2), then records an execution of it."""
-    queue = Queue(settings.queue, connection=records.client, serializer="json")
+    queue = Queue(own_queue(settings), connection=records.client, serializer="json")
     assert records.client.lmove(queue.key, f"{queue.key}:intermediate") == job_id.encode()
-    records.client.zadd(f"rq:wip:{settings.queue}", {f"{job_id}:execution1": time.time() + 90})
+    records.client.zadd(f"rq:wip:{queue.name}", {f"{job_id}:execution1": time.time() + 90})
 
 
 def test_a_job_taken_from_the_queue_by_a_lost_worker_is_retried(
@@ -142,8 +148,8 @@ def test_a_job_taken_from_the_queue_by_a_lost_worker_is_retried(
     assert "its worker went on without it" in job.attempts[0].reason
     # What the lost run left is gone, so RQ's cleanups never act on it; the waiting job
     # beside it is left alone.
-    assert records.client.lrange(f"rq:queue:{settings.queue}:intermediate", 0, -1) == []
-    assert records.client.zrange(f"rq:wip:{settings.queue}", 0, -1) == []
+    assert records.client.lrange(f"rq:queue:{own_queue(settings)}:intermediate", 0, -1) == []
+    assert records.client.zrange(f"rq:wip:{own_queue(settings)}", 0, -1) == []
     assert not records.client.exists(keys.rq_job_holder(job_id))
     assert waiting not in reap_lost_queued_jobs(records, settings)
 
@@ -171,7 +177,7 @@ def test_a_job_taken_with_no_holder_is_retried_after_a_heartbeat_ttl(
     )
     job_id = queued_job(records, quick, max_attempts=3)
     waiting = queued_job(records, quick, max_attempts=3)
-    assert records.client.lpop(f"rq:queue:{quick.queue}") == job_id.encode()
+    assert records.client.lpop(f"rq:queue:{own_queue(quick)}") == job_id.encode()
     assert reap_lost_queued_jobs(records, quick) == []  # a worker may write it any moment
     time.sleep(heartbeat_key_ttl_s(quick.heartbeat_timeout_s) + 0.1)
     assert reap_lost_queued_jobs(records, quick) == [job_id]

@@ -26,6 +26,7 @@ from service.records.connection import redis_client
 from service.records.dequeues import DequeueHolds
 from service.records.shards import FINISH, MERGE, ChildState, ShardRecords, child_job_id
 from service.records.sync import Records
+from service.records.turns import Turns, turn_queue_name
 from service.settings import Settings
 from service.store.local import LocalStore
 from service.upkeep.reaper import enqueue_ready_children, reap_stale_jobs
@@ -35,6 +36,8 @@ from workers.running.runtime import JobRuntime
 from workers.sharding.jobs import start_shards
 
 TENANT = "tn_shards"
+# Where the children wait: their tenant's queue (NOTE [ Fair turns ] in service/records/turns.py).
+QUEUE = turn_queue_name("shard-tests", TENANT, 0)
 TIMEOUT_S = 0.5  # heartbeat timeout: short, so the tests can outwait it
 
 
@@ -93,6 +96,25 @@ def labelled(records: Records, redis_url: str, tmp_path: Path) -> JobPayload:
 def rq_status(records: Records, job_id: str, child: str) -> str:
     job = Job.fetch(child_job_id(job_id, child), connection=records.client, serializer="json")
     return str(job.get_status().value)
+
+
+def test_children_wait_in_their_tenants_queue_of_the_jobs_priority(
+    records: Records, redis_url: str, tmp_path: Path
+) -> None:
+    """NOTE [ Fair turns ] in service/records/turns.py: a sharded job's children take the
+    turns of its tenant, at its priority."""
+    store = LocalStore(tmp_path / "store")
+    params = AdaptParams(estimator="precise", batch_size=4, shards=2)
+    job = new_job(records, store, params).model_copy(update={"priority": 3})
+    settings = Settings(redis_url=redis_url, data_dir=tmp_path, queue="shard-tests")
+    with JobRuntime(records, job.job_id, TIMEOUT_S) as runtime:
+        start_shards(job, records, store, runtime, settings)
+    own = turn_queue_name("shard-tests", TENANT, 3)
+    assert Queue(own, connection=records.client, serializer="json").job_ids == [
+        child_job_id(job.job_id, "shard-0"),
+        child_job_id(job.job_id, "shard-1"),
+    ]
+    assert Turns(records.client).queue_names("shard-tests") == [own]
 
 
 def test_dispatch_records_the_plan_and_queues_the_children(
@@ -165,7 +187,7 @@ def test_a_shard_lost_with_its_whole_worker_is_queued_again(
     used, and the job goes on running."""
     shard_records = ShardRecords(records.client)
     rq_id = child_job_id(sharded.job_id, "shard-0")
-    queue = Queue("shard-tests", connection=records.client, serializer="json")
+    queue = Queue(QUEUE, connection=records.client, serializer="json")
     assert records.client.lpop(queue.key) == rq_id.encode()
     rq_job = Job.fetch(rq_id, connection=records.client, serializer="json")
     rq_job.retries_left = retries = 2  # as for a job of max_attempts 3 (NOTE [ Retried children ])
@@ -201,7 +223,7 @@ def test_a_shard_taken_from_the_queue_by_a_lost_worker_is_queued_again(
     records: Records, sharded: JobPayload
 ) -> None:
     rq_id = child_job_id(sharded.job_id, "shard-1")
-    queue = Queue("shard-tests", connection=records.client, serializer="json")
+    queue = Queue(QUEUE, connection=records.client, serializer="json")
     assert records.client.lrem(queue.key, 0, rq_id) == 1
     DequeueHolds(records.client).hold("worker-1", rq_id, TIMEOUT_S)
     assert reap_stale_jobs(records, TIMEOUT_S) == []
@@ -364,7 +386,7 @@ def test_children_rq_left_ready_are_moved_to_the_queue(
     records: Records, labelled: JobPayload
 ) -> None:
     # As RQ leaves a dependent when its move to the queue loses a race: ready, not queued.
-    queue = Queue("shard-tests", connection=records.client, serializer="json")
+    queue = Queue(QUEUE, connection=records.client, serializer="json")
     child = Job.fetch(
         child_job_id(labelled.job_id, "eval-0"), connection=records.client, serializer="json"
     )
@@ -373,7 +395,7 @@ def test_children_rq_left_ready_are_moved_to_the_queue(
         pipe.execute()
     assert child.get_status() == RQStatus.READY_TO_ENQUEUE
     assert child.id not in queue.job_ids
-    assert enqueue_ready_children(records.client, "shard-tests") == 1
+    assert enqueue_ready_children(records.client, QUEUE) == 1
     assert child.get_status() == RQStatus.QUEUED
     assert child.id in queue.job_ids
-    assert enqueue_ready_children(records.client, "shard-tests") == 0  # nothing left to move
+    assert enqueue_ready_children(records.client, QUEUE) == 0  # nothing left to move

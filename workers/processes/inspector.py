@@ -258,6 +258,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> None:
             if time.monotonic() - published > PUBLISH_INTERVAL_S:
                 _publish(client, catalog_json)
                 published = time.monotonic()
+            # The head: the oldest request (the API pushes at the tail): first in, first out.
             popped = client.blpop([keys.INSPECT_REQUESTS], timeout=POP_TIMEOUT_S)
             if popped is not None:
                 _handle(client, store, popped[1])

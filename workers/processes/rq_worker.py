@@ -15,11 +15,14 @@ import resource
 import socket
 import threading
 import time
-from typing import Final
+from collections.abc import Iterable
+from typing import Any, Final
 
 import redis
 import torch
+from redis import Redis
 from rq import Queue, Worker
+from rq.exceptions import DequeueTimeout
 from rq.executions import Execution
 from rq.job import Job
 from rq.registry import StartedJobRegistry
@@ -30,6 +33,7 @@ from service.log_format import configure_logging
 from service.records.connection import redis_client
 from service.records.dequeues import DequeueHolds
 from service.records.sync import Records
+from service.records.turns import Turns
 from service.settings import DEVICE_CLASSES, get_settings
 from service.store import open_store
 from service.upkeep.parent_death import SUPERVISOR_PID_ENV, die_with_supervisor
@@ -40,7 +44,7 @@ from workers.running.job import load_runners
 from workers.running.loading import WORKER_DEVICE_ENV
 from workers.sharding.jobs import fail_killed_child
 
-__all__ = ["main"]
+__all__ = ["TurnQueue", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,51 @@ _OK_OUTCOMES = frozenset({"succeeded", "running", "done", "skipped"})
 
 # How often the worker refreshes what it holds (NOTE [ Dequeued and lost ]).
 HOLDS_BEAT_S: Final = 0.5
+# An idle worker looks for work at least this often besides when a bell rings (NOTE [ Fair
+# turns ]): jobs that RQ itself puts back in a queue (a sharded job's children once their
+# dependencies end, RQ's retries) ring none.
+TURN_POLL_S: Final = 1.0
+
+
+class TurnQueue(Queue):
+    """RQ's queue, but a worker's dequeue takes the next job by the tenants' turns of its
+    device queues (NOTE [ Fair turns ] in service/records/turns.py) instead of popping the
+    queues' own lists in order."""
+
+    @classmethod
+    def dequeue_any(
+        cls,
+        queues: Iterable[Queue],
+        timeout: int | None,
+        connection: Redis,
+        job_class: type[Job] | None = None,
+        serializer: Any = None,
+        death_penalty_class: Any = None,
+    ) -> tuple[Job, Queue] | None:
+        bases = [queue.name for queue in queues]
+        turns = Turns(connection)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            taken = turns.take(bases)
+            if taken is None:
+                if deadline is None:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DequeueTimeout(timeout, [queue.key for queue in queues])
+                turns.wait(bases, min(left, TURN_POLL_S))
+                continue
+            name, rq_id = taken
+            found = cls._fetch_dequeued_job(
+                connection,
+                f"{cls.redis_queue_namespace_prefix}{name}",
+                rq_id,
+                job_class=job_class,
+                serializer=serializer,
+                death_penalty_class=death_penalty_class,
+            )
+            if found is not None:  # else its RQ job is gone: take the next
+                return found
 
 
 class _Worker(Worker):
@@ -99,6 +148,22 @@ class _Worker(Worker):
                 self.holds.hold(self.name, result[0].id, self.holds_ttl_s)
             stop_at("held", result[0].id)
         return result
+
+    def clean_registries(self) -> None:
+        # RQ's maintenance cleans the registries of the queues a worker serves; its jobs run
+        # from the tenants' queues of those (NOTE [ Fair turns ]), whose registries (finished,
+        # failed, started...) would otherwise grow without end: they are cleaned alike.
+        serving = self.queues
+        turns = Turns(self.connection)
+        owned = [name for queue in serving for name in turns.queue_names(queue.name)]
+        self.queues = [
+            *serving,
+            *(TurnQueue(name, connection=self.connection, serializer="json") for name in owned),
+        ]
+        try:
+            super().clean_registries()  # type: ignore[no-untyped-call]  # RQ: untyped
+        finally:
+            self.queues = serving
 
     def prepare_execution(self, job: Job) -> Execution:
         execution = super().prepare_execution(job)
@@ -228,10 +293,11 @@ def main() -> None:
     if device_class in DEVICE_CLASSES:
         names.insert(0, settings.job_queue(device_class))
     worker = _Worker(
-        [Queue(name, connection=client, serializer="json") for name in names],
+        [TurnQueue(name, connection=client, serializer="json") for name in names],
         name=f"bnadapt-{socket.gethostname()}-{os.getpid()}",
         connection=client,
         serializer="json",
+        queue_class=TurnQueue,
         work_horse_killed_handler=horse_killed,
     )
     worker.log.addFilter(_OutcomeFilter(worker))

@@ -17,7 +17,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from rq import Queue
 from rq.job import Dependency, Job
 
 from api_schemas import AdaptParams, JobPayload, JobStatus, Progress, utc_now
@@ -34,6 +33,7 @@ from service.records.shards import (
     shard_name,
 )
 from service.records.sync import Records
+from service.records.turns import announce, turn_queue
 from service.settings import Settings
 from service.store.base import Store
 from workers.errors import AdaptError, JobCanceled
@@ -125,10 +125,10 @@ def start_shards(
     after_merge = [*evaluations, FINISH] if evaluations else []
     shard_records.plan(job.job_id, [shard.batches for shard in plan], progress, after_merge)
     spec = ShardedJob(payload=job, plan=plan, evaluation=evaluation).model_dump(mode="json")
-    # The children wait for workers of the class the job asked for (NOTE [ Queues by device ]).
-    queue = Queue(
-        settings.job_queue(job.params.device), connection=records.client, serializer="json"
-    )
+    # The children wait for workers of the class the job asked for (NOTE [ Queues by device ]),
+    # in the job's own queue there (NOTE [ Fair turns ] in service/records/turns.py).
+    base = settings.job_queue(job.params.device)
+    queue = turn_queue(records.client, base, job.tenant_id, job.priority)
     options: dict[str, Any] = {
         "timeout": settings.job_timeout_s,
         "result_ttl": RQ_RESULT_TTL_S,
@@ -161,6 +161,7 @@ def start_shards(
             for index, child in enumerate(evaluations)
         ]
         enqueue(FINISH_FUNCTION, FINISH, (spec,), evaluated)
+    announce(records.client, base, job.tenant_id, job.priority)
     shard_records.mark_dispatched(job.job_id)
     log.info("job %s: %d batches in %d shards queued", job.job_id, total, len(plan))
     return {"job_id": job.job_id, "status": JobStatus.RUNNING.value, "shards": str(len(plan))}

@@ -44,7 +44,7 @@ from service.api.deps import (
 from service.api.edge import bearer_key
 from service.api.problems import ApiError, refuse_other_methods
 from service.errors import ObjectNotFoundError
-from service.jobs.queues import job_queue
+from service.jobs.queues import tenant_queue
 from service.jobs.submission import submit_job
 from service.records.aio import AsyncRecords
 from service.records.queue import JOB_FUNCTION
@@ -180,7 +180,7 @@ def cancel_job(
         job_id, JobStatus.CANCELED, allowed=(JobStatus.QUEUED,)
     ):
         # The worker would skip it anyway: its status is canceled.
-        job_queue(queue, settings, job.params.device).remove(job_id)
+        tenant_queue(queue, settings, job.params.device, tenant, job.priority).remove(job_id)
     else:
         job = records.get_job(tenant, job_id) or job
         if job.status.is_terminal:
