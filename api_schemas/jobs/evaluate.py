@@ -6,7 +6,14 @@ from pydantic import Field
 
 from api_schemas.common import RequestModel, ResourceId
 from api_schemas.datasets import Preprocessing
-from api_schemas.jobs.params import DEFAULT_MAX_ATTEMPTS, BatchSize, Device, JobTags, MaxAttempts
+from api_schemas.jobs.params import (
+    DEFAULT_MAX_ATTEMPTS,
+    BatchSize,
+    Device,
+    JobTags,
+    JobTimeout,
+    MaxAttempts,
+)
 
 __all__ = ["EvaluateJobCreate", "EvaluateParams"]
 
@@ -33,3 +40,4 @@ class EvaluateJobCreate(RequestModel):
     params: EvaluateParams = Field(default_factory=EvaluateParams)
     max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
     tags: JobTags = Field(default_factory=dict)
+    timeout_s: JobTimeout = None

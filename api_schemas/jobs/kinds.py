@@ -63,6 +63,7 @@ class SharedJobCreate(Protocol):
     dataset_id: str
     max_attempts: int
     tags: dict[str, str]
+    timeout_s: int | None
 
     @property
     def kind(self) -> str: ...

@@ -9,7 +9,8 @@ from api_schemas.architectures import ArchitectureKwargs, ArchitectureName
 from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
 from api_schemas.datasets import ArrayFormat, LabelKind, Preprocessing, SampleDtype
 from api_schemas.jobs.kinds import JobKind, JobParams, params_for_kind
-from api_schemas.jobs.params import JobTags, MaxAttempts
+from api_schemas.jobs.params import JobTags, JobTimeout, MaxAttempts
+from api_schemas.models import ActivationFootprint
 
 __all__ = [
     "JobAttempt",
@@ -99,6 +100,9 @@ class JobPublic(BaseModel):
     max_attempts: MaxAttempts = 1
     attempts: list[JobAttempt] = Field(default_factory=list)
     tags: JobTags = Field(default_factory=dict)
+    # The seconds the job may run: its own timeout_s, or the service's default when it was
+    # submitted (null for jobs of releases before).
+    timeout_s: JobTimeout = None
 
     @field_validator("params", mode="before")
     @classmethod
@@ -113,6 +117,8 @@ class JobPayloadModel(RequestModel):
     architecture: ArchitectureName
     kwargs: ArchitectureKwargs
     weights_sha256: Sha256Hex
+    # Copied to the model a job registers (the same architecture and kwargs).
+    activations: ActivationFootprint | None = None
 
 
 class JobPayloadDataset(RequestModel):
@@ -142,6 +148,9 @@ class JobPayload(RequestModel):
     model: JobPayloadModel
     dataset: JobPayloadDataset
     params: JobParams
+    # The seconds each attempt may run (JobPublic.timeout_s); null in payloads of releases
+    # before: the service's default.
+    timeout_s: int | None = Field(default=None, ge=1)
 
     @field_validator("params", mode="before")
     @classmethod

@@ -45,6 +45,7 @@ __all__ = [
     "tenant_index",
     "upload",
     "upload_parts",
+    "worker_memory",
 ]
 
 PREFIX: Final = "bnadapt"
@@ -197,3 +198,9 @@ def idempotency(tenant_id: str, key: str) -> str:
 
 def inspect_reply(request_id: str) -> str:
     return f"{PREFIX}:inspect:reply:{request_id}"
+
+
+def worker_memory(queue: str) -> str:
+    """Hash: worker name -> ``<bytes> <expires at, epoch s>``, the memory each live worker
+    serving ``queue`` offers a job (service/records/capacity.py)."""
+    return f"{PREFIX}:worker-memory:{queue}"
