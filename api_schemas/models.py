@@ -40,12 +40,14 @@ class ActivationFootprint(BaseModel):
     forward_bytes_per_element: float = Field(
         ge=0.0,
         description="A pass without gradients (evaluation, forward-only adaptation): the "
-        "input and the largest module's input and output, alive at once.",
+        "input and twice the largest module's input and output (a residual branch beside "
+        "its input).",
     )
     backward_bytes_per_element: float = Field(
         ge=0.0,
-        description="A pass with gradients (training, entropy): the input and every module's "
-        "output, which autograd keeps until the backward pass.",
+        description="A pass with gradients (training, entropy): the input, every module's "
+        "output, which autograd keeps until the backward pass, and the largest module's "
+        "input and output (its gradients).",
     )
 
 

@@ -233,26 +233,30 @@ def job_timeout(request: AnyJobCreate, settings: Settings) -> int:
 # - the model inspector measures, when a model is registered, its activations in bytes per
 #   element of its input (ActivationFootprint in api_schemas/models.py; activation_footprint
 #   in workers/models/architectures.py): a train-mode forward of two samples with a hook on
-#   every leaf module. "forward": the input and the largest leaf's input and output, what a
-#   pass without gradients holds at once (evaluate, forward-only adapt); "backward": the
-#   input and every leaf's output, what autograd keeps for the backward pass (train, and
-#   the estimators that run backward passes). A job's model inherits its parent's figures.
+#   every leaf module. "forward": the input and twice the largest leaf's input and output,
+#   what a pass without gradients holds at once (a residual branch beside its input;
+#   evaluate, forward-only adapt); "backward": the input and every leaf's output, what
+#   autograd keeps for the backward pass, and the largest leaf's input and output again for
+#   its gradients (train, and the estimators that run backward passes). A job's model
+#   inherits its parent's figures.
 # - each worker publishes the memory it offers a job (service/records/capacity.py): its
 #   BNADAPT_WORKER_MEMORY_BYTES when set, else its machine's (or cgroup's) memory, or its
-#   GPU's for a CUDA worker (workers/processes/capacity.py); the API takes the smallest a
+#   GPU's for a CUDA worker (workers/running/capacity.py); the API takes the smallest a
 #   live worker of the job's queue published, else its own BNADAPT_WORKER_MEMORY_BYTES, else
 #   checks nothing.
 # - the estimate: the figure times the batch's input elements (batch_size times the
 #   elements of a sample after the job's preprocessing), plus the weights (four copies with
 #   backward passes: weights, gradients and two optimizer moments). A job is refused when it
-#   is past MEMORY_HEADROOM of the worker's memory: the rest is left to torch itself, the
-#   data loading and the allocator's slack.
+#   is past MEMORY_HEADROOM of the worker's memory: the rest is left to the data loading
+#   (decoding and resizing images), the measurement before and after, and the allocator's
+#   slack. A job at the batch_size the 422 names ran within a worker holding its jobs to
+#   256 MiB (tests/e2e/test_job_bounds_e2e.py).
 # What it does not count: activation checkpointing (a job with checkpointed blocks keeps less
 # than the "backward" figure: the estimate errs on the safe side), temporary buffers inside
 # an operator, and a model whose activations grow otherwise than with its input. A job that
 # gets past the estimate and runs out of memory all the same fails at once, with an error
 # saying so (workers/running/failures.py), and is not retried.
-MEMORY_HEADROOM: Final = 0.8
+MEMORY_HEADROOM: Final = 0.7
 _FLOAT_BYTES: Final = 4
 
 

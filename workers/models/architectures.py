@@ -254,9 +254,9 @@ def activation_footprint(model: nn.Module, input_shape: Sequence[int | None]) ->
     """The model's activation bytes per input element (the contract's ``ActivationFootprint``):
     a train-mode forward of a batch of 2 (BatchNorm needs more than one sample) with a hook
     on every leaf module, under no_grad, on the current default device. ``forward``: the
-    input and the largest leaf's input and output; ``backward``: the input and every leaf's
-    output. Moves the model's BatchNorm running statistics: use it on a model kept for
-    nothing else, or last."""
+    input and twice the largest leaf's input and output; ``backward``: the input, every leaf's
+    output and the largest leaf's input and output. Moves the model's BatchNorm running
+    statistics: use it on a model kept for nothing else, or last."""
     shape = [ACTIVATION_PROBE_SIDE if d is None else d for d in input_shape]
     x = torch.zeros(2, *shape)
     largest = 0
@@ -281,7 +281,10 @@ def activation_footprint(model: nn.Module, input_shape: Sequence[int | None]) ->
             handle.remove()
     elements = x.numel()
     inputs = _tensor_bytes(x)
+    # Twice the largest leaf's: a residual block holds its input beside its branch's, and the
+    # allocator's caching keeps a freed block for the next; with gradients, the largest leaf's
+    # gradients join what autograd kept.
     return {
-        "forward_bytes_per_element": (inputs + largest) / elements,
-        "backward_bytes_per_element": (inputs + kept) / elements,
+        "forward_bytes_per_element": (inputs + 2 * largest) / elements,
+        "backward_bytes_per_element": (inputs + kept + largest) / elements,
     }

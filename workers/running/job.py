@@ -18,6 +18,7 @@ from typing import Any, Final
 
 import redis
 from rq import get_current_job
+from rq.timeouts import JobTimeoutException
 
 from api_schemas import ESTIMATORS, JOB_KINDS, JobPayload, JobStatus
 from service.records.connection import redis_client
@@ -55,8 +56,18 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
     store = open_store(settings)
     # NOTE [ Activation estimate ] in service/jobs/submission.py: held to the worker's memory.
     hold_job_to(settings.worker_memory_bytes, os.environ.get(WORKER_DEVICE_ENV, "auto"))
-    delay_start()  # the fork window, for tests (workers/faults.py)
-    if not records.mark_started(job.job_id, _worker_name()):
+    try:
+        delay_start()  # the fork window, for tests (workers/faults.py)
+        started = records.mark_started(job.job_id, _worker_name())
+    except JobTimeoutException as exc:  # its timeout passed before it began: still its own
+        records.mark_finished(
+            job.job_id,
+            JobStatus.FAILED,
+            error=failure_message(exc, _timeout_s(job)),
+            allowed=(JobStatus.QUEUED, JobStatus.RUNNING),
+        )
+        raise
+    if not started:
         status = records.job_status(job.job_id)
         log.info("job %s not started: it is %s", job.job_id, status)
         return {"job_id": job.job_id, "status": str(status)}
