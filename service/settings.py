@@ -9,6 +9,8 @@ from typing import Final, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from api_schemas.jobs.params import MAX_JOB_TIMEOUT_S
+
 __all__ = [
     "DEFAULT_JOB_TIMEOUT_MAX_S",
     "DEFAULT_JOB_TIMEOUT_S",
@@ -115,8 +117,8 @@ class Settings(BaseSettings):
     # Longest a job may run before its worker stops it and fails it (NOTE [ Job bounds ] in
     # service/jobs/submission.py): the default of a job that gives no `timeout_s`, and the
     # most a job may ask for.
-    job_timeout_s: int = Field(default=DEFAULT_JOB_TIMEOUT_S, ge=1)
-    job_timeout_max_s: int = Field(default=DEFAULT_JOB_TIMEOUT_MAX_S, ge=1)
+    job_timeout_s: int = Field(default=DEFAULT_JOB_TIMEOUT_S, ge=1, le=MAX_JOB_TIMEOUT_S)
+    job_timeout_max_s: int = Field(default=DEFAULT_JOB_TIMEOUT_MAX_S, ge=1, le=MAX_JOB_TIMEOUT_S)
     # The memory a job's activations may use on a worker, in bytes: a worker with it set
     # publishes it (else its machine's memory, or its GPU's), and its job processes may not
     # allocate more; the API refuses a job whose estimated activations do not fit the

@@ -9,7 +9,7 @@ from api_schemas.architectures import ArchitectureKwargs, ArchitectureName
 from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
 from api_schemas.datasets import ArrayFormat, LabelKind, Preprocessing, SampleDtype
 from api_schemas.jobs.kinds import JobKind, JobParams, params_for_kind
-from api_schemas.jobs.params import JobTags, JobTimeout, MaxAttempts
+from api_schemas.jobs.params import JobTags, MaxAttempts
 from api_schemas.models import ActivationFootprint
 
 __all__ = [
@@ -100,9 +100,12 @@ class JobPublic(BaseModel):
     max_attempts: MaxAttempts = 1
     attempts: list[JobAttempt] = Field(default_factory=list)
     tags: JobTags = Field(default_factory=dict)
-    # The seconds the job may run: its own timeout_s, or the service's default when it was
-    # submitted (null for jobs of releases before).
-    timeout_s: JobTimeout = None
+    timeout_s: int | None = Field(
+        default=None,
+        ge=1,
+        description="The seconds each run of the job may take: its own timeout_s, or the "
+        "service's default when it was submitted (null for jobs of releases before).",
+    )
 
     @field_validator("params", mode="before")
     @classmethod
