@@ -61,7 +61,14 @@ from api_schemas.jobs import (
     TrainParams,
     parse_job_create,
 )
-from api_schemas.models import BatchNormLayer, ModelCreate, ModelPublic, ModelSource, Seed
+from api_schemas.models import (
+    ActivationFootprint,
+    BatchNormLayer,
+    ModelCreate,
+    ModelPublic,
+    ModelSource,
+    Seed,
+)
 from api_schemas.reports import (
     BatchNormChange,
     EpochLog,
@@ -80,6 +87,7 @@ __all__ = [
     "JOB_KINDS",
     "MAX_BATCH_SIZE",
     "SHA256_PATTERN",
+    "ActivationFootprint",
     "AdaptJobCreate",
     "AdaptParams",
     "ArchitectureKwargs",

@@ -35,8 +35,15 @@ LabelKind = Literal["class", "target"]
 MAX_IMAGE_SIDE: Final = 16384
 # [height, width] in pixels.
 ImageSize = Annotated[
-    list[Annotated[int, Field(ge=1, le=MAX_IMAGE_SIDE)]], Field(min_length=2, max_length=2)
+    list[Annotated[int, Field(ge=1, le=MAX_IMAGE_SIDE)]],
+    Field(
+        min_length=2,
+        max_length=2,
+        description=f"[height, width] in pixels, each 1 to {MAX_IMAGE_SIDE}.",
+    ),
 ]
+# A mean or std of a channel: pixels are 0..255 (0..1 scaled), so 255 is as far as either goes.
+MAX_PIXEL_VALUE: Final = 255.0
 _CHANNELS: Final = {"rgb": 3, "bgr": 3, "gray": 1}
 
 
@@ -51,9 +58,19 @@ class Preprocessing(RequestModel):
     resize: ImageSize | None = None
     center_crop: ImageSize | None = None
     scale: bool = True
-    mean: list[float] | None = Field(default=None, min_length=1, max_length=3)
-    std: list[Annotated[float, Field(gt=0)]] | None = Field(
-        default=None, min_length=1, max_length=3
+    mean: list[Annotated[float, Field(ge=-MAX_PIXEL_VALUE, le=MAX_PIXEL_VALUE)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=3,
+        description=f"Per channel, subtracted after scaling; each within +-{MAX_PIXEL_VALUE:g} "
+        "(pixels are 0 to 255, or 0 to 1 when scaled).",
+    )
+    std: list[Annotated[float, Field(gt=0, le=MAX_PIXEL_VALUE)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=3,
+        description=f"Per channel, divided by after the mean; each above 0, at most "
+        f"{MAX_PIXEL_VALUE:g}.",
     )
     channels: Literal["rgb", "bgr", "gray"] = "rgb"
 

@@ -8,6 +8,7 @@ from api_schemas.architectures import ArchitectureKwargs, ArchitectureName, Inpu
 from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
 
 __all__ = [
+    "ActivationFootprint",
     "BatchNormLayer",
     "ModelCreate",
     "ModelPublic",
@@ -31,6 +32,25 @@ class BatchNormLayer(BaseModel):
     track_running_stats: bool
 
 
+class ActivationFootprint(BaseModel):
+    """What a model's activations take, in bytes per element of its input (one number of one
+    sample), measured by the worker that inspected it; the API multiplies it by a job's batch
+    (NOTE [ Activation estimate ] in service/jobs/submission.py)."""
+
+    forward_bytes_per_element: float = Field(
+        ge=0.0,
+        description="A pass without gradients (evaluation, forward-only adaptation): the "
+        "input and twice the largest module's input and output (a residual branch beside "
+        "its input).",
+    )
+    backward_bytes_per_element: float = Field(
+        ge=0.0,
+        description="A pass with gradients (training, entropy): the input, every module's "
+        "output, which autograd keeps until the backward pass, and the largest module's "
+        "input and output (its gradients).",
+    )
+
+
 class ModelPublic(BaseModel):
     """A stored model. ``parent`` is the model a job started from (lineage)."""
 
@@ -46,6 +66,9 @@ class ModelPublic(BaseModel):
     source: ModelSource
     job_id: ResourceId | None = None
     created_at: UtcDatetime
+    # null for models registered before it was measured, or whose measurement failed: their
+    # jobs are not checked against the workers' memory.
+    activations: ActivationFootprint | None = None
 
 
 class ModelCreate(RequestModel):

@@ -9,7 +9,11 @@ from typing import Final, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from api_schemas.jobs.params import MAX_JOB_TIMEOUT_S
+
 __all__ = [
+    "DEFAULT_JOB_TIMEOUT_MAX_S",
+    "DEFAULT_JOB_TIMEOUT_S",
     "DEFAULT_MAX_CLASSES",
     "DEFAULT_MAX_DATASET_BYTES",
     "DEFAULT_MAX_DATASET_ELEMENTS",
@@ -53,6 +57,9 @@ DEFAULT_MAX_IMAGE_PIXELS: Final = 64 * 1024 * 1024
 # `<queue>`). A CUDA job thus waits for a CUDA worker instead of failing on a CPU one, and its
 # progress says so until a worker takes it.
 DEVICE_CLASSES: Final = ("cpu", "cuda", "mps")
+# A job's timeout: hours, not days, unless the operator raises the cap.
+DEFAULT_JOB_TIMEOUT_S: Final = 6 * 3600
+DEFAULT_JOB_TIMEOUT_MAX_S: Final = 48 * 3600
 
 
 class Settings(BaseSettings):
@@ -111,8 +118,17 @@ class Settings(BaseSettings):
     inspect_timeout_s: float = Field(default=60.0, gt=0)
     # A running job whose worker has not written a heartbeat for this long is failed.
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
-    # Longest a job may run before RQ stops it.
-    job_timeout_s: int = Field(default=7 * 24 * 3600, ge=1)
+    # Longest a job may run before its worker stops it and fails it (NOTE [ Job bounds ] in
+    # service/jobs/submission.py): the default of a job that gives no `timeout_s`, and the
+    # most a job may ask for.
+    job_timeout_s: int = Field(default=DEFAULT_JOB_TIMEOUT_S, ge=1, le=MAX_JOB_TIMEOUT_S)
+    job_timeout_max_s: int = Field(default=DEFAULT_JOB_TIMEOUT_MAX_S, ge=1, le=MAX_JOB_TIMEOUT_S)
+    # The memory a job's activations may use on a worker, in bytes: a worker with it set
+    # publishes it (else its machine's memory, or its GPU's), and its job processes may not
+    # allocate more; the API refuses a job whose estimated activations do not fit the
+    # smallest figure the live workers of its queue published, or this one when none has.
+    # None: workers publish what they measure, and the API checks only against that.
+    worker_memory_bytes: int | None = Field(default=None, ge=1)
     page_size_max: int = Field(default=200, ge=1)
     # Store objects nothing uses are deleted once they were written, and last used, this long
     # ago (NOTE [ Store garbage collection ] in service/store/gc.py) ...

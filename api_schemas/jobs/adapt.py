@@ -17,15 +17,20 @@ from api_schemas.common import RequestModel, ResourceId
 from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.params import (
     DEFAULT_MAX_ATTEMPTS,
+    MAX_LR,
+    MAX_NUM_BATCHES,
     MAX_SHARDS,
+    MAX_STEPS,
     BatchSize,
     CheckpointPolicy,
     CompileBackend,
     Device,
     JobPriority,
     JobTags,
+    JobTimeout,
     MaxAttempts,
     ModulePattern,
+    NumBatches,
     PatternList,
     compile_backend_fits,
     num_batches,
@@ -48,6 +53,9 @@ __all__ = [
 # The fraction of the job's samples `auto` holds out of estimation unless the job says.
 AUTO_HOLDOUT: Final = 0.25
 AUTO_MAX_HOLDOUT: Final = 0.5
+# prior: the source statistics weigh as this many target samples at most (NOTE [ Job bounds ]
+# in api_schemas/jobs/params.py).
+MAX_PRIOR_STRENGTH: Final = 1e9
 
 # How the shards of a sharded job pool per-batch statistics: every element alike
 # ("elements") or every batch alike ("batches"); "prior_base" pools as the job's prior_base
@@ -199,30 +207,74 @@ class AdaptParams(RequestModel):
     held out)."""
 
     batch_size: BatchSize = 64
-    max_batches: int | None = Field(default=None, ge=1)
-    measure_batches: int | None = Field(default=None, ge=1)
+    max_batches: NumBatches | None = Field(
+        default=None,
+        description=f"At most this many batches (1 to {MAX_NUM_BATCHES}); null: all the dataset's.",
+    )
+    measure_batches: NumBatches | None = Field(
+        default=None,
+        description=f"Batches of labelled data measured before and after (1 to "
+        f"{MAX_NUM_BATCHES}); null: as many as max_batches.",
+    )
     estimator: EstimatorName = "cumulative"
     reset: bool | None = None
     include: Annotated[list[ModulePattern], Field(min_length=1, max_length=256)] = Field(
         default_factory=lambda: ["*"]
     )
     exclude: PatternList = Field(default_factory=list)
-    prior_strength: float = Field(default=16.0, ge=0.0, allow_inf_nan=False)
+    prior_strength: float = Field(
+        default=16.0,
+        ge=0.0,
+        le=MAX_PRIOR_STRENGTH,
+        allow_inf_nan=False,
+        description=f"prior: weight of the source statistics, in samples (0 to "
+        f"{MAX_PRIOR_STRENGTH:g}).",
+    )
     prior_base: Literal["precise", "cumulative"] = "precise"
     # ema_momentum: the weight of each new batch's statistics.
-    momentum: float = Field(default=0.1, gt=0.0, le=1.0, allow_inf_nan=False)
-    lr: float = Field(default=1e-3, gt=0.0, allow_inf_nan=False)
-    steps: int | None = Field(default=None, ge=1)
+    momentum: float = Field(
+        default=0.1,
+        gt=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="ema_momentum: weight of each new batch's statistics, above 0, at most 1.",
+    )
+    lr: float = Field(
+        default=1e-3,
+        gt=0.0,
+        le=MAX_LR,
+        allow_inf_nan=False,
+        description=f"entropy: learning rate of the optimizer steps, above 0, at most {MAX_LR:g}.",
+    )
+    steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_STEPS,
+        description=f"entropy: optimizer steps (1 to {MAX_STEPS}); null: one pass over the data.",
+    )
     optimizer: Literal["sgd", "adam"] = "adam"
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     seed: Seed = 0
     device: Device = "auto"
     # A preprocessing spec for this job's images, in place of the dataset's (docs/datasets.md).
     preprocessing: Preprocessing | None = None
-    shards: int = Field(default=1, ge=1, le=MAX_SHARDS)
+    shards: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_SHARDS,
+        description=f"Jobs the batches are split among (1 to {MAX_SHARDS}), each taking at least "
+        "one whole batch.",
+    )
     layerwise: bool = False
     # The fraction of the job's samples held out of estimation; None: 1/4 for auto, else 0.
-    holdout: float | None = Field(default=None, ge=0.0, le=AUTO_MAX_HOLDOUT, allow_inf_nan=False)
+    holdout: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=AUTO_MAX_HOLDOUT,
+        allow_inf_nan=False,
+        description=f"Fraction of the samples held out of estimation (0 to {AUTO_MAX_HOLDOUT:g}); "
+        f"null: {AUTO_HOLDOUT:g} for auto, else 0.",
+    )
     # auto: may try candidates that need backward passes (entropy).
     allow_backward: bool = False
     # NOTE [ Compiled jobs ] in api_schemas/jobs/params.py: estimators with backward passes.
@@ -364,3 +416,4 @@ class AdaptJobCreate(RequestModel):
     max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
     tags: JobTags = Field(default_factory=dict)
     priority: JobPriority = 0
+    timeout_s: JobTimeout = None

@@ -12,6 +12,7 @@ from api_schemas.jobs.params import (
     Device,
     JobPriority,
     JobTags,
+    JobTimeout,
     MaxAttempts,
 )
 
@@ -41,3 +42,4 @@ class EvaluateJobCreate(RequestModel):
     max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
     tags: JobTags = Field(default_factory=dict)
     priority: JobPriority = 0
+    timeout_s: JobTimeout = None

@@ -64,6 +64,7 @@ class SharedJobCreate(Protocol):
     max_attempts: int
     tags: dict[str, str]
     priority: int
+    timeout_s: int | None
 
     @property
     def kind(self) -> str: ...

@@ -11,8 +11,12 @@ __all__ = [
     "DEVICE_PATTERN",
     "MAX_ATTEMPTS",
     "MAX_BATCH_SIZE",
+    "MAX_JOB_TIMEOUT_S",
+    "MAX_LR",
+    "MAX_NUM_BATCHES",
     "MAX_PRIORITY",
     "MAX_SHARDS",
+    "MAX_STEPS",
     "MIN_PRIORITY",
     "TAG_KEY_PATTERN",
     "BatchSize",
@@ -21,8 +25,10 @@ __all__ = [
     "Device",
     "JobPriority",
     "JobTags",
+    "JobTimeout",
     "MaxAttempts",
     "ModulePattern",
+    "NumBatches",
     "PatternList",
     "compile_backend_fits",
     "num_batches",
@@ -43,6 +49,43 @@ MaxAttempts = Annotated[int, Field(ge=1, le=MAX_ATTEMPTS)]
 MIN_PRIORITY: Final = -10
 MAX_PRIORITY: Final = 10
 JobPriority = Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
+MaxAttempts = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=MAX_ATTEMPTS,
+        description=f"Runs the job may have when a run is interrupted (its process or worker "
+        f"lost); a job that fails for its own reasons (out of memory, NaN, bad data) runs "
+        f"once. 1 to {MAX_ATTEMPTS}.",
+    ),
+]
+
+# NOTE [ Job bounds ]
+# Every number a job takes has an upper bound a person would choose, in its schema (and so in
+# the OpenAPI document); what no schema can know (the memory a job's activations need against
+# the workers', the timeout cap an operator set) is checked at submission, in check_fit
+# (service/jobs/submission.py), with a 422 saying what fits.
+# Batches and steps: a million batches of 64 is 64 million samples per pass, far past any
+# dataset a job here reads in hours.
+MAX_NUM_BATCHES: Final = 1_000_000
+MAX_STEPS: Final = 1_000_000
+# Learning rates: 10 is past any rate that trains (SGD and Adam alike diverge well below it).
+MAX_LR: Final = 10.0
+# The schema's cap on a job's own `timeout_s` (a week); the operator's cap,
+# BNADAPT_JOB_TIMEOUT_MAX_S (48 h by default), is checked at submission.
+MAX_JOB_TIMEOUT_S: Final = 7 * 24 * 3600
+JobTimeout = Annotated[
+    int | None,
+    Field(
+        ge=1,
+        le=MAX_JOB_TIMEOUT_S,
+        description="Seconds the job may run before its worker stops it; it then ends failed "
+        "with an error saying it timed out (and is not retried). null: the service's default "
+        "(BNADAPT_JOB_TIMEOUT_S, 6 h unless the operator changed it). At most the service's "
+        "cap (BNADAPT_JOB_TIMEOUT_MAX_S, 48 h unless changed): a longer one is refused (422).",
+    ),
+]
+NumBatches = Annotated[int, Field(ge=1, le=MAX_NUM_BATCHES)]
 
 
 # A job's tags: a string map the client chooses (`{"experiment": "shift-3"}`), shown on the job
@@ -66,7 +109,16 @@ def num_batches(num_samples: int, batch_size: int, max_batches: int | None = Non
     return count if max_batches is None else min(count, max_batches)
 
 
-BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)]
+BatchSize = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=MAX_BATCH_SIZE,
+        description=f"Samples per batch, 1 to {MAX_BATCH_SIZE}. A batch whose activations "
+        "(estimated from the model and the samples' shape after preprocessing) do not fit the "
+        "workers' memory is refused (422) with the largest batch_size that fits.",
+    ),
+]
 
 DEVICE_PATTERN: Final = r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$"
 Device = Annotated[str, StringConstraints(pattern=DEVICE_PATTERN)]

@@ -10,6 +10,7 @@ from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
 from api_schemas.datasets import ArrayFormat, LabelKind, Preprocessing, SampleDtype
 from api_schemas.jobs.kinds import JobKind, JobParams, params_for_kind
 from api_schemas.jobs.params import JobPriority, JobTags, MaxAttempts
+from api_schemas.models import ActivationFootprint
 
 __all__ = [
     "JobAttempt",
@@ -100,6 +101,12 @@ class JobPublic(BaseModel):
     attempts: list[JobAttempt] = Field(default_factory=list)
     tags: JobTags = Field(default_factory=dict)
     priority: JobPriority = 0
+    timeout_s: int | None = Field(
+        default=None,
+        ge=1,
+        description="The seconds each run of the job may take: its own timeout_s, or the "
+        "service's default when it was submitted (null for jobs of releases before).",
+    )
 
     @field_validator("params", mode="before")
     @classmethod
@@ -114,6 +121,8 @@ class JobPayloadModel(RequestModel):
     architecture: ArchitectureName
     kwargs: ArchitectureKwargs
     weights_sha256: Sha256Hex
+    # Copied to the model a job registers (the same architecture and kwargs).
+    activations: ActivationFootprint | None = None
 
 
 class JobPayloadDataset(RequestModel):
@@ -146,6 +155,9 @@ class JobPayload(RequestModel):
     # Which of the tenant's queues its retries and children wait in (0 in payloads of
     # releases without priorities).
     priority: JobPriority = 0
+    # The seconds each attempt may run (JobPublic.timeout_s); null in payloads of releases
+    # before: the service's default.
+    timeout_s: int | None = Field(default=None, ge=1)
 
     @field_validator("params", mode="before")
     @classmethod

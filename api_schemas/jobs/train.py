@@ -1,6 +1,6 @@
 """Train jobs: all parameters trained with a plain optimizer on a labelled dataset."""
 
-from typing import Literal, Self
+from typing import Final, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -8,18 +8,24 @@ from api_schemas.common import RequestModel, ResourceId
 from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.params import (
     DEFAULT_MAX_ATTEMPTS,
+    MAX_LR,
     BatchSize,
     CheckpointPolicy,
     CompileBackend,
     Device,
     JobPriority,
     JobTags,
+    JobTimeout,
     MaxAttempts,
     compile_backend_fits,
 )
 from api_schemas.models import Seed
 
-__all__ = ["TrainJobCreate", "TrainParams"]
+__all__ = ["MAX_EPOCHS", "TrainJobCreate", "TrainParams"]
+
+# NOTE [ Job bounds ] in api_schemas/jobs/params.py.
+MAX_EPOCHS: Final = 1000
+MAX_WEIGHT_DECAY: Final = 1.0
 
 
 class TrainParams(RequestModel):
@@ -30,14 +36,40 @@ class TrainParams(RequestModel):
     (NOTE [ Compiled jobs ] in api_schemas/jobs/params.py); the report's ``steps`` gives the
     compilation's cost and the steady-state throughput."""
 
-    epochs: int = Field(default=1, ge=1, le=1000)
+    epochs: int = Field(
+        default=1, ge=1, le=MAX_EPOCHS, description=f"Passes over the data, 1 to {MAX_EPOCHS}."
+    )
     batch_size: BatchSize = 64
     optimizer: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(default=0.05, gt=0.0)
-    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
-    weight_decay: float = Field(default=0.0, ge=0.0)
+    lr: float = Field(
+        default=0.05,
+        gt=0.0,
+        le=MAX_LR,
+        allow_inf_nan=False,
+        description=f"Learning rate, above 0, at most {MAX_LR:g}.",
+    )
+    momentum: float = Field(
+        default=0.9,
+        ge=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="sgd: momentum; adamw: its beta1. 0 to below 1.",
+    )
+    weight_decay: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=MAX_WEIGHT_DECAY,
+        allow_inf_nan=False,
+        description=f"Weight decay, 0 to {MAX_WEIGHT_DECAY:g}.",
+    )
     loss: Literal["cross_entropy", "mse"] | None = None
-    validation_fraction: float = Field(default=0.1, ge=0.0, le=0.9)
+    validation_fraction: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=0.9,
+        allow_inf_nan=False,
+        description="Fraction of the samples kept out of training to validate on, 0 to 0.9.",
+    )
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     seed: Seed = 0
     device: Device = "auto"
@@ -62,3 +94,4 @@ class TrainJobCreate(RequestModel):
     max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
     tags: JobTags = Field(default_factory=dict)
     priority: JobPriority = 0
+    timeout_s: JobTimeout = None

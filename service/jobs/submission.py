@@ -6,6 +6,8 @@ calls :func:`submit_job`."""
 from __future__ import annotations
 
 import contextlib
+import math
+from typing import Final
 
 import redis
 from rq import Queue
@@ -20,6 +22,7 @@ from api_schemas import (
     JobPublic,
     JobStatus,
     ModelPublic,
+    TrainParams,
     new_id,
     utc_now,
 )
@@ -29,11 +32,21 @@ from service.datasets.preprocessing import with_job_spec
 from service.jobs.idempotency import IDEMPOTENCY_TTL_S, body_sha256, existing_for_key
 from service.jobs.queues import job_queue, waiting_progress
 from service.records import keys
+from service.records.capacity import WorkerMemory
 from service.records.queue import enqueue_run
 from service.records.sync import Records
 from service.settings import Settings
 
-__all__ = ["check_fit", "job_payload", "submit_job"]
+__all__ = [
+    "MEMORY_HEADROOM",
+    "check_fit",
+    "check_memory",
+    "job_payload",
+    "job_timeout",
+    "needed_memory",
+    "submit_job",
+    "worker_memory",
+]
 
 
 def submit_job(
@@ -55,6 +68,8 @@ def submit_job(
         raise not_found("dataset", request.dataset_id)
     dataset = with_job_spec(dataset, request.params.preprocessing)
     check_fit(request, model, dataset)
+    timeout_s = job_timeout(request, settings)
+    check_memory(request, model, dataset, worker_memory(records, settings, request))
 
     job_id = new_id("job")
     digest = None
@@ -77,8 +92,9 @@ def submit_job(
         max_attempts=request.max_attempts,
         tags=request.tags,
         priority=request.priority,
+        timeout_s=timeout_s,
     )
-    payload = job_payload(job_id, tenant, request, model, dataset)
+    payload = job_payload(job_id, tenant, request, model, dataset, timeout_s)
     queue = job_queue(default_queue, settings, request.params.device)
     waiting = waiting_progress(request.params.device)
 
@@ -89,7 +105,7 @@ def submit_job(
             queue,
             payload.model_dump(mode="json"),
             job_id,
-            settings.job_timeout_s,
+            timeout_s,
             f"{job.kind} {model.id} on {dataset.id}",
             pipeline=pipe,
         )
@@ -175,7 +191,12 @@ def check_fit(request: AnyJobCreate, model: ModelPublic, dataset: DatasetPublic)
 
 
 def job_payload(
-    job_id: str, tenant: str, request: AnyJobCreate, model: ModelPublic, dataset: DatasetPublic
+    job_id: str,
+    tenant: str,
+    request: AnyJobCreate,
+    model: ModelPublic,
+    dataset: DatasetPublic,
+    timeout_s: int | None = None,
 ) -> JobPayload:
     """What the worker receives: the job, and what the API knows of its model and dataset
     (the dataset as the job sees it), so that no worker reads a whole dataset to plan."""
@@ -188,9 +209,129 @@ def job_payload(
             architecture=model.architecture,
             kwargs=model.kwargs,
             weights_sha256=model.sha256,
+            activations=model.activations,
         ),
         # Every fact the payload carries has its name in DatasetPublic.
         dataset=JobPayloadDataset.model_validate(dataset, from_attributes=True),
         params=request.params,
         priority=request.priority,
+        timeout_s=timeout_s,
+    )
+
+
+def job_timeout(request: AnyJobCreate, settings: Settings) -> int:
+    """The seconds the job may run: its own ``timeout_s``, else the service's default; 422
+    past the operator's cap (NOTE [ Job bounds ] in api_schemas/jobs/params.py)."""
+    if request.timeout_s is None:
+        return settings.job_timeout_s
+    if request.timeout_s > settings.job_timeout_max_s:
+        raise ApiError(
+            422,
+            f"timeout_s {request.timeout_s} is past this service's cap of "
+            f"{settings.job_timeout_max_s} s ({settings.job_timeout_max_s / 3600:g} h); use "
+            f"timeout_s <= {settings.job_timeout_max_s}, or split the job (fewer epochs, steps "
+            "or batches)",
+        )
+    return request.timeout_s
+
+
+# NOTE [ Activation estimate ]
+# A job whose activations cannot fit a worker is refused at submission (422, saying the
+# largest batch_size that fits) rather than run to an out-of-memory death. The pieces:
+# - the model inspector measures, when a model is registered, its activations in bytes per
+#   element of its input (ActivationFootprint in api_schemas/models.py; activation_footprint
+#   in workers/models/architectures.py): a train-mode forward of two samples with a hook on
+#   every leaf module. "forward": the input and twice the largest leaf's input and output,
+#   what a pass without gradients holds at once (a residual branch beside its input;
+#   evaluate, forward-only adapt); "backward": the input and every leaf's output, what
+#   autograd keeps for the backward pass, and the largest leaf's input and output again for
+#   its gradients (train, and the estimators that run backward passes). A job's model
+#   inherits its parent's figures.
+# - each worker publishes the memory it offers a job (service/records/capacity.py): its
+#   BNADAPT_WORKER_MEMORY_BYTES when set, else its machine's (or cgroup's) memory, or its
+#   GPU's for a CUDA worker (workers/running/capacity.py); the API takes the smallest a
+#   live worker of the job's queue published, else its own BNADAPT_WORKER_MEMORY_BYTES, else
+#   checks nothing.
+# - the estimate: the figure times the batch's input elements (batch_size times the
+#   elements of a sample after the job's preprocessing), plus the weights (four copies with
+#   backward passes: weights, gradients and two optimizer moments). A job is refused when it
+#   is past MEMORY_HEADROOM of the worker's memory: the rest is left to the data loading
+#   (decoding and resizing images), the measurement before and after, and the allocator's
+#   slack. A job at the batch_size the 422 names ran within a worker holding its jobs to
+#   256 MiB (tests/e2e/test_job_bounds_e2e.py).
+# What it does not count: activation checkpointing (a job with checkpointed blocks keeps less
+# than the "backward" figure: the estimate errs on the safe side), temporary buffers inside
+# an operator, and a model whose activations grow otherwise than with its input. A job that
+# gets past the estimate and runs out of memory all the same fails at once, with an error
+# saying so (workers/running/failures.py), and is not retried.
+MEMORY_HEADROOM: Final = 0.7
+_FLOAT_BYTES: Final = 4
+
+
+def worker_memory(records: Records, settings: Settings, request: AnyJobCreate) -> int | None:
+    """The memory a job of ``request`` may count on: the smallest a live worker of its queue
+    published, else ``BNADAPT_WORKER_MEMORY_BYTES``, else None (unknown)."""
+    queue = settings.job_queue(request.params.device)
+    published = WorkerMemory(records.client).smallest(queue)
+    return published if published is not None else settings.worker_memory_bytes
+
+
+def _backward(request: AnyJobCreate) -> bool:
+    params = request.params
+    if isinstance(params, TrainParams):
+        return True
+    return isinstance(params, AdaptParams) and (
+        params.spec.backward or (params.estimator == "auto" and params.allow_backward)
+    )
+
+
+def needed_memory(request: AnyJobCreate, model: ModelPublic) -> tuple[float, int] | None:
+    """The estimate's two terms (NOTE [ Activation estimate ]): bytes per input element of
+    the batch, and bytes of the weights; None for a model without a measured footprint."""
+    if model.activations is None:
+        return None
+    backward = _backward(request)
+    per_element = (
+        model.activations.backward_bytes_per_element
+        if backward
+        else model.activations.forward_bytes_per_element
+    )
+    return per_element, model.parameter_count * _FLOAT_BYTES * (4 if backward else 1)
+
+
+def _size(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if num_bytes < 1024 or unit == "TiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_memory(
+    request: AnyJobCreate, model: ModelPublic, dataset: DatasetPublic, memory: int | None
+) -> None:
+    """422, saying the largest batch_size that fits, when the job's estimated activations are
+    past :data:`MEMORY_HEADROOM` of ``memory`` (NOTE [ Activation estimate ])."""
+    estimate = needed_memory(request, model)
+    if estimate is None or memory is None:
+        return
+    per_element, weights = estimate
+    per_sample = per_element * math.prod(dataset.sample_shape)
+    batch = request.params.batch_size
+    needed = per_sample * batch + weights
+    if needed <= memory * MEMORY_HEADROOM:
+        return
+    fits = math.floor((memory * MEMORY_HEADROOM - weights) / per_sample) if per_sample else 0
+    shape = "x".join(str(d) for d in dataset.sample_shape)
+    smaller = "a smaller resize or center_crop" if dataset.preprocessing else "smaller samples"
+    what = (
+        f"use batch_size <= {fits}, or {smaller}"
+        if fits >= 1
+        else f"even batch_size 1 does not fit: use {smaller}, or workers with more memory"
+    )
+    raise ApiError(
+        422,
+        f"batch_size {batch} at {shape} needs about {_size(needed)} of activations and weights "
+        f"for model {model.id} ({model.architecture}); workers have {_size(memory)} (a job may "
+        f"use {MEMORY_HEADROOM:.0%} of it): {what}",
     )

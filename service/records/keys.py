@@ -55,6 +55,7 @@ __all__ = [
     "upload",
     "upload_part_holders",
     "upload_parts",
+    "worker_memory",
 ]
 
 PREFIX: Final = "bnadapt"
@@ -263,3 +264,9 @@ def turns(base_queue: str) -> str:
     (NOTE [ Fair turns ] in service/records/turns.py): ``<prefix>:tenants``, ``<prefix>:clock``,
     ``<prefix>:bell``, ``<prefix>:queues:<tenant id>``."""
     return f"{PREFIX}:turns:{base_queue}"
+
+
+def worker_memory(queue: str) -> str:
+    """Hash: worker name -> ``<bytes> <expires at, epoch s>``, the memory each live worker
+    serving ``queue`` offers a job (service/records/capacity.py)."""
+    return f"{PREFIX}:worker-memory:{queue}"

@@ -36,8 +36,9 @@ __all__ = [
 ]
 
 # NOTE [ Retry policy ]
-# Whose fault a run's end was decides: the job's own (an exception in it: bad data, NaN, a
-# bug, validation) fails it at once, since a retry would fail the same way; an interruption
+# Whose fault a run's end was decides: the job's own (an exception in it: bad data, NaN, out
+# of memory, its timeout, a bug, validation; or its process killed for memory or its
+# timeout) fails it at once, since a retry would fail the same way; an interruption
 # (its process or worker lost, its queue entry lost, Redis lost for too long) ends the
 # attempt (NOTE [ Job attempts ]: another attempt while ``max_attempts`` allows, with
 # backoff). Who sees which end, and what it calls:
@@ -45,8 +46,12 @@ __all__ = [
 #   what ended the run                          seen by                           verdict
 #   an exception in the job                     run_job (workers/running/job.py)  failed
 #   Redis lost past BNADAPT_REDIS_OUTAGE_S      run_job itself                    interrupt
-#   the job's process died (signal, OOM)        the RQ worker's horse_killed      interrupt
+#   the job's process died (a signal)           the RQ worker's horse_killed      interrupt
 #                                               (workers/processes/rq_worker.py)
+#   ... killed for memory or past its timeout   the same (workers/running/        failed
+#                                               capacity.py)
+#   out of memory, timed out, NaN (raised)      run_job (workers/running/         failed
+#                                               failures.py)
 #   running, its heartbeat gone                 reap_stale_jobs                   interrupt
 #   queued, its RQ entry gone or ended; forked  reap_lost_queued_jobs             interrupt
 #     but never marked running; taken from the  (service/upkeep/reaper.py; the
@@ -208,7 +213,8 @@ def enqueue_attempt(
     device = str(fields.get("params", {}).get("device", "auto"))
     queue = Queue(settings.job_queue(device), connection=attempts.client, serializer="json")
     with contextlib.suppress(DuplicateJobError):  # another sweep enqueued it a moment ago
-        enqueue_run(queue, fields, rq_id, settings.job_timeout_s, f"{job_id} (retry)")
+        timeout_s = int(fields.get("timeout_s") or settings.job_timeout_s)  # the first's
+        enqueue_run(queue, fields, rq_id, timeout_s, f"{job_id} (retry)")
     attempts.mark_enqueued(job_id, rq_id)
     log.info("job %s: attempt %s queued", job_id, rq_id, extra={"job_id": job_id})
 

@@ -44,6 +44,7 @@ from workers.models.spec import (
 )
 
 __all__ = [
+    "ACTIVATION_PROBE_SIDE",
     "BUILTINS",
     "ENTRY_POINT_GROUP",
     "Architecture",
@@ -51,6 +52,7 @@ __all__ = [
     "MLPBlock",
     "ParamSpec",
     "ResidualBlock",
+    "activation_footprint",
     "batchnorm_layers",
     "build_model",
     "describe",
@@ -230,3 +232,59 @@ def batchnorm_layers(model: nn.Module) -> list[dict[str, Any]]:
 def parameter_count(model: nn.Module) -> int:
     """Number of parameter elements, shared parameters counted once."""
     return sum(p.numel() for p in model.parameters())
+
+
+# NOTE [ Activation estimate ] in service/jobs/submission.py: a sample's free sizes (None in
+# the input shape) are measured at this size; a convolutional model's activations per input
+# element do not depend on it (its head, which does, is small).
+ACTIVATION_PROBE_SIDE = 64
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(item) for item in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    return 0
+
+
+def activation_footprint(model: nn.Module, input_shape: Sequence[int | None]) -> dict[str, float]:
+    """The model's activation bytes per input element (the contract's ``ActivationFootprint``):
+    a train-mode forward of a batch of 2 (BatchNorm needs more than one sample) with a hook
+    on every leaf module, under no_grad, on the current default device. ``forward``: the
+    input and twice the largest leaf's input and output; ``backward``: the input, every leaf's
+    output and the largest leaf's input and output. Moves the model's BatchNorm running
+    statistics: use it on a model kept for nothing else, or last."""
+    shape = [ACTIVATION_PROBE_SIDE if d is None else d for d in input_shape]
+    x = torch.zeros(2, *shape)
+    largest = 0
+    kept = 0
+
+    def measure(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        nonlocal largest, kept
+        out = _tensor_bytes(output)
+        largest = max(largest, _tensor_bytes(args) + out)
+        kept += out
+
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    handles = [leaf.register_forward_hook(measure) for leaf in leaves]
+    was_training = model.training
+    try:
+        model.train()
+        with torch.no_grad():
+            model(x)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    elements = x.numel()
+    inputs = _tensor_bytes(x)
+    # Twice the largest leaf's: a residual block holds its input beside its branch's, and the
+    # allocator's caching keeps a freed block for the next; with gradients, the largest leaf's
+    # gradients join what autograd kept.
+    return {
+        "forward_bytes_per_element": (inputs + 2 * largest) / elements,
+        "backward_bytes_per_element": (inputs + kept + largest) / elements,
+    }

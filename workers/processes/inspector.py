@@ -21,7 +21,7 @@ import safetensors.torch
 import torch
 from pydantic import ValidationError
 
-from api_schemas import ArchitecturePublic, BatchNormLayer, ProblemItem
+from api_schemas import ActivationFootprint, ArchitecturePublic, BatchNormLayer, ProblemItem
 from api_schemas.inspection import InspectFailure, InspectRequest, InspectSuccess
 from service.errors import ObjectNotFoundError, WeightsFileError
 from service.formats.weights import read_weights_header
@@ -35,6 +35,7 @@ from service.store.base import Store
 from service.upkeep.parent_death import die_with_supervisor
 from workers.errors import ArchitectureError
 from workers.models.architectures import (
+    activation_footprint,
     batchnorm_layers,
     build_model,
     describe,
@@ -209,13 +210,29 @@ def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFa
     except RuntimeError as exc:  # load_state_dict: dtypes that do not convert, say
         detail = scrub_internals(str(exc))
         return _failure(422, f"the weights do not load into {request.architecture}: {detail}")
+    layers = [BatchNormLayer(**layer) for layer in batchnorm_layers(model)]
+    input_shape = list(arch.input_shape(kwargs))
     return InspectSuccess(
         weights_sha256=sha256,
         size_bytes=size,
         parameter_count=parameter_count(model),
-        batchnorm_layers=[BatchNormLayer(**layer) for layer in batchnorm_layers(model)],
-        input_shape=list(arch.input_shape(kwargs)),
+        batchnorm_layers=layers,
+        input_shape=input_shape,
+        activations=_activations(model, input_shape),  # last: it moves BatchNorm statistics
     )
+
+
+def _activations(
+    model: torch.nn.Module, input_shape: list[int | None]
+) -> ActivationFootprint | None:
+    """The model's activation footprint; None (the API then checks no job of it against the
+    workers' memory) when a forward on a probe input fails, as a model whose real inputs
+    have sizes the probe does not."""
+    try:
+        return ActivationFootprint(**activation_footprint(model, input_shape))
+    except Exception:
+        log.warning("could not measure the activations of a model", exc_info=True)
+        return None
 
 
 def _publish(client: redis.Redis, catalog_json: str) -> None:

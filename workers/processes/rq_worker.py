@@ -30,6 +30,7 @@ from rq.worker import WorkerStatus
 
 from api_schemas import JobStatus
 from service.log_format import configure_logging
+from service.records.capacity import WorkerMemory
 from service.records.connection import redis_client
 from service.records.dequeues import DequeueHolds
 from service.records.sync import Records
@@ -40,6 +41,13 @@ from service.upkeep.parent_death import SUPERVISOR_PID_ENV, die_with_supervisor
 from service.upkeep.reaper import heartbeat_key_ttl_s
 from workers.faults import stop_at
 from workers.models.architectures import registry
+from workers.running.capacity import (
+    PUBLISH_INTERVAL_S,
+    PUBLISH_TTL_S,
+    killed_for_its_own_reasons,
+    offered_memory,
+    oom_kills,
+)
 from workers.running.job import load_runners
 from workers.running.loading import WORKER_DEVICE_ENV
 from workers.sharding.jobs import fail_killed_child
@@ -109,6 +117,7 @@ class _Worker(Worker):
     as if it had succeeded."""
 
     outcome: str | None = None
+    oom_kills_before: int | None = None
     holds: DequeueHolds
     holds_ttl_s: float
     _held: str | None = None
@@ -171,6 +180,7 @@ class _Worker(Worker):
         return execution
 
     def execute_job(self, job: Job, queue: Queue) -> None:
+        self.oom_kills_before = oom_kills()  # to tell an out-of-memory kill (capacity.py)
         try:
             super().execute_job(job, queue)
         finally:
@@ -244,6 +254,16 @@ def _end_when_orphaned(worker: Worker, supervisor_pid: int) -> None:
             os._exit(1)
 
 
+def _publish_memory(published: WorkerMemory, queues: list[str], name: str, memory: int) -> None:
+    """Daemon thread: keeps this worker's memory published for its queues while it lives."""
+    while True:
+        try:
+            published.publish(queues, name, memory, PUBLISH_TTL_S)
+        except Exception:  # Redis away: the next round tries again
+            log.warning("could not publish worker %s's memory", name, exc_info=True)
+        time.sleep(PUBLISH_INTERVAL_S)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run one bnadapt RQ worker.")
     parser.add_argument("--device", default=os.environ.get(WORKER_DEVICE_ENV, "auto"))
@@ -275,6 +295,12 @@ def main() -> None:
             # Queued too: the process may die after the fork, before it marks itself running.
             # The RQ id is the job id's, or that of a later attempt (NOTE [ Job attempts ]).
             job_id = str(job.args[0]["job_id"]) if job.args else job.id
+            own = killed_for_its_own_reasons(
+                status, job.started_at, job.timeout, worker.oom_kills_before
+            )
+            if own is not None:  # killed for memory or its timeout: not retried
+                records.mark_finished(job_id, JobStatus.FAILED, error=own)
+                return
             records.interrupt(job_id, (JobStatus.QUEUED, JobStatus.RUNNING), error, rq_id=job.id)
 
     if settings.worker_threads is not None:
@@ -301,6 +327,14 @@ def main() -> None:
         work_horse_killed_handler=horse_killed,
     )
     worker.log.addFilter(_OutcomeFilter(worker))
+    memory = offered_memory(settings.worker_memory_bytes, args.device)
+    if memory is not None:  # NOTE [ Activation estimate ] in service/jobs/submission.py
+        threading.Thread(
+            target=_publish_memory,
+            args=(WorkerMemory(redis_client(settings.redis_url)), names, worker.name, memory),
+            name="rq-worker-memory",
+            daemon=True,
+        ).start()
     worker.start_holds(
         DequeueHolds(redis_client(settings.redis_url)),
         heartbeat_key_ttl_s(settings.heartbeat_timeout_s),  # NOTE [ Heartbeat bound ]

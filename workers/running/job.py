@@ -18,6 +18,7 @@ from typing import Any, Final
 
 import redis
 from rq import get_current_job
+from rq.timeouts import JobTimeoutException
 
 from api_schemas import ESTIMATORS, JOB_KINDS, JobPayload, JobStatus
 from service.public_text import worker_label
@@ -30,8 +31,10 @@ from workers import import_path
 from workers.errors import JobCanceled
 from workers.estimators.dispatch import load_runner
 from workers.faults import delay_start
+from workers.running.capacity import hold_job_to
+from workers.running.failures import failure_message
+from workers.running.loading import WORKER_DEVICE_ENV
 from workers.running.logs import job_logging
-from workers.running.saving import error_message
 
 __all__ = ["load_runners", "run_job"]
 
@@ -53,8 +56,20 @@ def run_job(payload: dict[str, Any]) -> dict[str, str]:
     job = JobPayload.model_validate(payload)
     records = Records(redis_client(settings.redis_url, outage_s=settings.redis_outage_s))
     store = open_store(settings)
-    delay_start()  # the fork window, for tests (workers/faults.py)
-    if not records.mark_started(job.job_id, _worker_name()):
+    # NOTE [ Activation estimate ] in service/jobs/submission.py: held to the worker's memory.
+    hold_job_to(settings.worker_memory_bytes, os.environ.get(WORKER_DEVICE_ENV, "auto"))
+    try:
+        delay_start()  # the fork window, for tests (workers/faults.py)
+        started = records.mark_started(job.job_id, _worker_name())
+    except JobTimeoutException as exc:  # its timeout passed before it began: still its own
+        records.mark_finished(
+            job.job_id,
+            JobStatus.FAILED,
+            error=failure_message(exc, _timeout_s(job)),
+            allowed=(JobStatus.QUEUED, JobStatus.RUNNING),
+        )
+        raise
+    if not started:
         status = records.job_status(job.job_id)
         log.info("job %s not started: it is %s", job.job_id, status)
         return {"job_id": job.job_id, "status": str(status)}
@@ -94,10 +109,19 @@ def _run_started(
             records.interrupt(job.job_id, (JobStatus.RUNNING,), _LOST_REDIS, _rq_id(job))
         raise
     except Exception as exc:
-        # The job's own failure (bad data, NaN, a bug): retrying would fail the same way.
+        # The job's own failure (bad data, NaN, out of memory, its timeout, a bug): retrying
+        # would fail the same way (workers/running/failures.py).
         log.exception("job %s failed", job.job_id)
-        records.mark_finished(job.job_id, JobStatus.FAILED, error=error_message(exc))
+        records.mark_finished(
+            job.job_id, JobStatus.FAILED, error=failure_message(exc, _timeout_s(job))
+        )
         raise
+
+
+def _timeout_s(job: JobPayload) -> int | None:
+    """The seconds this attempt may run, as RQ enforces them."""
+    current = get_current_job()
+    return int(current.timeout) if current is not None and current.timeout else job.timeout_s
 
 
 def _rq_id(job: JobPayload) -> str:

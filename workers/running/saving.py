@@ -124,6 +124,7 @@ def register_output(
         source="job",
         job_id=job.job_id,
         created_at=utc_now(),
+        activations=job.model.activations,  # the same architecture and kwargs
     )
     records.add_sha_ref(report_sha256, job.job_id)
     registered = records.get_model(job.tenant_id, model_id)

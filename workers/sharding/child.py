@@ -32,9 +32,11 @@ from service.store import open_store
 from service.store.base import Store
 from workers.errors import JobCanceled
 from workers.faults import delay_start
+from workers.running.capacity import hold_job_to
+from workers.running.failures import failure_message
+from workers.running.loading import WORKER_DEVICE_ENV
 from workers.running.logs import job_logging
 from workers.running.runtime import JobRuntime
-from workers.running.saving import error_message
 from workers.sharding.compute import ShardedJob
 
 __all__ = [
@@ -114,6 +116,8 @@ def run_child(
     records = Records(redis_client(settings.redis_url, outage_s=settings.redis_outage_s))
     shard_records = ShardRecords(records.client)
     answer = {"job_id": parent_id, "child": child}
+    # NOTE [ Activation estimate ] in service/jobs/submission.py: held as a job is.
+    hold_job_to(settings.worker_memory_bytes, os.environ.get(WORKER_DEVICE_ENV, "auto"))
     delay_start()  # the fork window, for tests (workers/faults.py)
     refused = shard_records.claim(parent_id, child, process_name(), settings.heartbeat_timeout_s)
     if refused is not None:
@@ -161,7 +165,8 @@ def _run_claimed(
         shard_records.finish(parent_id, child, ChildState.STOPPED)
         return answer | {"status": ChildState.STOPPED.value}
     except Exception as exc:
-        error = f"{what} failed: {error_message(exc)}"
+        # Out of memory or timed out said in words (workers/running/failures.py).
+        error = f"{what} failed: {failure_message(exc, sharded.payload.timeout_s)}"
         log.exception("%s", error)  # kept in the job's log, labelled by part
         end_parent(records, shard_records, parent_id, JobStatus.FAILED, error)
         shard_records.finish(parent_id, child, ChildState.FAILED)

@@ -130,7 +130,7 @@ def start_shards(
     base = settings.job_queue(job.params.device)
     queue = turn_queue(records.client, base, job.tenant_id, job.priority)
     options: dict[str, Any] = {
-        "timeout": settings.job_timeout_s,
+        "timeout": job.timeout_s or settings.job_timeout_s,  # each child the job's own
         "result_ttl": RQ_RESULT_TTL_S,
         "failure_ttl": RQ_FAILURE_TTL_S,
     }

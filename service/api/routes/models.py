@@ -114,6 +114,7 @@ def _register(
         parent=None,
         source="upload" if sha256 is not None else "init",
         created_at=utc_now(),
+        activations=found.activations,
     )
     records.put_model(tenant, model, settings.tenant_max_stored_bytes)
     response.headers["Location"] = f"/v1/models/{model.id}"
