@@ -11,7 +11,8 @@ from pydantic import BaseModel, Field
 
 from api_schemas.architectures import ArchitectureKwargs, ArchitectureName, InputShape
 from api_schemas.common import ProblemItem, RequestModel, Sha256Hex
-from api_schemas.models import BatchNormLayer, Seed
+from api_schemas.datasets import Preprocessing
+from api_schemas.models import BatchNormLayer, RenamedKeys, Seed
 
 __all__ = ["InspectFailure", "InspectRequest", "InspectSuccess"]
 
@@ -34,6 +35,8 @@ class InspectSuccess(BaseModel):
     parameter_count: int = Field(ge=0)
     batchnorm_layers: list[BatchNormLayer]
     input_shape: InputShape
+    preprocessing: Preprocessing | None = None
+    renamed_keys: RenamedKeys | None = None
 
 
 class InspectFailure(BaseModel):

@@ -6,12 +6,14 @@ from pydantic import BaseModel, Field
 
 from api_schemas.architectures import ArchitectureKwargs, ArchitectureName, InputShape
 from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
+from api_schemas.datasets import Preprocessing
 
 __all__ = [
     "BatchNormLayer",
     "ModelCreate",
     "ModelPublic",
     "ModelSource",
+    "RenamedKeys",
     "Seed",
 ]
 
@@ -31,6 +33,17 @@ class BatchNormLayer(BaseModel):
     track_running_stats: bool
 
 
+class RenamedKeys(BaseModel):
+    """How the uploaded weights' keys were renamed to the architecture's own (its
+    ``state_dict`` names) before they were stored: prefixes stripped from every key (as
+    ``module.`` of DataParallel and ``_orig_mod.`` of torch.compile, outermost first) and a
+    library's own older layout converted (``layout``); ``count`` keys changed their name."""
+
+    stripped_prefixes: list[str] = Field(default_factory=list)
+    layout: str | None = None
+    count: int = Field(ge=0)
+
+
 class ModelPublic(BaseModel):
     """A stored model. ``parent`` is the model a job started from (lineage)."""
 
@@ -46,6 +59,12 @@ class ModelPublic(BaseModel):
     source: ModelSource
     job_id: ResourceId | None = None
     created_at: UtcDatetime
+    # The architecture's own evaluation transform (torchvision's weights' transform, timm's
+    # data config) as a spec: what a job's "preprocessing": "model" runs with. Null for
+    # architectures without one.
+    preprocessing: Preprocessing | None = None
+    # Set when the uploaded weights' keys were renamed before they were stored.
+    renamed_keys: RenamedKeys | None = None
 
 
 class ModelCreate(RequestModel):

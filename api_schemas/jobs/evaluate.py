@@ -5,8 +5,14 @@ from typing import Literal
 from pydantic import Field
 
 from api_schemas.common import RequestModel, ResourceId
-from api_schemas.datasets import Preprocessing
-from api_schemas.jobs.params import DEFAULT_MAX_ATTEMPTS, BatchSize, Device, JobTags, MaxAttempts
+from api_schemas.jobs.params import (
+    DEFAULT_MAX_ATTEMPTS,
+    BatchSize,
+    Device,
+    JobPreprocessing,
+    JobTags,
+    MaxAttempts,
+)
 
 __all__ = ["EvaluateJobCreate", "EvaluateParams"]
 
@@ -19,8 +25,8 @@ class EvaluateParams(RequestModel):
     batch_size: BatchSize = 512
     loss: Literal["cross_entropy", "mse"] | None = None
     device: Device = "auto"
-    # A preprocessing spec for this job's images, in place of the dataset's (docs/datasets.md).
-    preprocessing: Preprocessing | None = None
+    # A spec for this job's images in place of the dataset's, or "model" (JobPreprocessing).
+    preprocessing: JobPreprocessing = None
 
 
 class EvaluateJobCreate(RequestModel):

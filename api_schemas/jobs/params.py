@@ -5,6 +5,7 @@ from typing import Annotated, Final, Literal
 from pydantic import Field, StringConstraints
 
 from api_schemas.common import RequestModel
+from api_schemas.datasets import Preprocessing
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointPolicy",
     "CompileBackend",
     "Device",
+    "JobPreprocessing",
     "JobTags",
     "MaxAttempts",
     "ModulePattern",
@@ -58,6 +60,11 @@ def num_batches(num_samples: int, batch_size: int, max_batches: int | None = Non
 
 
 BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)]
+
+# A job's preprocessing spec for its images, in place of the dataset's (docs/datasets.md), or
+# "model": the model's own evaluation transform (ModelPublic.preprocessing), which the API
+# puts in its place when the job is submitted; the report gives the spec the job ran with.
+JobPreprocessing = Preprocessing | Literal["model"] | None
 
 DEVICE_PATTERN: Final = r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$"
 Device = Annotated[str, StringConstraints(pattern=DEVICE_PATTERN)]

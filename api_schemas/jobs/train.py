@@ -5,13 +5,13 @@ from typing import Literal, Self
 from pydantic import Field, model_validator
 
 from api_schemas.common import RequestModel, ResourceId
-from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.params import (
     DEFAULT_MAX_ATTEMPTS,
     BatchSize,
     CheckpointPolicy,
     CompileBackend,
     Device,
+    JobPreprocessing,
     JobTags,
     MaxAttempts,
     compile_backend_fits,
@@ -40,8 +40,8 @@ class TrainParams(RequestModel):
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     seed: Seed = 0
     device: Device = "auto"
-    # A preprocessing spec for this job's images, in place of the dataset's (docs/datasets.md).
-    preprocessing: Preprocessing | None = None
+    # A spec for this job's images in place of the dataset's, or "model" (JobPreprocessing).
+    preprocessing: JobPreprocessing = None
     compile: bool = False
     compile_backend: CompileBackend = "inductor"
 

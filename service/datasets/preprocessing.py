@@ -4,10 +4,30 @@ submission (service/jobs/submission.py) both check a spec against the data here.
 
 from __future__ import annotations
 
-from api_schemas import DatasetPublic, Preprocessing
+from typing import Literal
+
+from api_schemas import DatasetPublic, ModelPublic, Preprocessing
 from service.api.problems import ApiError
 
-__all__ = ["preprocessed_shape", "with_job_spec"]
+__all__ = ["model_spec", "preprocessed_shape", "with_job_spec"]
+
+
+def model_spec(
+    requested: Preprocessing | Literal["model"] | None, model: ModelPublic
+) -> Preprocessing | None:
+    """A job's spec with ``"model"`` replaced by the model's own evaluation transform (found
+    when the model was registered); 422 when its architecture has none."""
+    if requested != "model":
+        return requested
+    if model.preprocessing is None:
+        raise ApiError(
+            422,
+            f'"preprocessing": "model" asks for the evaluation transform of model {model.id}, '
+            f"but its architecture {model.architecture} has none (torchvision and timm models "
+            "have one); give the spec itself, e.g. "
+            '{"resize_shorter": 256, "center_crop": [224, 224], "interpolation": "bilinear"}',
+        )
+    return model.preprocessing
 
 
 def with_job_spec(dataset: DatasetPublic, spec: Preprocessing | None) -> DatasetPublic:

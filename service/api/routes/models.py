@@ -81,6 +81,8 @@ def create_model(
         parent=None,
         source="upload" if weights is not None else "init",
         created_at=utc_now(),
+        preprocessing=found.preprocessing,
+        renamed_keys=found.renamed_keys,
     )
     records.put_model(tenant, model)
     response.headers["Location"] = f"/v1/models/{model.id}"
