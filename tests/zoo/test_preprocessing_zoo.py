@@ -6,7 +6,9 @@ Runs in the zoo environment (torchvision and timm); skipped without them."""
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,3 +148,133 @@ def test_decode_from_a_written_file(tmp_path: Path) -> None:
         decode_image(path.read_bytes(), "photo", spec, MAX_PIXELS),
         decode_image(JPEGS[(500, 375)], "photo", spec, MAX_PIXELS),
     )
+
+
+@pytest.mark.parametrize(
+    "name", ["resnet18", "efficientnet_b0", "inception_v3", "vit_b_16", "regnet_y_400mf"]
+)
+def test_torchvision_architectures_resolve_their_weights_transform(name: str) -> None:
+    from workers.models.eval_preprocessing import evaluation_preprocessing
+
+    transform = torchvision.models.get_model_weights(name).DEFAULT.transforms()
+    spec = evaluation_preprocessing(f"torchvision.{name}", {})
+    assert spec is not None
+    assert spec.resize_shorter == transform.resize_size[0]
+    assert spec.center_crop == [transform.crop_size[0]] * 2
+    assert spec.interpolation == transform.interpolation.value
+    assert (spec.mean, spec.std) == (list(transform.mean), list(transform.std))
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vit_tiny_patch16_224", "convnext_atto"])
+def test_timm_architectures_resolve_their_data_config(name: str) -> None:
+    from workers.models.eval_preprocessing import evaluation_preprocessing
+
+    spec = evaluation_preprocessing(f"timm.{name}", {"num_classes": 10})
+    config = timm_data.resolve_data_config({}, model=timm.create_model(name, num_classes=10))
+    assert spec is not None
+    assert spec.crop_pct == config["crop_pct"]
+    assert spec.center_crop == list(config["input_size"][1:])
+    assert spec.interpolation == config["interpolation"]
+    assert evaluation_preprocessing(f"timm.{name}", {"in_chans": 1}) is None
+
+
+def test_a_folder_is_numbered_as_imagefolder_numbers_it(tmp_path: Path) -> None:
+    from service.formats.image_folders import plan_folder
+
+    for i, (label, name) in enumerate(
+        [("zebra", "b.2.jpg"), ("Apple", "a.JPG"), ("mango", "z/x.png"), ("Apple", "c.jpeg")]
+    ):
+        path = tmp_path / label / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(JPEGS[(500, 375)] if i % 2 else JPEGS[(333, 500)])
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "h.jpg").write_bytes(JPEGS[(500, 375)])
+    folder = torchvision.datasets.ImageFolder(str(tmp_path))
+    plan = plan_folder(tmp_path)
+    assert plan.classes == folder.classes
+    assert [(str(i.path), i.label) for i in plan.images] == folder.samples
+
+
+def test_torchvision_densenet_layout_and_prefix_load(api: Any, tmp_path: Path) -> None:
+    """torchvision's DenseNet checkpoints in their published layout (``norm.1``), saved from
+    DataParallel (``module.``): renamed to the model's keys, stored canonical."""
+    import safetensors.torch
+
+    from workers.models.weight_keys import _DENSENET
+
+    torch.manual_seed(0)
+    state = torchvision.models.densenet121(weights=None).state_dict()
+    published = {
+        "module."
+        + re.sub(r"(denselayer\d+\.(?:norm|conv))([12])\.(?!num_batches)", r"\1.\2.", k): v
+        for k, v in state.items()
+    }
+    renamed = [k for k in published if _DENSENET.match(k.removeprefix("module."))]
+    assert renamed  # the layout differs from the model's
+    client = api.client("densenet-layout")
+    response = client.add_model("torchvision.densenet121", {}, safetensors.torch.save(published))
+    assert response.status_code == 201, response.text[:2000]
+    model = response.json()
+    assert model["renamed_keys"]["stripped_prefixes"] == ["module."]
+    assert model["renamed_keys"]["layout"].startswith("torchvision densenet")
+    assert model["renamed_keys"]["count"] == len(state)
+    assert model["preprocessing"]["resize_shorter"] == 256
+    stored = safetensors.torch.load(client.http.get(f"/v1/models/{model['id']}/weights").content)
+    assert sorted(stored) == sorted(state)
+    assert all(torch.equal(stored[k], state[k]) for k in state)
+
+
+def test_timm_conversion_of_an_original_convnext_checkpoint() -> None:
+    """timm's own conversion (its ``checkpoint_filter_fn``) of the ConvNeXt repository's key
+    layout, behind a ``module.`` prefix."""
+    from workers.models.weight_keys import timm_conversion
+
+    torch.manual_seed(0)
+    state = timm.create_model("convnext_atto", num_classes=10).state_dict()
+
+    def original(key: str) -> str:  # timm's names back to the ConvNeXt repository's
+        key = re.sub(r"^stem\.", "downsample_layers.0.", key)
+        key = re.sub(r"stages\.(\d+)\.downsample\.(\d+)", r"downsample_layers.\1.\2", key)
+        key = re.sub(r"stages\.(\d+)\.blocks\.(\d+)", r"stages.\1.\2", key)
+        key = key.replace("conv_dw", "dwconv").replace("mlp.fc", "pwconv")
+        return key.replace("head.norm", "norm").replace("head.fc", "head")
+
+    uploaded = {"module." + original(k): v for k, v in state.items()}
+    assert set(uploaded).isdisjoint(state)
+    converted = timm_conversion(uploaded, "timm.convnext_atto", {"num_classes": 10})
+    assert converted is not None
+    tensors, renaming = converted
+    assert sorted(tensors) == sorted(state)
+    assert all(torch.equal(tensors[k], state[k]) for k in state)
+    assert renaming.stripped_prefixes == ["module."]
+    assert renaming.layout is not None and "convnext" in renaming.layout
+
+
+def test_a_job_runs_with_the_models_own_transform(shared_stack: Any, tmp_path: Path) -> None:
+    """Over HTTP with a real worker: a torchvision model's record holds its weights'
+    transform, an adapt job with "preprocessing": "model" on a folder of JPEGs of two sizes
+    runs with it, and its report records the resolved spec."""
+    from service.client import Client
+
+    for i, size in enumerate([(500, 375), (333, 500), (500, 375), (333, 500)]):
+        (tmp_path / "photos").mkdir(exist_ok=True)
+        (tmp_path / "photos" / f"{i}.jpg").write_bytes(JPEGS[size])
+    tenant = shared_stack.client("zoo-model-spec")
+    client = Client(shared_stack.url, tenant.http.headers["Authorization"].removeprefix("Bearer "))
+    model = client.add_model("torchvision.resnet18", {"num_classes": 10})
+    assert model.preprocessing is not None
+    assert (model.preprocessing.resize_shorter, model.preprocessing.center_crop) == (
+        256,
+        [224, 224],
+    )
+    dataset = client.upload_folder(
+        tmp_path / "photos", preprocessing={"resize_shorter": 64, "center_crop": [56, 56]}
+    )
+    params = {"preprocessing": "model", "batch_size": 2, "checkpoint": {"preset": "none"}}
+    job = client.submit("adapt", model.id, dataset.id, params)
+    assert job.params.preprocessing == "model"
+    ended = client.wait(job.id, timeout_s=300)
+    assert ended.status.value == "succeeded", ended.error
+    report = client.report(job.id)
+    assert report.preprocessing == model.preprocessing
+    assert client.report(job.id).samples == 4
