@@ -1,8 +1,8 @@
 """The parameter pieces every job kind shares: batch sizes, devices, checkpoint policies."""
 
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Discriminator, Field, StringConstraints, Tag
 
 from api_schemas.common import RequestModel
 from api_schemas.datasets import Preprocessing
@@ -61,10 +61,23 @@ def num_batches(num_samples: int, batch_size: int, max_batches: int | None = Non
 
 BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)]
 
+
+def _spec_or_model(value: Any) -> str:
+    # A string can only be "model": an error then says so, not what a spec lacks.
+    return "model" if isinstance(value, str) else "spec"
+
+
 # A job's preprocessing spec for its images, in place of the dataset's (docs/datasets.md), or
 # "model": the model's own evaluation transform (ModelPublic.preprocessing), which the API
 # puts in its place when the job is submitted; the report gives the spec the job ran with.
-JobPreprocessing = Preprocessing | Literal["model"] | None
+# Discriminated, so that a bad spec's error names only what is wrong with the spec.
+JobPreprocessing = (
+    Annotated[
+        Annotated[Preprocessing, Tag("spec")] | Annotated[Literal["model"], Tag("model")],
+        Discriminator(_spec_or_model),
+    ]
+    | None
+)
 
 DEVICE_PATTERN: Final = r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$"
 Device = Annotated[str, StringConstraints(pattern=DEVICE_PATTERN)]
