@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from service.client import Client
-from service.formats.image_folders import plan_folder, tar_stream
+from service.formats.image_folders import FolderError, plan_folder, tar_stream
 from service.formats.images import index_tar
 from service.store import open_store
 from tests.e2e.test_e2e import weights_of
@@ -191,3 +191,20 @@ def test_cli_submits_a_jobs_preprocessing(api: InProcessApi, tmp_path: Path, spe
         assert "architecture resnet has none" in done.stderr
     else:  # the spec reached the API, which checked it
         assert "crop_pct" in done.stderr and "square center_crop" in done.stderr
+
+
+def test_the_tar_is_made_as_it_is_read(tmp_path: Path) -> None:
+    """The stream reads a file only when it reaches it (no copy made first), and a file that
+    changes size once the plan is made stops it rather than send a tar whose headers lie."""
+    root = tmp_path / "growing"
+    photo(root / "a.jpg", 16, 16, 0)
+    photo(root / "b.jpg", 16, 16, 1)
+    plan = plan_folder(root)
+    stream = tar_stream(plan)
+    first = next(stream)  # a.jpg's header: nothing of b.jpg read yet
+    assert first[:5] == b"a.jpg"
+    with (root / "b.jpg").open("ab") as file:
+        file.write(b"more bytes")
+    with pytest.raises(FolderError, match="changed while it was sent"):
+        for _ in stream:
+            pass

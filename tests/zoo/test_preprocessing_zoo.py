@@ -254,7 +254,7 @@ def test_a_job_runs_with_the_models_own_transform(shared_stack: Any, tmp_path: P
     """Over HTTP with a real worker: a torchvision model's record holds its weights'
     transform, an adapt job with "preprocessing": "model" on a folder of JPEGs of two sizes
     runs with it, and its report records the resolved spec."""
-    from service.client import Client
+    from service.client import Client, new_model_id
 
     for i, size in enumerate([(500, 375), (333, 500), (500, 375), (333, 500)]):
         (tmp_path / "photos").mkdir(exist_ok=True)
@@ -277,4 +277,7 @@ def test_a_job_runs_with_the_models_own_transform(shared_stack: Any, tmp_path: P
     assert ended.status.value == "succeeded", ended.error
     report = client.report(job.id)
     assert report.preprocessing == model.preprocessing
-    assert client.report(job.id).samples == 4
+    assert report.samples == 4
+    # The adapted model keeps its architecture's transform.
+    adapted = client.request("GET", f"/v1/models/{new_model_id(ended)}").json()
+    assert adapted["preprocessing"] == model.preprocessing.model_dump(mode="json")
