@@ -1,6 +1,7 @@
 """Datasets: an uploaded array file with ``x`` and optional ``y``, or a tar of images
 (docs/datasets.md), and the preprocessing spec that turns images into model inputs."""
 
+import math
 from typing import Annotated, Final, Literal, Self
 
 from pydantic import BaseModel, Field, model_validator
@@ -13,6 +14,7 @@ __all__ = [
     "ArrayFormat",
     "DatasetPublic",
     "ImageSize",
+    "Interpolation",
     "LabelKind",
     "Preprocessing",
     "SampleDtype",
@@ -45,17 +47,27 @@ ImageSize = Annotated[
 # A mean or std of a channel: pixels are 0..255 (0..1 scaled), so 255 is as far as either goes.
 MAX_PIXEL_VALUE: Final = 255.0
 _CHANNELS: Final = {"rgb": 3, "bgr": 3, "gray": 1}
+# How a resize samples: Pillow's filters, which widen with the downscale factor (antialiased,
+# as torchvision's `antialias=True`); nearest takes one source pixel.
+Interpolation = Literal["nearest", "bilinear", "bicubic", "lanczos"]
 
 
 class Preprocessing(RequestModel):
     """How a uint8 image becomes a model input, in this order: decoded in ``channels`` order
-    (``gray``: one channel), resized to ``resize`` [height, width] (bilinear), cropped to
-    ``center_crop`` [height, width] around its centre, laid out channels first (C, H, W),
-    divided by 255 to [0, 1] when ``scale``, then ``(value - mean) / std`` per channel. Given
+    (``gray``: one channel); resized with ``interpolation`` to ``resize`` [height, width], or
+    its shorter side to ``resize_shorter`` (aspect kept, as torchvision's ``Resize(int)``), or,
+    with ``crop_pct`` (timm), its shorter side to ``floor(crop / crop_pct)``; cropped to
+    ``center_crop`` [height, width] around its centre; laid out channels first (C, H, W);
+    divided by 255 to [0, 1] when ``scale``; then ``(value - mean) / std`` per channel. Given
     with a tar of images or a uint8 array dataset of shape (N, C, H, W) when it is registered,
     kept with the dataset and reported by every job on it."""
 
     resize: ImageSize | None = None
+    resize_shorter: Annotated[int, Field(ge=1, le=MAX_IMAGE_SIDE)] | None = None
+    interpolation: Interpolation = "bilinear"
+    # timm's crop fraction: the image's shorter side goes to floor(crop / crop_pct), then the
+    # square center_crop is taken (0.875: 224 of 256).
+    crop_pct: Annotated[float, Field(gt=0, le=1)] | None = None
     center_crop: ImageSize | None = None
     scale: bool = True
     mean: list[Annotated[float, Field(ge=-MAX_PIXEL_VALUE, le=MAX_PIXEL_VALUE)]] | None = Field(
@@ -78,10 +90,35 @@ class Preprocessing(RequestModel):
     def num_channels(self) -> int:
         return _CHANNELS[self.channels]
 
+    @property
+    def shorter_side(self) -> int | None:
+        """The size the shorter side is resized to (``resize_shorter``, or from ``crop_pct``)."""
+        if self.crop_pct is not None and self.center_crop is not None:
+            return math.floor(self.center_crop[0] / self.crop_pct)
+        return self.resize_shorter
+
+    @property
+    def fixed_size(self) -> bool:
+        """Whether every image, whatever its size, comes out with one shape."""
+        return self.resize is not None or (
+            self.center_crop is not None and self.shorter_side is not None
+        )
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        """[height, width] after the resize step, as torchvision computes it for a shorter
+        side (the longer one truncated, not rounded)."""
+        if self.resize is not None:
+            return self.resize[0], self.resize[1]
+        shorter = self.shorter_side
+        if shorter is None:
+            return height, width
+        if width <= height:
+            return int(shorter * height / width), shorter
+        return shorter, int(shorter * width / height)
+
     def output_shape(self, height: int, width: int) -> list[int]:
         """The (C, H, W) of a preprocessed image of ``height`` x ``width`` pixels."""
-        if self.resize is not None:
-            height, width = self.resize
+        height, width = self.resized_size(height, width)
         if self.center_crop is not None:
             height, width = self.center_crop
         return [self.num_channels, height, width]
@@ -100,6 +137,22 @@ class Preprocessing(RequestModel):
         if crop and resize and any(c > r for c, r in zip(crop, resize, strict=True)):
             raise ValueError(
                 f"center_crop {crop} is larger than resize {resize}: crop at most the resized size"
+            )
+        given = [
+            n for n in ("resize", "resize_shorter", "crop_pct") if getattr(self, n) is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} each set the resized size; give one of them")
+        if self.crop_pct is not None and (crop is None or crop[0] != crop[1]):
+            raise ValueError(
+                f"crop_pct {self.crop_pct} resizes for a square center_crop, but center_crop is "
+                f"{crop}; give a square center_crop, or resize and center_crop instead"
+            )
+        shorter = self.resize_shorter
+        if crop and shorter is not None and max(crop) > shorter:
+            raise ValueError(
+                f"center_crop {crop} is larger than resize_shorter {shorter}: crop at most the "
+                "resized shorter side"
             )
         return self
 

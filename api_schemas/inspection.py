@@ -11,7 +11,8 @@ from pydantic import BaseModel, Field
 
 from api_schemas.architectures import ArchitectureKwargs, ArchitectureName, InputShape
 from api_schemas.common import ProblemItem, RequestModel, Sha256Hex
-from api_schemas.models import ActivationFootprint, BatchNormLayer, Seed
+from api_schemas.datasets import Preprocessing
+from api_schemas.models import ActivationFootprint, BatchNormLayer, RenamedKeys, Seed
 
 __all__ = ["InspectFailure", "InspectRequest", "InspectSuccess"]
 
@@ -35,6 +36,8 @@ class InspectSuccess(BaseModel):
     batchnorm_layers: list[BatchNormLayer]
     input_shape: InputShape
     activations: ActivationFootprint | None = None
+    preprocessing: Preprocessing | None = None
+    renamed_keys: RenamedKeys | None = None
 
 
 class InspectFailure(BaseModel):

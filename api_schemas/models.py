@@ -6,6 +6,7 @@ from pydantic import BaseModel, Field
 
 from api_schemas.architectures import ArchitectureKwargs, ArchitectureName, InputShape
 from api_schemas.common import RequestModel, ResourceId, Sha256Hex, UtcDatetime
+from api_schemas.datasets import Preprocessing
 
 __all__ = [
     "ActivationFootprint",
@@ -13,6 +14,7 @@ __all__ = [
     "ModelCreate",
     "ModelPublic",
     "ModelSource",
+    "RenamedKeys",
     "Seed",
 ]
 
@@ -51,6 +53,17 @@ class ActivationFootprint(BaseModel):
     )
 
 
+class RenamedKeys(BaseModel):
+    """How the uploaded weights' keys were renamed to the architecture's own (its
+    ``state_dict`` names) before they were stored: prefixes stripped from every key (as
+    ``module.`` of DataParallel and ``_orig_mod.`` of torch.compile, outermost first) and a
+    library's own older layout converted (``layout``); ``count`` keys changed their name."""
+
+    stripped_prefixes: list[str] = Field(default_factory=list)
+    layout: str | None = None
+    count: int = Field(ge=0)
+
+
 class ModelPublic(BaseModel):
     """A stored model. ``parent`` is the model a job started from (lineage)."""
 
@@ -69,6 +82,12 @@ class ModelPublic(BaseModel):
     # null for models registered before it was measured, or whose measurement failed: their
     # jobs are not checked against the workers' memory.
     activations: ActivationFootprint | None = None
+    # The architecture's own evaluation transform (torchvision's weights' transform, timm's
+    # data config) as a spec: what a job's "preprocessing": "model" runs with. Null for
+    # architectures without one.
+    preprocessing: Preprocessing | None = None
+    # Set when the uploaded weights' keys were renamed before they were stored.
+    renamed_keys: RenamedKeys | None = None
 
 
 class ModelCreate(RequestModel):

@@ -3,6 +3,8 @@
 client = Client("http://127.0.0.1:8000", "bna_...")
 model = client.add_model("digits_cnn", weights=Path("w.safetensors"))
 dataset = client.add_dataset(Path("target.npz"))
+images = client.upload_folder(Path("photos/"), preprocessing={"resize_shorter": 256,
+                              "center_crop": [224, 224], "interpolation": "bicubic"})
 job = client.submit("adapt", model.id, dataset.id, {"estimator": "cumulative"})
 job = client.wait(job.id, on_progress=print)
 client.download_weights(new_model_id(job), Path("adapted.safetensors"))
@@ -23,16 +25,28 @@ from typing import Any, Final
 import httpx
 
 from api_schemas import ArchitecturePublic, DatasetPublic, JobPublic, ModelPublic, Page, Progress
-from api_schemas.datasets import UploadPublic
+from api_schemas.datasets import Preprocessing, UploadPublic
 from api_schemas.jobs.public import JobLogEntry, JobLogPage
 from api_schemas.reports import Report
 from service.errors import BnadaptError
+from service.formats.image_folders import plan_folder, tar_size, tar_stream
 
-__all__ = ["ApiClientError", "Client", "JobEvent", "new_model_id"]
+__all__ = ["ApiClientError", "Client", "JobEvent", "PreprocessingArg", "new_model_id"]
 
 DEFAULT_TIMEOUT_S: Final = 120.0
 DEFAULT_PART_BYTES: Final = 64 * 1024 * 1024  # a resumable upload's part
 POLL_INTERVAL_S: Final = 0.25
+
+# A dataset's preprocessing spec as a client gives it: the schema's object or its JSON fields.
+PreprocessingArg = Preprocessing | Mapping[str, Any] | None
+
+
+def _spec(preprocessing: PreprocessingArg) -> dict[str, Any] | None:
+    if preprocessing is None:
+        return None
+    if isinstance(preprocessing, Preprocessing):
+        return preprocessing.model_dump(mode="json", exclude_defaults=True)
+    return dict(preprocessing)
 
 
 class ApiClientError(BnadaptError):
@@ -125,12 +139,21 @@ class Client:
         self,
         architecture: str,
         kwargs: dict[str, Any] | None = None,
-        weights: Path | None = None,
+        weights: Path | bytes | None = None,
         seed: int = 0,
     ) -> ModelPublic:
+        """Registers a model; ``weights`` a safetensors file or its bytes (a ``.pth`` file is
+        converted first: :func:`service.local.torch_weights.pth_to_safetensors`)."""
         meta = json.dumps({"architecture": architecture, "kwargs": kwargs or {}, "seed": seed})
         if weights is None:
             response = self.request("POST", "/v1/models", data={"meta": meta})
+        elif isinstance(weights, bytes):
+            response = self.request(
+                "POST",
+                "/v1/models",
+                data={"meta": meta},
+                files={"weights": ("weights.safetensors", weights)},
+            )
         else:
             with weights.open("rb") as file:
                 response = self.request(
@@ -148,15 +171,21 @@ class Client:
         response = self._check(self.request("GET", "/v1/models", params=params))
         return Page[ModelPublic].model_validate(response.json())
 
-    def add_dataset(self, path: Path, name: str | None = None) -> DatasetPublic:
+    def add_dataset(
+        self, path: Path, name: str | None = None, preprocessing: PreprocessingArg = None
+    ) -> DatasetPublic:
         # The digest lets an S3 store write the file straight to its content key.
         headers = {"X-Content-SHA256": _file_sha256(path)}
+        fields = {"name": name} if name else {}
+        spec = _spec(preprocessing)
+        if spec is not None:
+            fields["preprocessing"] = json.dumps(spec)
         with path.open("rb") as file:
             response = self.request(
                 "POST",
                 "/v1/datasets",
                 files={"file": (path.name, file)},
-                data={"name": name} if name else None,
+                data=fields or None,
                 headers=headers,
             )
         return DatasetPublic.model_validate(self._check(response).json())
@@ -170,6 +199,7 @@ class Client:
         part_bytes: int = DEFAULT_PART_BYTES,
         retries: int = 5,
         on_progress: Callable[[int, int], None] | None = None,
+        preprocessing: PreprocessingArg = None,
     ) -> DatasetPublic:
         """Uploads a dataset file of any size through a resumable upload (``/v1/uploads``):
         parts the server already holds with the same digest are skipped, so passing the
@@ -202,9 +232,56 @@ class Client:
                 done += len(data)
                 if on_progress is not None:
                     on_progress(done, total)
-        body = {"name": name} if name else {}
+        return self._complete(upload.id, name, whole.hexdigest(), preprocessing)
+
+    def upload_folder(
+        self,
+        folder: Path,
+        name: str | None = None,
+        *,
+        preprocessing: PreprocessingArg = None,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        retries: int = 5,
+        on_progress: Callable[[int, int], None] | None = None,
+        on_skipped: Callable[[list[Path]], None] | None = None,
+    ) -> DatasetPublic:
+        """Uploads a folder of images as a dataset (NOTE [ Folders of images ] in
+        service/formats/image_folders.py: class subfolders are labels, numbered as
+        torchvision's ImageFolder numbers them; a flat folder is unlabelled): the tar is made
+        as the files are read and sent part by part through a resumable upload, with no copy
+        on disk; a part is held in memory only while it is sent (and sent again when its
+        connection drops). ``on_skipped`` gets the files that are no image, before the upload
+        starts. A folder of images of several sizes needs a ``preprocessing`` that gives one
+        size (a ``resize``, or ``resize_shorter`` or ``crop_pct`` with a ``center_crop``)."""
+        plan = plan_folder(folder)
+        if on_skipped is not None and plan.skipped:
+            on_skipped(plan.skipped)
+        total = tar_size(plan)
+        body = {"name": name or folder.resolve().name, "size_bytes": total}
+        upload = UploadPublic.model_validate(
+            self._check(self.request("POST", "/v1/uploads", json=body)).json()
+        )
+        self.last_upload_id = upload.id
+        size = max(1, min(part_bytes, upload.max_part_bytes))
+        whole = hashlib.sha256()
+        done = 0
+        for number, data in enumerate(_parts(tar_stream(plan), size), start=1):
+            whole.update(data)
+            self._put_part(upload.id, number, data, hashlib.sha256(data).hexdigest(), retries)
+            done += len(data)
+            if on_progress is not None:
+                on_progress(done, total)
+        return self._complete(upload.id, name, whole.hexdigest(), preprocessing)
+
+    def _complete(
+        self, upload_id: str, name: str | None, sha256: str, preprocessing: PreprocessingArg
+    ) -> DatasetPublic:
+        body: dict[str, Any] = {"name": name} if name else {}
+        spec = _spec(preprocessing)
+        if spec is not None:
+            body["preprocessing"] = spec
         response = self.request(
-            "POST", f"/v1/uploads/{upload.id}:complete", json={**body, "sha256": whole.hexdigest()}
+            "POST", f"/v1/uploads/{upload_id}:complete", json={**body, "sha256": sha256}
         )
         return DatasetPublic.model_validate(self._check(response).json())
 
@@ -391,6 +468,19 @@ class Client:
                     file.write(chunk)
         partial.replace(path)
         return path
+
+
+def _parts(chunks: Iterator[bytes], size: int) -> Iterator[bytes]:
+    """``chunks`` regrouped into parts of ``size`` bytes (the last one shorter), holding one
+    part at a time."""
+    part = bytearray()
+    for chunk in chunks:
+        part += chunk
+        while len(part) >= size:
+            yield bytes(part[:size])
+            del part[:size]
+    if part:
+        yield bytes(part)
 
 
 def _file_sha256(path: Path) -> str:

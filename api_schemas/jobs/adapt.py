@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Annotated, Final, Literal, Self
 from pydantic import Field, model_validator
 
 from api_schemas.common import RequestModel, ResourceId
-from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.params import (
     DEFAULT_MAX_ATTEMPTS,
     MAX_LR,
@@ -25,6 +24,7 @@ from api_schemas.jobs.params import (
     CheckpointPolicy,
     CompileBackend,
     Device,
+    JobPreprocessing,
     JobPriority,
     JobTags,
     JobTimeout,
@@ -256,8 +256,8 @@ class AdaptParams(RequestModel):
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     seed: Seed = 0
     device: Device = "auto"
-    # A preprocessing spec for this job's images, in place of the dataset's (docs/datasets.md).
-    preprocessing: Preprocessing | None = None
+    # A spec for this job's images in place of the dataset's, or "model" (JobPreprocessing).
+    preprocessing: JobPreprocessing = None
     shards: int = Field(
         default=1,
         ge=1,

@@ -5,11 +5,11 @@ from typing import Literal
 from pydantic import Field
 
 from api_schemas.common import RequestModel, ResourceId
-from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.params import (
     DEFAULT_MAX_ATTEMPTS,
     BatchSize,
     Device,
+    JobPreprocessing,
     JobPriority,
     JobTags,
     JobTimeout,
@@ -27,8 +27,8 @@ class EvaluateParams(RequestModel):
     batch_size: BatchSize = 512
     loss: Literal["cross_entropy", "mse"] | None = None
     device: Device = "auto"
-    # A preprocessing spec for this job's images, in place of the dataset's (docs/datasets.md).
-    preprocessing: Preprocessing | None = None
+    # A spec for this job's images in place of the dataset's, or "model" (JobPreprocessing).
+    preprocessing: JobPreprocessing = None
 
 
 class EvaluateJobCreate(RequestModel):

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, Unio
 from pydantic import Field, TypeAdapter, ValidationInfo
 
 from api_schemas.common import RequestModel
-from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.adapt import AdaptJobCreate, AdaptParams
 from api_schemas.jobs.evaluate import EvaluateJobCreate, EvaluateParams
+from api_schemas.jobs.params import JobPreprocessing
 from api_schemas.jobs.train import TrainJobCreate, TrainParams
 
 __all__ = [
@@ -53,7 +53,7 @@ class SharedParams(Protocol):
 
     batch_size: int
     device: str
-    preprocessing: Preprocessing | None
+    preprocessing: JobPreprocessing
 
 
 class SharedJobCreate(Protocol):

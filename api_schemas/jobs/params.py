@@ -1,10 +1,11 @@
 """The parameter pieces every job kind shares: batch sizes, devices, checkpoint policies."""
 
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Discriminator, Field, StringConstraints, Tag
 
 from api_schemas.common import RequestModel
+from api_schemas.datasets import Preprocessing
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -23,6 +24,7 @@ __all__ = [
     "CheckpointPolicy",
     "CompileBackend",
     "Device",
+    "JobPreprocessing",
     "JobPriority",
     "JobTags",
     "JobTimeout",
@@ -119,6 +121,24 @@ BatchSize = Annotated[
         "workers' memory is refused (422) with the largest batch_size that fits.",
     ),
 ]
+
+
+def _spec_or_model(value: Any) -> str:
+    # A string can only be "model": an error then says so, not what a spec lacks.
+    return "model" if isinstance(value, str) else "spec"
+
+
+# A job's preprocessing spec for its images, in place of the dataset's (docs/datasets.md), or
+# "model": the model's own evaluation transform (ModelPublic.preprocessing), which the API
+# puts in its place when the job is submitted; the report gives the spec the job ran with.
+# Discriminated, so that a bad spec's error names only what is wrong with the spec.
+JobPreprocessing = (
+    Annotated[
+        Annotated[Preprocessing, Tag("spec")] | Annotated[Literal["model"], Tag("model")],
+        Discriminator(_spec_or_model),
+    ]
+    | None
+)
 
 DEVICE_PATTERN: Final = r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$"
 Device = Annotated[str, StringConstraints(pattern=DEVICE_PATTERN)]

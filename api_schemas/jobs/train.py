@@ -5,7 +5,6 @@ from typing import Final, Literal, Self
 from pydantic import Field, model_validator
 
 from api_schemas.common import RequestModel, ResourceId
-from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.params import (
     DEFAULT_MAX_ATTEMPTS,
     MAX_LR,
@@ -13,6 +12,7 @@ from api_schemas.jobs.params import (
     CheckpointPolicy,
     CompileBackend,
     Device,
+    JobPreprocessing,
     JobPriority,
     JobTags,
     JobTimeout,
@@ -73,8 +73,8 @@ class TrainParams(RequestModel):
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     seed: Seed = 0
     device: Device = "auto"
-    # A preprocessing spec for this job's images, in place of the dataset's (docs/datasets.md).
-    preprocessing: Preprocessing | None = None
+    # A spec for this job's images in place of the dataset's, or "model" (JobPreprocessing).
+    preprocessing: JobPreprocessing = None
     compile: bool = False
     compile_backend: CompileBackend = "inductor"
 

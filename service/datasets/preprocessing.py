@@ -4,10 +4,30 @@ submission (service/jobs/submission.py) both check a spec against the data here.
 
 from __future__ import annotations
 
-from api_schemas import DatasetPublic, Preprocessing
+from typing import Literal
+
+from api_schemas import DatasetPublic, ModelPublic, Preprocessing
 from service.api.problems import ApiError
 
-__all__ = ["preprocessed_shape", "with_job_spec"]
+__all__ = ["model_spec", "preprocessed_shape", "with_job_spec"]
+
+
+def model_spec(
+    requested: Preprocessing | Literal["model"] | None, model: ModelPublic
+) -> Preprocessing | None:
+    """A job's spec with ``"model"`` replaced by the model's own evaluation transform (found
+    when the model was registered); 422 when its architecture has none."""
+    if requested != "model":
+        return requested
+    if model.preprocessing is None:
+        raise ApiError(
+            422,
+            f'"preprocessing": "model" asks for the evaluation transform of model {model.id}, '
+            f"but its architecture {model.architecture} has none (torchvision and timm models "
+            "have one); give the spec itself, e.g. "
+            '{"resize_shorter": 256, "center_crop": [224, 224], "interpolation": "bilinear"}',
+        )
+    return model.preprocessing
 
 
 def with_job_spec(dataset: DatasetPublic, spec: Preprocessing | None) -> DatasetPublic:
@@ -22,11 +42,12 @@ def with_job_spec(dataset: DatasetPublic, spec: Preprocessing | None) -> Dataset
                 f"dataset {dataset.id} holds no images (uint8 arrays of shape (N, C, H, W)); "
                 "send the job without a preprocessing spec",
             )
-        if spec.resize is None:
+        if not spec.fixed_size:
             raise ApiError(
                 422,
                 f"dataset {dataset.id} holds images of several sizes; a job's preprocessing "
-                'spec needs a "resize": [height, width]',
+                'spec needs a "resize": [height, width], or a "resize_shorter" (or "crop_pct") '
+                'with a "center_crop"',
             )
         return dataset.model_copy(
             update={"preprocessing": spec, "sample_shape": spec.output_shape(1, 1)}
@@ -34,7 +55,7 @@ def with_job_spec(dataset: DatasetPublic, spec: Preprocessing | None) -> Dataset
     height, width = dataset.image_size
     if dataset.format == "tar":
         crop = spec.center_crop
-        if crop is not None and spec.resize is None and (crop[0] > height or crop[1] > width):
+        if crop is not None and _unresized(spec) and (crop[0] > height or crop[1] > width):
             raise ApiError(
                 422,
                 f"center_crop {crop} is larger than the images of dataset {dataset.id} ({height} "
@@ -49,6 +70,11 @@ def with_job_spec(dataset: DatasetPublic, spec: Preprocessing | None) -> Dataset
     return dataset.model_copy(update={"preprocessing": spec, "sample_shape": shape})
 
 
+def _unresized(spec: Preprocessing) -> bool:
+    """Whether the crop is taken from the images as stored (a resize makes room for it)."""
+    return spec.resize is None and spec.shorter_side is None
+
+
 def preprocessed_shape(dtype: str, shape: list[int], spec: Preprocessing) -> list[int]:
     """A uint8 array's sample shape after ``spec``; 422 when the spec cannot apply to it."""
     if dtype != "uint8" or len(shape) != 3 or shape[0] != spec.num_channels:
@@ -58,8 +84,14 @@ def preprocessed_shape(dtype: str, shape: list[int], spec: Preprocessing) -> lis
             f"{spec.num_channels} for channels {spec.channels!r}, but x is {dtype} with samples "
             f"of shape {shape}; save x as uint8 (N, C, H, W), or register it without a spec",
         )
+    if spec.interpolation == "lanczos":
+        raise ApiError(
+            422,
+            "interpolation 'lanczos' applies to images decoded by Pillow (tars); uint8 arrays "
+            "are resized by torch, which has none: use nearest, bilinear or bicubic",
+        )
     crop = spec.center_crop
-    if crop is not None and spec.resize is None and (crop[0] > shape[1] or crop[1] > shape[2]):
+    if crop is not None and _unresized(spec) and (crop[0] > shape[1] or crop[1] > shape[2]):
         raise ApiError(
             422,
             f"center_crop {crop} is larger than the samples ({shape[1]} x {shape[2]} pixels); "

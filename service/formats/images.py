@@ -56,12 +56,28 @@ from PIL import Image
 from api_schemas.datasets import Preprocessing
 from service.errors import ArrayFileError, ArrayLimitError
 
-__all__ = ["IMAGE_EXTENSIONS", "TarFacts", "TarIndex", "decode_image", "describe_tar", "index_tar"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "TarFacts",
+    "TarIndex",
+    "crop_origin",
+    "decode_image",
+    "describe_tar",
+    "index_tar",
+]
 
 IMAGE_EXTENSIONS: Final = frozenset({"jpg", "jpeg", "png"})
 _LABEL_EXTENSIONS: Final = frozenset({"cls", "json"})
 _FORMATS: Final = frozenset({"JPEG", "PNG"})
 _MAX_LABEL_BYTES: Final = 4096
+# Pillow's resize filters, as torchvision hands them to Pillow for a PIL image: bilinear,
+# bicubic and lanczos widen with the downscale factor (antialiased), nearest does not.
+_RESAMPLING: Final = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+}
 _HOW_TO_BUILD: Final = (
     "build the tar with one image per sample (key.jpg or key.png) and its label "
     "(key.cls holding the class as text), e.g. with webdataset's TarWriter or tar itself"
@@ -222,12 +238,13 @@ def describe_tar(
                         first_size = key, size
                     elif size != first_size[1]:
                         one_size = False
-                        if preprocessing.resize is None:
+                        if not preprocessing.fixed_size:
                             raise ArrayFileError(
                                 f"sample {key!r} is {size[1]} x {size[0]} pixels but sample "
                                 f"{first_size[0]!r} is {first_size[1][1]} x {first_size[1][0]}; "
                                 "images of a batch must have one size: register the dataset "
-                                'with a preprocessing "resize": [height, width]'
+                                'with a preprocessing "resize": [height, width], or a '
+                                '"resize_shorter" (or "crop_pct") with a "center_crop"'
                             )
                     images[key] = size
                 elif ext in _LABEL_EXTENSIONS:
@@ -278,8 +295,8 @@ def describe_tar(
 
 
 def _check_crop(spec: Preprocessing, images: dict[str, tuple[int, int]]) -> None:
-    if spec.center_crop is None or spec.resize is not None:
-        return
+    if spec.center_crop is None or spec.resize is not None or spec.shorter_side is not None:
+        return  # a resize to at least the crop (checked with the spec)
     for key, (height, width) in images.items():
         if spec.center_crop[0] > height or spec.center_crop[1] > width:
             raise ArrayFileError(
@@ -312,6 +329,12 @@ def index_tar(path: Path) -> TarIndex:
     return TarIndex(keys, np.array(offsets, np.int64), np.array(sizes, np.int64), y)
 
 
+def crop_origin(size: tuple[int, int], crop: list[int]) -> tuple[int, int]:
+    """(top, left) of a centre crop of ``crop`` [height, width] from an image of ``size``
+    (height, width), rounded as torchvision's ``center_crop`` rounds (half to even)."""
+    return round((size[0] - crop[0]) / 2.0), round((size[1] - crop[1]) / 2.0)
+
+
 def decode_image(
     data: bytes, key: str, spec: Preprocessing, max_pixels: int
 ) -> npt.NDArray[np.uint8]:
@@ -324,13 +347,12 @@ def decode_image(
             if image.width * image.height > max_pixels:
                 raise ArrayLimitError(_bomb(key, f"{image.width} x {image.height} pixels"))
             image = image.convert("L" if spec.channels == "gray" else "RGB")
-        if spec.resize is not None:
-            height, width = spec.resize
-            if image.size != (width, height):
-                image = image.resize((width, height), Image.Resampling.BILINEAR)
+        height, width = spec.resized_size(image.height, image.width)
+        if image.size != (width, height):
+            image = image.resize((width, height), _RESAMPLING[spec.interpolation])
         if spec.center_crop is not None:
+            top, left = crop_origin((image.height, image.width), spec.center_crop)
             height, width = spec.center_crop
-            left, top = (image.width - width) // 2, (image.height - height) // 2
             image = image.crop((left, top, left + width, top + height))
         pixels = np.asarray(image)
     except ArrayLimitError:

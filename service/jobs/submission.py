@@ -28,7 +28,7 @@ from api_schemas import (
 )
 from api_schemas.jobs.kinds import AnyJobCreate
 from service.api.problems import ApiError, not_found
-from service.datasets.preprocessing import with_job_spec
+from service.datasets.preprocessing import model_spec, with_job_spec
 from service.jobs.idempotency import IDEMPOTENCY_TTL_S, body_sha256, existing_for_key
 from service.jobs.queues import job_queue, waiting_progress
 from service.records import keys
@@ -66,7 +66,7 @@ def submit_job(
         raise not_found("model", request.model_id)
     if dataset is None:
         raise not_found("dataset", request.dataset_id)
-    dataset = with_job_spec(dataset, request.params.preprocessing)
+    dataset = with_job_spec(dataset, model_spec(request.params.preprocessing, model))
     check_fit(request, model, dataset)
     timeout_s = job_timeout(request, settings)
     check_memory(request, model, dataset, worker_memory(records, settings, request))

@@ -44,6 +44,7 @@ from service.local.cli_client import (
     cmd_models_download,
     cmd_models_list,
     json_arg,
+    preprocessing_arg,
     print_value,
     tag_arg,
 )
@@ -484,7 +485,11 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument(
         "--kwargs", type=json_arg, default={}, help="the architecture's kwargs, a JSON object"
     )
-    add.add_argument("--weights", help="a .safetensors file (else: initialised with --seed)")
+    add.add_argument(
+        "--weights",
+        help="a .safetensors file, or a .pth/.pt state_dict (or checkpoint wrapping one) that "
+        "is converted to safetensors here with torch (else: initialised with --seed)",
+    )
     add.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     add.set_defaults(func=cmd_models_add)
     listing = mcmds.add_parser("list", help="your models, newest first")
@@ -500,8 +505,20 @@ def _parser() -> argparse.ArgumentParser:
 
     datasets = sub.add_parser("datasets", help="datasets: upload, list, delete")
     dcmds = datasets.add_subparsers(dest="datasets", required=True)
-    dadd = dcmds.add_parser("add", help="upload an .npz or .safetensors file with x (and y)")
-    dadd.add_argument("file", help="the file to upload")
+    dadd = dcmds.add_parser(
+        "add", help="upload an .npz, .safetensors or image .tar file, or a folder of images"
+    )
+    dadd.add_argument(
+        "file",
+        help="the file to upload, or a folder of images (class subfolders are labels, "
+        "numbered as torchvision's ImageFolder numbers them; a flat folder is unlabelled)",
+    )
+    dadd.add_argument(
+        "--preprocessing",
+        type=preprocessing_arg,
+        help='how images become inputs: a JSON object (\'{"resize_shorter": 256, '
+        '"center_crop": [224, 224], "interpolation": "bicubic"}\') or a JSON file',
+    )
     dadd.add_argument("--name", help="a name to show (default: the file's)")
     dadd.add_argument(
         "--resume",
@@ -529,6 +546,12 @@ def _parser() -> argparse.ArgumentParser:
         type=json_arg,
         default={},
         help=f"the kind's params as a JSON object (adapt estimators: {estimators})",
+    )
+    submit.add_argument(
+        "--preprocessing",
+        type=preprocessing_arg,
+        help="the job's preprocessing spec (a JSON object or file), or 'model': the model's "
+        "own evaluation transform; sets params.preprocessing",
     )
     submit.add_argument(
         "--tag",

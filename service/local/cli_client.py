@@ -20,6 +20,7 @@ from api_schemas.jobs.public import JobLogEntry
 from service.client import Client
 from service.errors import BnadaptError
 from service.local.summary import outcome_lines, report_summary
+from service.local.torch_weights import PTH_SUFFIXES, pth_to_safetensors
 from service.local.up import read_client_config
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "cmd_models_download",
     "cmd_models_list",
     "json_arg",
+    "preprocessing_arg",
     "print_value",
     "progress_line",
     "tag_arg",
@@ -56,6 +58,16 @@ def json_arg(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
+
+
+def preprocessing_arg(text: str) -> dict[str, Any] | str:
+    """A preprocessing spec: a JSON object, the path of a file holding one, or ``model`` (the
+    model's own evaluation transform, where the API takes it: a job's params)."""
+    if text == "model":
+        return text
+    if not text.lstrip().startswith("{") and Path(text).is_file():
+        text = Path(text).read_text()
+    return json_arg(text)
 
 
 def tag_arg(text: str) -> tuple[str, str]:
@@ -134,8 +146,21 @@ def cmd_architectures(args: argparse.Namespace) -> int:
 
 
 def cmd_models_add(args: argparse.Namespace) -> int:
-    weights = Path(args.weights) if args.weights else None
-    print_value(api_client(args).add_model(args.architecture, args.kwargs, weights, args.seed))
+    """A ``.pth`` file is converted to safetensors here, before it is sent (the service never
+    unpickles): service/local/torch_weights.py."""
+    weights: Path | bytes | None = Path(args.weights) if args.weights else None
+    if isinstance(weights, Path) and weights.suffix.lower() in PTH_SUFFIXES:
+        converted = pth_to_safetensors(weights)
+        print(f"converted {weights} to safetensors ({len(converted):,} bytes)", file=sys.stderr)
+        weights = converted
+    model = api_client(args).add_model(args.architecture, args.kwargs, weights, args.seed)
+    if model.renamed_keys is not None:
+        renamed = model.renamed_keys
+        what = ", ".join(
+            [*(f"prefix {p!r}" for p in renamed.stripped_prefixes), renamed.layout or ""]
+        )
+        print(f"renamed {renamed.count} keys: {what.strip(', ')}", file=sys.stderr)
+    print_value(model)
     return 0
 
 
@@ -183,7 +208,34 @@ def cmd_datasets_add(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    dataset = client.upload_dataset(path, args.name, upload_id=args.resume, on_progress=show)
+    if args.preprocessing == "model":
+        raise BnadaptError(
+            "a dataset takes a preprocessing spec, not 'model' (a dataset serves any model): "
+            "give 'model' to a job instead (bnadapt jobs submit ... --preprocessing model)"
+        )
+    if path.is_dir():
+        if args.resume:
+            raise BnadaptError("--resume continues the upload of a file; send a folder again whole")
+
+        def skipped(paths: list[Path]) -> None:
+            listed = ", ".join(str(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
+            print(f"left out {len(paths)} files that are no .jpg/.png: {listed}", file=sys.stderr)
+
+        dataset = client.upload_folder(
+            path,
+            args.name,
+            preprocessing=args.preprocessing,
+            on_progress=show,
+            on_skipped=skipped,
+        )
+    else:
+        dataset = client.upload_dataset(
+            path,
+            args.name,
+            upload_id=args.resume,
+            on_progress=show,
+            preprocessing=args.preprocessing,
+        )
     if interactive:
         print(file=sys.stderr)
     print_value(dataset)
@@ -215,11 +267,14 @@ def _print_outcome(client: Client, job: JobPublic) -> None:
 
 def cmd_jobs_submit(args: argparse.Namespace) -> int:
     client = api_client(args)
+    params = dict(args.params)
+    if args.preprocessing is not None:
+        params["preprocessing"] = args.preprocessing
     job = client.submit(
         args.kind,
         args.model,
         args.dataset,
-        args.params,
+        params,
         args.idempotency_key,
         dict(args.tag),
         args.priority,

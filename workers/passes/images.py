@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from api_schemas.datasets import Preprocessing
 from service.errors import ArrayFileError
-from service.formats.images import TarIndex, decode_image, index_tar
+from service.formats.images import TarIndex, crop_origin, decode_image, index_tar
 from workers.errors import DataError
 
 __all__ = ["ImageSamples", "array_transform", "normalize_"]
@@ -42,9 +42,15 @@ def normalize_(batch: torch.Tensor, spec: Preprocessing) -> torch.Tensor:
     return batch
 
 
+# torch's modes for the spec's interpolations on arrays (torchvision's tensor resize uses the
+# same); lanczos has none.
+_TORCH_MODES: Final = {"nearest": "nearest", "bilinear": "bilinear", "bicubic": "bicubic"}
+
+
 def array_transform(spec: Preprocessing, channels: int) -> Any:
     """The spec on a (B, C, H, W) batch of a uint8 array, already scaled (or not) to float:
-    bilinear resize (antialiased, like Pillow's), centre crop, channel order, normalisation.
+    resize (antialiased, like Pillow's, except nearest), centre crop, channel order,
+    normalisation.
     The array's channels are RGB (or one gray channel)."""
     if spec.num_channels != channels:
         raise DataError(
@@ -52,12 +58,21 @@ def array_transform(spec: Preprocessing, channels: int) -> Any:
             f"the array's samples have {channels}; register it with the matching channels"
         )
 
+    if spec.interpolation not in _TORCH_MODES:
+        raise DataError(
+            f"interpolation {spec.interpolation!r} applies to images decoded by Pillow; uint8 "
+            f"arrays are resized by torch: use one of {sorted(_TORCH_MODES)}"
+        )
+    mode = _TORCH_MODES[spec.interpolation]
+
     def transform(batch: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, C, H', W')
-        if spec.resize is not None and list(batch.shape[2:]) != spec.resize:
-            batch = F.interpolate(batch, size=tuple(spec.resize), mode="bilinear", antialias=True)
+        size = spec.resized_size(batch.shape[2], batch.shape[3])
+        if size != tuple(batch.shape[2:]):
+            antialias = mode != "nearest"
+            batch = F.interpolate(batch, size=size, mode=mode, antialias=antialias)
         if spec.center_crop is not None:
+            top, left = crop_origin((batch.shape[2], batch.shape[3]), spec.center_crop)
             height, width = spec.center_crop
-            top, left = (batch.shape[2] - height) // 2, (batch.shape[3] - width) // 2
             batch = batch[:, :, top : top + height, left : left + width]
         if spec.channels == "bgr":
             batch = batch.flip(1)

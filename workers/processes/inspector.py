@@ -14,7 +14,9 @@ import argparse
 import logging
 import threading
 import time
-from typing import Final
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
 
 import redis
 import safetensors.torch
@@ -23,8 +25,9 @@ from pydantic import ValidationError
 
 from api_schemas import ActivationFootprint, ArchitecturePublic, BatchNormLayer, ProblemItem
 from api_schemas.inspection import InspectFailure, InspectRequest, InspectSuccess
+from api_schemas.models import RenamedKeys
 from service.errors import ObjectNotFoundError, WeightsFileError
-from service.formats.weights import read_weights_header
+from service.formats.weights import WeightSpec, read_weights_header
 from service.log_format import configure_logging
 from service.public_text import scrub_internals
 from service.records import keys
@@ -44,6 +47,8 @@ from workers.models.architectures import (
     resolve_kwargs,
     state_spec,
 )
+from workers.models.eval_preprocessing import evaluation_preprocessing
+from workers.models.weight_keys import KeyRenaming, canonical_names, timm_conversion
 from workers.running.saving import weights_bytes
 
 __all__ = ["catalog", "inspect", "serve"]
@@ -172,11 +177,61 @@ def _check_finite(state: dict[str, torch.Tensor]) -> InspectFailure | None:
     )
 
 
+def _check_header(
+    expected: dict[str, tuple[tuple[int, ...], str]], found: Mapping[str, WeightSpec]
+) -> InspectFailure | None:
+    return _compare(expected, {k: spec.shape for k, spec in found.items()}) or _check_dtypes(
+        expected, {k: spec.dtype for k, spec in found.items()}
+    )
+
+
+# safetensors' dtype codes of the tensors a conversion makes.
+_CODES: Final = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _renamed_state(
+    path: Path,
+    header: dict[str, WeightSpec],
+    expected: dict[str, tuple[tuple[int, ...], str]],
+    architecture: str,
+    kwargs: Mapping[str, Any],
+) -> tuple[dict[str, torch.Tensor], KeyRenaming | None] | InspectFailure:
+    """The weights under the architecture's own keys (NOTE [ Renaming weight keys ] in
+    workers/models/weight_keys.py) once their names, shapes and dtypes fit it, with what was
+    renamed; the failure for the keys as uploaded when nothing makes them fit."""
+    renaming = canonical_names(header, expected, architecture)
+    names = renaming.names if renaming is not None else {k: k for k in header}
+    mismatch = _check_header(expected, {names[k]: spec for k, spec in header.items()})
+    if mismatch is None:
+        state = safetensors.torch.load_file(str(path))
+        return {names[k]: v for k, v in state.items()}, renaming
+    converted = timm_conversion(safetensors.torch.load_file(str(path)), architecture, kwargs)
+    if converted is None:
+        return mismatch
+    state, renaming = converted
+    specs = {
+        k: WeightSpec(tuple(v.shape), _CODES.get(v.dtype, str(v.dtype))) for k, v in state.items()
+    }
+    return _check_header(expected, specs) or (state, renaming)
+
+
 def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFailure:
     """Answers one request; every anticipated problem is an ``InspectFailure``."""
     try:
         kwargs = resolve_kwargs(request.architecture, request.kwargs)
         arch = registry()[request.architecture]
+        renaming = None
         if request.weights_sha256 is None:
             torch.manual_seed(request.seed)
             model = build_model(request.architecture, kwargs)
@@ -187,19 +242,19 @@ def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFa
             path = store.local_path(sha256)
             header = read_weights_header(path)
             expected = state_spec(request.architecture, kwargs)
-            mismatch = _compare(expected, {k: spec.shape for k, spec in header.items()})
-            mismatch = mismatch or _check_dtypes(
-                expected, {k: spec.dtype for k, spec in header.items()}
-            )
-            if mismatch is not None:
-                return mismatch
-            state = safetensors.torch.load_file(str(path))
+            loaded = _renamed_state(path, header, expected, request.architecture, kwargs)
+            if isinstance(loaded, InspectFailure):
+                return loaded
+            state, renaming = loaded
             not_finite = _check_finite(state)
             if not_finite is not None:
                 return not_finite
             model = build_model(request.architecture, kwargs)
             model.load_state_dict(state, strict=True)
             size = path.stat().st_size
+            if renaming is not None:  # stored again under the architecture's own keys
+                data = weights_bytes(state)
+                sha256, size = store.put_bytes(data), len(data)
     except ArchitectureError as exc:
         return _failure(422, str(exc))
     except WeightsFileError as exc:
@@ -218,6 +273,8 @@ def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFa
         parameter_count=parameter_count(model),
         batchnorm_layers=layers,
         input_shape=input_shape,
+        preprocessing=evaluation_preprocessing(request.architecture, kwargs),
+        renamed_keys=None if renaming is None else RenamedKeys(**renaming.public()),
         activations=_activations(model, input_shape),  # last: it moves BatchNorm statistics
     )
 

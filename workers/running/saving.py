@@ -32,6 +32,7 @@ from service.public_text import scrub_internals
 from service.records.sync import Records
 from service.store.base import Store
 from workers.errors import JobCanceled
+from workers.models.eval_preprocessing import evaluation_preprocessing
 from workers.running.compute import JobOutcome
 from workers.running.runtime import JobRuntime
 
@@ -125,6 +126,8 @@ def register_output(
         job_id=job.job_id,
         created_at=utc_now(),
         activations=job.model.activations,  # the same architecture and kwargs
+        # A job changes weights, never the architecture's evaluation transform.
+        preprocessing=evaluation_preprocessing(job.model.architecture, job.model.kwargs),
     )
     records.add_sha_ref(report_sha256, job.job_id)
     registered = records.get_model(job.tenant_id, model_id)

@@ -115,6 +115,8 @@ def _register(
         source="upload" if sha256 is not None else "init",
         created_at=utc_now(),
         activations=found.activations,
+        preprocessing=found.preprocessing,
+        renamed_keys=found.renamed_keys,
     )
     records.put_model(tenant, model, settings.tenant_max_stored_bytes)
     response.headers["Location"] = f"/v1/models/{model.id}"
