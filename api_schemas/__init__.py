@@ -63,7 +63,9 @@ from api_schemas.jobs import (
 )
 from api_schemas.models import BatchNormLayer, ModelCreate, ModelPublic, ModelSource, Seed
 from api_schemas.reports import (
+    AffineChange,
     BatchNormChange,
+    CheckpointSummary,
     EpochLog,
     Metrics,
     Report,
@@ -82,6 +84,7 @@ __all__ = [
     "SHA256_PATTERN",
     "AdaptJobCreate",
     "AdaptParams",
+    "AffineChange",
     "ArchitectureKwargs",
     "ArchitectureName",
     "ArchitectureParam",
@@ -90,6 +93,7 @@ __all__ = [
     "BatchNormChange",
     "BatchNormLayer",
     "CheckpointPolicy",
+    "CheckpointSummary",
     "DatasetPublic",
     "EpochLog",
     "EstimatorName",

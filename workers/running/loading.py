@@ -22,7 +22,7 @@ from service.settings import get_settings
 from service.store.base import Store
 from workers.errors import ArchitectureError, DataError, WorkerError
 from workers.models.architectures import Architecture, build_model, registry
-from workers.models.policy import apply_checkpoint_policy
+from workers.models.policy import CheckpointOutcome, checkpoint_model
 from workers.passes.data import Data, Samples, labels_tensor
 from workers.passes.images import ImageSamples, array_transform
 
@@ -96,6 +96,7 @@ class LoadedJob:
     y: torch.Tensor | None  # (N,) labels or (N, ...) targets, on the CPU
     device: torch.device
     arch: Architecture
+    checkpointed: CheckpointOutcome | None = None  # what the job's checkpoint policy wrapped
 
 
 def open_dataset(payload: JobPayload, store: Store) -> tuple[Data, torch.Tensor | None]:
@@ -143,7 +144,7 @@ def load_job(payload: JobPayload, store: Store) -> LoadedJob:
     x, y = open_dataset(payload, store)
     arch = registry()[payload.model.architecture]
     policy = params.checkpoint
-    apply_checkpoint_policy(
+    checkpointed = checkpoint_model(
         model, arch, policy.preset, policy.modules, policy.types, policy.offload_to_cpu
     )
-    return LoadedJob(model, x, y, device, arch)
+    return LoadedJob(model, x, y, device, arch, checkpointed)
