@@ -34,14 +34,16 @@ BlocksRule = Literal["block_types", "repeated", "none"]
 # 1. the architecture's own block classes (`Architecture.block_types`): every instance of them
 #    in the model. The built-ins name theirs; the zoo names each family's (torchvision's
 #    BasicBlock/Bottleneck, InvertedResidual, MBConv/FusedMBConv, ResBottleneckBlock,
-#    _DenseLayer, CNBlock, EncoderBlock, ...; timm's residual, efficientnet, ConvNeXt and ViT
+#    _DenseBlock, CNBlock, EncoderBlock, ...; timm's residual, efficientnet, ConvNeXt and ViT
 #    blocks: workers/models/zoo.py);
 # 2. where the model holds none of them, the structural rule: every child of an nn.Sequential
 #    or nn.ModuleList (at any depth) whose class is shared by another child of that same
 #    container, is not itself a plain container (Sequential, ModuleList, ModuleDict) and has
 #    submodules and parameters: the stages of repeated residual, inverted-residual and
 #    transformer blocks the zoo's families are built of. A Sequential of bare Conv2d layers
-#    (VGG) has none.
+#    (VGG) has none. A module whose input is a list the caller changes after the call (a
+#    DenseNet layer's, which is why DenseNet's blocks are its _DenseBlock) cannot be
+#    checkpointed: its recomputation would not see the input of the forward.
 # A block inside another selected block is checkpointed with it, not wrapped again. Where both
 # steps find nothing the model runs without checkpointing, and the job's report says so
 # (`checkpoint.note`): a default job never fails for its policy.

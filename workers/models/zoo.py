@@ -41,7 +41,9 @@ _TORCHVISION_BLOCKS: Final = (
     ("efficientnet", "MBConv"),
     ("efficientnet", "FusedMBConv"),
     ("regnet", "ResBottleneckBlock"),
-    ("densenet", "_DenseLayer"),
+    # Not _DenseLayer: its input is the list of features so far, which _DenseBlock appends to
+    # after the call, so a recomputation would see more features than the forward did.
+    ("densenet", "_DenseBlock"),
     ("convnext", "CNBlock"),
     ("vision_transformer", "EncoderBlock"),
     ("shufflenetv2", "InvertedResidual"),
@@ -66,7 +68,7 @@ _TIMM_BLOCKS: Final = (
     ("vision_transformer", "Block"),
     ("vision_transformer", "ResPostBlock"),
     ("swin_transformer", "SwinTransformerBlock"),
-    ("densenet", "DenseLayer"),
+    ("densenet", "DenseBlock"),  # as torchvision's: its layers take a list that grows
 )
 
 
@@ -97,7 +99,9 @@ def timm_block_types(models: Any) -> tuple[type[nn.Module], ...]:
 def _checked_call(name: str, build: Callable[..., nn.Module], **kwargs: Any) -> nn.Module:
     try:
         return build(**kwargs)
-    except TypeError as exc:  # a kwarg this model's class does not take
+    # A kwarg this model's class does not take (TypeError), or a value it refuses (torchvision
+    # asserts, timm raises ValueError): the caller's to fix, so not a failure of the service.
+    except (TypeError, ValueError, AssertionError) as exc:
         raise ArchitectureError(
             f"{name} cannot be built with {kwargs}: {exc}; leave that kwarg at its default"
         ) from exc
