@@ -19,6 +19,7 @@ import importlib
 import importlib.metadata
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -57,6 +58,7 @@ __all__ = [
     "describe",
     "digits_cnn",
     "input_fits",
+    "load_weights",
     "mlp",
     "parameter_count",
     "registry",
@@ -197,6 +199,21 @@ def state_spec(name: str, kwargs: Mapping[str, Any]) -> dict[str, tuple[tuple[in
         key: (tuple(value.shape), str(value.dtype).removeprefix("torch."))
         for key, value in model.state_dict().items()
     }
+
+
+def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """``model.load_state_dict(state, strict=True)`` for weights read from a safetensors file.
+
+    Such a file keeps tensors only, not the module versions ``state_dict()`` records in its
+    ``_metadata``; a module that reads its version when loading (torchvision's MNASNet raises
+    without one) is given that of the model being loaded into: the weights were checked against
+    this architecture's keys and shapes already."""
+    metadata = getattr(state, "_metadata", None)
+    if metadata is None:
+        loaded = OrderedDict(state)
+        loaded._metadata = model.state_dict()._metadata  # type: ignore[attr-defined]
+        state = loaded
+    model.load_state_dict(state, strict=True)
 
 
 # --- Inspecting a model -------------------------------------------------------------------

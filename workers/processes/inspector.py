@@ -37,6 +37,7 @@ from workers.models.architectures import (
     batchnorm_layers,
     build_model,
     describe,
+    load_weights,
     parameter_count,
     registry,
     resolve_kwargs,
@@ -196,7 +197,7 @@ def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFa
             if not_finite is not None:
                 return not_finite
             model = build_model(request.architecture, kwargs)
-            model.load_state_dict(state, strict=True)
+            load_weights(model, state)
             size = path.stat().st_size
     except ArchitectureError as exc:
         return _failure(422, str(exc))
@@ -204,7 +205,9 @@ def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFa
         return _failure(422, str(exc))
     except ObjectNotFoundError as exc:
         return _failure(422, f"the uploaded weights are gone from the store ({exc}); upload again")
-    except RuntimeError as exc:  # load_state_dict: dtypes that do not convert, say
+    # load_state_dict: dtypes that do not convert, say; a module's own loading hook refusing
+    # (ValueError)
+    except (RuntimeError, ValueError) as exc:
         return _failure(422, f"the weights do not load into {request.architecture}: {exc}")
     return InspectSuccess(
         weights_sha256=sha256,
