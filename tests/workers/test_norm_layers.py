@@ -12,15 +12,25 @@ import pytest
 import torch
 from torch import nn
 
-from api_schemas import AdaptJobCreate, JobPayload, ModelPublic, utc_now
+from api_schemas import (
+    ESTIMATOR_NAMES,
+    AdaptJobCreate,
+    AdaptParams,
+    JobPayload,
+    ModelPublic,
+    utc_now,
+)
 from service.api.problems import ApiError
 from service.jobs.submission import check_running_statistics
 from service.store.local import LocalStore
 from tests.stack import npz_bytes
 from workers.estimators.base import select_affine_norms, select_batchnorm
+from workers.estimators.dispatch import run_estimator
 from workers.estimators.entropy import entropy_adapt
 from workers.kinds.changing import compute
 from workers.models.architectures import build_model
+from workers.passes.data import Samples
+from workers.passes.hooks import NoHooks
 from workers.running.saving import weights_bytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -172,3 +182,40 @@ def test_running_statistics_estimators_need_a_layer_that_keeps_them(estimator: s
         adapt(estimator), model_record([{**untracked, "track_running_stats": True}])
     )
     check_running_statistics(adapt("entropy"), no_statistics)  # trains affine parameters
+
+
+class EveryBatchNorm(nn.Module):
+    """BatchNorm1d, 2d, 3d and SyncBatchNorm (in one process: plain BatchNorm) in one model:
+    (B, 2, 4, 4) -> (B, 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn2d = nn.BatchNorm2d(2)
+        self.sync = nn.SyncBatchNorm(2)
+        self.bn3d = nn.BatchNorm3d(2)
+        self.fc = nn.Linear(32, 6)
+        self.bn1d = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.sync(self.bn2d(x))  # (B, 2, 4, 4)
+        x = self.bn3d(x[:, :, None]).flatten(1)  # (B, 32)
+        return self.head(self.bn1d(self.fc(x)))
+
+
+@pytest.mark.parametrize("estimator", [n for n in ESTIMATOR_NAMES if n != "auto"])
+def test_every_estimator_adapts_every_batchnorm_kind(estimator: str) -> None:
+    torch.manual_seed(0)
+    model = EveryBatchNorm().eval()
+    layers = select_batchnorm(model, ["*"], [])
+    assert layers == ["bn2d", "sync", "bn3d", "bn1d"]
+    x = np.random.default_rng(0).standard_normal((16, 2, 4, 4)).astype(np.float32) + 1.0
+    params = AdaptParams(estimator=estimator, batch_size=8, lr=0.01)
+    reset = params.effective_reset()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    run_estimator(
+        model, params, layers, NoHooks(), x=Samples(x), reset=reset, device=torch.device("cpu")
+    )
+    changed = changed_keys(before, model)
+    for layer in layers:
+        assert f"{layer}.running_mean" in changed and f"{layer}.running_var" in changed, layer
