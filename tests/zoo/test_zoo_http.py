@@ -151,3 +151,20 @@ def test_cli_lists_the_zoo_by_family(stack: Stack, capsys: pytest.CaptureFixture
     assert "input 3x*x*" in atto and "drop_path_rate=0.0" in atto
     assert cli_main([*flags, "architectures", "--all"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == len(catalog)
+
+
+def test_a_model_without_blocks_runs_unwrapped_and_the_report_says_so(stack: Stack) -> None:
+    """timm's DLA has neither known block classes nor repeated siblings (NOTE [ The blocks
+    rule ]): the default train job runs without checkpointing and says so, not a failure."""
+    client = stack.client("zoo-no-blocks")
+    kwargs = {"num_classes": NUM_CLASSES}
+    model = ok(client.add_model("timm.dla34", kwargs, seed=1), 201)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((SAMPLES, 3, IMAGE_SIZE, IMAGE_SIZE)).astype(np.float32)
+    y = rng.integers(0, NUM_CLASSES, SAMPLES).astype(np.int64)
+    data = ok(client.add_dataset(npz_bytes(x=x, y=y)), 201)["id"]
+    train = submit(client, "train", model["id"], data, batch_size=BATCH, validation_fraction=0.0)
+    report = report_of(client, succeeded(client, ok(train, 202)))
+    checkpoint = report["checkpoint"]
+    assert checkpoint["preset"] == "blocks" and checkpoint["blocks_rule"] == "none"
+    assert checkpoint["wrapped"] == 0 and "found no repeated blocks" in checkpoint["note"]
