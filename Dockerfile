@@ -43,11 +43,14 @@ CMD ["api", "--host", "0.0.0.0", "--port", "8000"]
 FROM base AS worker
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
-# torch first, from its own index: the `worker` extra's `torch>=2.10` is then satisfied and
-# pip does not replace it with the default (CUDA) build from PyPI.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+ARG TORCHVISION_VERSION=0.28.0
+# torch and torchvision first, from their own index: the `worker` and `zoo` extras' ranges are
+# then satisfied and pip does not replace them with the default (CUDA) builds from PyPI. The
+# `zoo` extra adds timm (torchvision's and timm's models as architectures).
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    "torchvision==${TORCHVISION_VERSION}"
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install "$(ls /wheels/bnadapt-*.whl)[worker,s3]"
+    pip install "$(ls /wheels/bnadapt-*.whl)[worker,s3,zoo]"
 USER bnadapt
 VOLUME ["/data"]
 ENTRYPOINT ["bnadapt"]

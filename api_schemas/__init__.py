@@ -70,7 +70,9 @@ from api_schemas.models import (
     Seed,
 )
 from api_schemas.reports import (
+    AffineChange,
     BatchNormChange,
+    CheckpointSummary,
     EpochLog,
     Metrics,
     Report,
@@ -90,6 +92,7 @@ __all__ = [
     "ActivationFootprint",
     "AdaptJobCreate",
     "AdaptParams",
+    "AffineChange",
     "ArchitectureKwargs",
     "ArchitectureName",
     "ArchitectureParam",
@@ -98,6 +101,7 @@ __all__ = [
     "BatchNormChange",
     "BatchNormLayer",
     "CheckpointPolicy",
+    "CheckpointSummary",
     "DatasetPublic",
     "EpochLog",
     "EstimatorName",

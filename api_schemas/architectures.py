@@ -1,5 +1,6 @@
 """What the API tells about a registered architecture (a named model factory)."""
 
+import re
 from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, Field, StringConstraints
@@ -13,6 +14,7 @@ __all__ = [
     "InputShape",
     "KwargValue",
     "ParamType",
+    "architecture_family",
 ]
 
 # Loose enough for torchvision names (`resnet18`, `vit_b_16`) and entry-point names.
@@ -48,3 +50,19 @@ class ArchitecturePublic(BaseModel):
     description: str = ""
     params: list[ArchitectureParam]
     input_shape: InputShape
+
+
+_FAMILY: Final = re.compile(r"((?:tf|tv|gluon|legacy|ig|ssl|swsl)_)?([a-z]+?)(v[0-9]+)?(?![a-z])")
+
+
+def architecture_family(name: str) -> str:
+    """The family of a zoo name, for listings: the source and the model name's leading letters
+    with a version suffix and a weight-port prefix (``timm.resnet50d`` -> ``timm.resnet``,
+    ``torchvision.mobilenet_v3_large`` -> ``torchvision.mobilenet``,
+    ``timm.mobilenetv3_small_050`` -> ``timm.mobilenetv3``, ``timm.tf_efficientnet_b0`` ->
+    ``timm.tf_efficientnet``). A name without a source (a built-in) is its own family."""
+    source, dot, model = name.partition(".")
+    if not dot:
+        return name
+    found = _FAMILY.match(model.lower())
+    return f"{source}.{''.join(g or '' for g in found.groups()) if found else model}"

@@ -7,9 +7,11 @@ from api_schemas.datasets import Preprocessing
 from api_schemas.jobs.kinds import JobKind
 
 __all__ = [
+    "AffineChange",
     "AutoCandidate",
     "AutoChoice",
     "BatchNormChange",
+    "CheckpointSummary",
     "EpochLog",
     "Metrics",
     "PredictionDiagnostics",
@@ -114,6 +116,34 @@ class BatchNormChange(_ReportModel):
     def consistent(self) -> bool:
         start = 0 if self.reset else self.num_batches_tracked_before
         return self.num_batches_tracked_after == start + self.batches_run
+
+
+class AffineChange(_ReportModel):
+    """One normalization layer whose affine parameters the job trained (the ``entropy``
+    estimator): its class (``BatchNorm2d``, ``LayerNorm``, ``GroupNorm``, ...), the parameters
+    (``weight``, ``bias``) and the largest absolute change of any of their elements."""
+
+    name: str
+    kind: str
+    parameters: list[str]
+    changed: bool
+    max_abs: float
+
+
+class CheckpointSummary(_ReportModel):
+    """Which modules ran under activation checkpointing (the job's ``checkpoint`` policy).
+
+    ``blocks_rule`` says how the ``blocks`` preset found the model's blocks: ``block_types``
+    (the architecture's own block classes), ``repeated`` (the structural rule: modules of one
+    class repeated in an nn.Sequential or nn.ModuleList) or ``none`` (neither found any: the
+    job ran without checkpointing them, and ``note`` says so); null for the preset ``none``.
+    """
+
+    preset: str
+    blocks_rule: str | None = None
+    wrapped: int = Field(ge=0, description="How many modules were wrapped.")
+    modules: list[str] = Field(default_factory=list, description="Their qualified names.")
+    note: str | None = None
 
 
 class TensorChange(_ReportModel):
@@ -270,3 +300,11 @@ class Report(_ReportModel):
     # How the dataset's images became inputs (its preprocessing spec); null for arrays
     # registered without one.
     preprocessing: Preprocessing | None = None
+    # What the checkpoint policy wrapped; null in old reports and for evaluate jobs.
+    checkpoint: CheckpointSummary | None = None
+    # FrozenBatchNorm2d layers (torchvision's, timm's): fixed statistics and affine parameters
+    # kept as buffers, never adapted by any estimator; listed so that a job that leaves them
+    # as they were says so.
+    frozen_norms: list[str] = Field(default_factory=list)
+    # The entropy estimator: per layer, the affine parameters it trained and how they changed.
+    affine: list[AffineChange] = Field(default_factory=list)

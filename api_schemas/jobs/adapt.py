@@ -88,6 +88,9 @@ class EstimatorSpec:
     # None: the merged statistics are applied as `sharding` pools them (NOTE [ Sharded
     # adaptation ] in workers/sharding/compute.py).
     merged_runner: str | None = None
+    # Estimates running statistics, so the model needs a normalization layer that keeps them
+    # (a 422 at submission otherwise: service/jobs/submission.py check_running_statistics).
+    needs_running_stats: bool = True
 
 
 ESTIMATORS: Final[dict[str, EstimatorSpec]] = {
@@ -124,12 +127,14 @@ ESTIMATORS: Final[dict[str, EstimatorSpec]] = {
         sharding="prior_base",
     ),
     "entropy": EstimatorSpec(
-        "TENT: BatchNorm affine parameters trained to minimise prediction entropy",
+        "TENT/SAR: the affine parameters of the normalization layers (BatchNorm, and with "
+        "affine_norms 'all' LayerNorm and GroupNorm) trained to minimise prediction entropy",
         "workers.estimators.entropy:run",
         resets=False,
         sharding=None,
         sequential_reason="each optimizer step starts from the parameters the previous one made",
         backward=True,
+        needs_running_stats=False,
     ),
     "auto": EstimatorSpec(
         "chooses the source statistics, precise, prior at a few strengths or (allow_backward) "
@@ -253,6 +258,10 @@ class AdaptParams(RequestModel):
         description=f"entropy: optimizer steps (1 to {MAX_STEPS}); null: one pass over the data.",
     )
     optimizer: Literal["sgd", "adam"] = "adam"
+    # entropy: whose affine parameters it trains. "all" (as SAR): BatchNorm, LayerNorm and
+    # GroupNorm layers; "batchnorm" (as TENT): BatchNorm layers only. Both select by
+    # include/exclude.
+    affine_norms: Literal["all", "batchnorm"] = "all"
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     seed: Seed = 0
     device: Device = "auto"

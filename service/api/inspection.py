@@ -18,7 +18,7 @@ from service.api.problems import ApiError
 from service.records import keys
 from service.records.connection import REDIS_BLOCK_SLICE_S
 
-__all__ = ["inspect_model", "published_architectures"]
+__all__ = ["inspect_model", "published_architectures", "published_catalog"]
 
 _REPLY: Final[TypeAdapter[InspectSuccess | InspectFailure]] = TypeAdapter(
     InspectSuccess | InspectFailure
@@ -68,3 +68,13 @@ def published_architectures(client: redis.Redis) -> list[ArchitecturePublic]:
     if raw is None:
         raise ApiError(503, NO_WORKER, headers={"Retry-After": "5"})
     return _CATALOG.validate_json(raw)
+
+
+def published_catalog(client: redis.Redis) -> bytes:
+    """The catalog as the inspector published it: a JSON list of ``ArchitecturePublic``,
+    about 1 MB with the zoo installed (some 1,450 architectures), so the API passes it on
+    without parsing it again. Raises 503 when no worker runs."""
+    raw = client.get(keys.ARCHITECTURES)
+    if raw is None:
+        raise ApiError(503, NO_WORKER, headers={"Retry-After": "5"})
+    return raw.encode() if isinstance(raw, str) else bytes(raw)

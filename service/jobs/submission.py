@@ -13,6 +13,7 @@ import redis
 from rq import Queue
 
 from api_schemas import (
+    ESTIMATORS,
     JOB_KINDS,
     AdaptParams,
     DatasetPublic,
@@ -41,6 +42,7 @@ __all__ = [
     "MEMORY_HEADROOM",
     "check_fit",
     "check_memory",
+    "check_running_statistics",
     "job_payload",
     "job_timeout",
     "needed_memory",
@@ -70,6 +72,7 @@ def submit_job(
     check_fit(request, model, dataset)
     timeout_s = job_timeout(request, settings)
     check_memory(request, model, dataset, worker_memory(records, settings, request))
+    check_running_statistics(request, model)
 
     job_id = new_id("job")
     digest = None
@@ -188,6 +191,28 @@ def check_fit(request: AnyJobCreate, model: ModelPublic, dataset: DatasetPublic)
                 f"needs at least one whole batch; use shards <= {batches}, or a smaller "
                 "batch_size",
             )
+
+
+def check_running_statistics(request: AnyJobCreate, model: ModelPublic) -> None:
+    """422 for an adapt job whose estimator estimates running statistics on a model with no
+    normalization layer that keeps them (a ViT or ConvNeXt has LayerNorm only; FrozenBatchNorm2d
+    keeps none): the job would fail in the worker."""
+    params = request.params
+    if not isinstance(params, AdaptParams):
+        return
+    if not ESTIMATORS[params.estimator].needs_running_stats:
+        return
+    if any(layer.track_running_stats for layer in model.batchnorm_layers):
+        return
+    others = [name for name, spec in ESTIMATORS.items() if not spec.needs_running_stats]
+    raise ApiError(
+        422,
+        f"estimator {params.estimator!r} re-estimates running statistics, but model {model.id} "
+        f"({model.architecture}) has no normalization layer that keeps them (no BatchNorm "
+        f"with track_running_stats; LayerNorm, GroupNorm and FrozenBatchNorm2d keep none); use "
+        f"estimator {' or '.join(repr(n) for n in others)}, which trains the affine parameters "
+        "of its BatchNorm, LayerNorm and GroupNorm layers",
+    )
 
 
 def job_payload(

@@ -474,9 +474,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     gc.set_defaults(func=cmd_store_gc)
 
-    sub.add_parser("architectures", help="list what can be registered").set_defaults(
-        func=cmd_architectures
+    arches = sub.add_parser(
+        "architectures",
+        help="list what can be registered: families with counts (the zoo has over a thousand)",
     )
+    arches.add_argument(
+        "pattern",
+        nargs="?",
+        help="list the architectures whose name matches this fnmatch pattern or contains it "
+        "(e.g. 'timm.resnet*', 'convnext'), one a line with kwargs and input shape",
+    )
+    arches.add_argument("--all", action="store_true", help="list every architecture, one a line")
+    arches.set_defaults(func=cmd_architectures)
 
     models = sub.add_parser("models", help="models: register, list, download, delete")
     mcmds = models.add_subparsers(dest="models", required=True)

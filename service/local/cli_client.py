@@ -12,10 +12,12 @@ import json
 import os
 import sys
 import time
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from api_schemas import JobPublic, JobStatus
+from api_schemas import ArchitecturePublic, JobPublic, JobStatus
+from api_schemas.architectures import architecture_family
 from api_schemas.jobs.public import JobLogEntry
 from service.client import Client
 from service.errors import BnadaptError
@@ -138,11 +140,39 @@ def wait_with_bar(client: Client, job_id: str) -> JobPublic:
 
 
 def cmd_architectures(args: argparse.Namespace) -> int:
-    for arch in api_client(args).architectures():
-        kwargs = ", ".join(f"{p.name}={p.default!r}" for p in arch.params)
-        shape = "x".join("*" if d is None else str(d) for d in arch.input_shape)
-        print(f"{arch.name:24} input {shape:12} kwargs: {kwargs}")
+    """Families with counts and a few names; one line per architecture with ``--all`` or a
+    pattern. Built-ins (names without a dot) are always listed one a line."""
+    arches = api_client(args).architectures()
+    pattern = getattr(args, "pattern", None)
+    if pattern:
+        arches = [a for a in arches if fnmatchcase(a.name, pattern) or pattern in a.name]
+    if getattr(args, "all", False) or pattern:
+        for arch in arches:
+            print(_architecture_line(arch))
+        return 0
+    families: dict[str, list[str]] = {}
+    for arch in arches:
+        if "." not in arch.name:
+            print(_architecture_line(arch))
+        else:
+            families.setdefault(architecture_family(arch.name), []).append(arch.name)
+    for family, names in sorted(families.items()):
+        sample = ", ".join(n.split(".", 1)[1] for n in names[:4])
+        more = f", ... (+{len(names) - 4})" if len(names) > 4 else ""
+        print(f"{family:24} {len(names):4} models: {sample}{more}")
+    if families:
+        print(
+            f"{sum(map(len, families.values()))} zoo architectures in {len(families)} families; "
+            "`bnadapt architectures PATTERN` lists their kwargs, --all lists every one",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _architecture_line(arch: ArchitecturePublic) -> str:
+    kwargs = ", ".join(f"{p.name}={p.default!r}" for p in arch.params)
+    shape = "x".join("*" if d is None else str(d) for d in arch.input_shape)
+    return f"{arch.name:24} input {shape:12} kwargs: {kwargs}"
 
 
 def cmd_models_add(args: argparse.Namespace) -> int:

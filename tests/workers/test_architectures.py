@@ -31,7 +31,7 @@ from workers.models.architectures import (
     state_spec,
 )
 from workers.models.modules import named_modules
-from workers.models.policy import apply_checkpoint_policy
+from workers.models.policy import apply_checkpoint_policy, checkpoint_model, find_blocks
 
 
 @pytest.fixture(autouse=True)
@@ -245,7 +245,9 @@ def test_torchvision_models_are_registered_when_it_imports(
     class Bottleneck(nn.Module):
         pass
 
-    def get_model(name: str, weights: None, num_classes: int = 1000) -> nn.Module:
+    def get_model(
+        name: str, weights: None, num_classes: int = 1000, image_size: int = 224
+    ) -> nn.Module:
         return nn.Linear(3, num_classes)
 
     models = types.SimpleNamespace(
@@ -255,10 +257,16 @@ def test_torchvision_models_are_registered_when_it_imports(
     )
     monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(models=models))
     known = registry()
+    # Every torchvision model gets the block classes the installed version has (the stand-in
+    # has two); the blocks rule finds those its model holds.
     assert known["torchvision.resnet18"].block_types == (BasicBlock, Bottleneck)
-    assert known["torchvision.vit_b_16"].block_types == ()
+    assert known["torchvision.vit_b_16"].block_types == (BasicBlock, Bottleneck)
     assert build_model("torchvision.resnet18", {"num_classes": 7}).out_features == 7
-    assert describe(known["torchvision.vit_b_16"])["input_shape"] == [3, None, None]
+    assert describe(known["torchvision.resnet18"])["input_shape"] == [3, None, None]
+    # A ViT's image size is fixed by its kwargs.
+    assert describe(known["torchvision.vit_b_16"])["input_shape"] == [3, 224, 224]
+    vit = resolve_kwargs("torchvision.vit_b_16", {"image_size": 64})
+    assert known["torchvision.vit_b_16"].input_shape(vit) == (3, 64, 64)
 
 
 # --- Checkpoint policy ---------------------------------------------------------------------
@@ -317,7 +325,48 @@ def test_policy_errors(preset: str, modules: list[str], types_: list[str], messa
     assert wrapped_names(model) == [], "nothing wrapped when the policy is refused"
 
 
-def test_blocks_preset_needs_blocks() -> None:
+def test_blocks_preset_without_blocks_runs_unwrapped_and_says_so() -> None:
+    # NOTE [ The blocks rule ]: no block classes and no repeated blocks: nothing is wrapped,
+    # nothing is refused, and the outcome's note says why.
     bare = Architecture("bare", "No blocks.", lambda: nn.Linear(2, 2), (), lambda kw: (2,))
-    with pytest.raises(PolicyError, match="names no blocks"):
-        apply_checkpoint_policy(nn.Sequential(nn.Linear(2, 2)), bare, "blocks", [], [], False)
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    outcome = checkpoint_model(model, bare, "blocks", [], [], False)
+    assert outcome.wrapped == [] and outcome.blocks_rule == "none"
+    assert outcome.note is not None and "found no repeated blocks" in outcome.note
+    assert wrapped_names(model) == []
+    # The policy's own patterns still apply.
+    outcome = checkpoint_model(model, bare, "blocks", ["0"], [], False)
+    assert outcome.wrapped == ["0"] and outcome.note is not None
+
+
+class _Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+        self.bn = nn.BatchNorm2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bn(self.conv(x))
+
+
+def test_blocks_structural_rule_wraps_repeated_siblings() -> None:
+    # No block classes named: the children of one class repeated in a Sequential or a
+    # ModuleList are the blocks; plain containers and lone or parameterless modules are not.
+    bare = Architecture("bare", "", lambda: nn.Identity(), (), lambda kw: (2, None, None))
+    model = nn.Sequential(
+        nn.Conv2d(2, 2, 1),
+        nn.Conv2d(2, 2, 1),  # leaves: not blocks
+        nn.Sequential(_Stage(), _Stage(), nn.ReLU(), nn.ReLU()),
+        nn.ModuleList([_Stage(), _Stage()]),
+        nn.Sequential(_Stage()),  # alone in its container
+    )
+    blocks, rule = find_blocks(model, bare)
+    assert rule == "repeated"
+    names = {m: n for n, m in model.named_modules()}
+    assert sorted(names[b] for b in blocks) == ["2.0", "2.1", "3.0", "3.1"]
+    outcome = checkpoint_model(model, bare, "blocks", [], [], False)
+    assert outcome.wrapped == ["2.0", "2.1", "3.0", "3.1"] and outcome.note is None
+    # The architecture's own classes come first: with them, the structural rule is not used.
+    typed = Architecture("typed", "", lambda: nn.Identity(), (), lambda kw: (2,), (_Stage,))
+    blocks, rule = find_blocks(nn.Sequential(_Stage(), nn.Sequential(_Stage())), typed)
+    assert rule == "block_types" and len(blocks) == 2

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Final, Literal
 
@@ -37,7 +37,9 @@ __all__ = [
     "Runner",
     "check_stop",
     "nonempty",
+    "resolve_affine_norms",
     "resolve_batchnorm",
+    "select_affine_norms",
     "select_batchnorm",
 ]
 
@@ -64,6 +66,9 @@ class EstimatorTask:
     # passes (None: the model; a compiled job's torch.compile of it) and what times the steps.
     forward: Forward | None = None
     clock: StepClock | None = None
+    # Estimators that train affine parameters (entropy): the LayerNorm and GroupNorm layers
+    # whose weight and bias they train besides those of ``layers`` (select_affine_norms).
+    affine_layers: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -104,9 +109,13 @@ Runner = Estimate
 MergedRunner = Callable[[EstimatorTask, Mapping[str, LayerStatistics], AdaptStats], AdaptStats]
 
 
-def select_batchnorm(model: nn.Module, include: Sequence[str], exclude: Sequence[str]) -> list[str]:
-    """Names of the BatchNorm layers (any ``_BatchNorm``, SyncBatchNorm included) that track
-    running statistics, match an ``include`` fnmatch pattern and no ``exclude`` pattern."""
+def select_batchnorm(
+    model: nn.Module, include: Sequence[str], exclude: Sequence[str], required: bool = True
+) -> list[str]:
+    """Names of the BatchNorm layers (any ``_BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm,
+    timm's BatchNormAct2d) that track running statistics, match an ``include`` fnmatch pattern
+    and no ``exclude`` pattern. :class:`AdaptError` when there are none, unless not
+    ``required``."""
     layers = [
         (name, module)
         for name, module in named_modules(model)
@@ -118,7 +127,7 @@ def select_batchnorm(model: nn.Module, include: Sequence[str], exclude: Sequence
         if any(fnmatchcase(name, p) for p in include)
         and not any(fnmatchcase(name, p) for p in exclude)
     ]
-    if not chosen:
+    if not chosen and required:
         available = ", ".join(name for name, _ in layers) or "none"
         raise AdaptError(
             f"no BatchNorm layer to adapt: include {list(include)} and exclude {list(exclude)} "
@@ -144,6 +153,47 @@ def resolve_batchnorm(model: nn.Module, layers: Sequence[str]) -> list[_BatchNor
         resolved.append(module)
     if not resolved:
         raise AdaptError("no layers to adapt were given; pass the names select_batchnorm() gives")
+    return resolved
+
+
+# The layers whose affine parameters `entropy` trains besides BatchNorm's (as SAR does):
+# LayerNorm (timm's and torchvision's LayerNorm2d are subclasses) and GroupNorm.
+AFFINE_NORM_TYPES: Final = (nn.LayerNorm, nn.GroupNorm)
+
+
+def _has_affine(module: nn.Module) -> bool:
+    return any(isinstance(getattr(module, p, None), nn.Parameter) for p in ("weight", "bias"))
+
+
+def select_affine_norms(
+    model: nn.Module, include: Sequence[str], exclude: Sequence[str]
+) -> list[str]:
+    """Names of the LayerNorm and GroupNorm layers with affine parameters that match an
+    ``include`` fnmatch pattern and no ``exclude`` pattern (possibly none)."""
+    return [
+        name
+        for name, module in named_modules(model)
+        if isinstance(module, AFFINE_NORM_TYPES)
+        and _has_affine(module)
+        and any(fnmatchcase(name, p) for p in include)
+        and not any(fnmatchcase(name, p) for p in exclude)
+    ]
+
+
+def resolve_affine_norms(model: nn.Module, layers: Sequence[str]) -> list[nn.Module]:
+    """The modules of ``layers``; :class:`AdaptError` unless each is a LayerNorm or GroupNorm
+    layer with affine parameters."""
+    by_name = dict(named_modules(model))
+    resolved: list[nn.Module] = []
+    for name in layers:
+        module = by_name.get(name)
+        if not isinstance(module, AFFINE_NORM_TYPES) or not _has_affine(module):
+            what = "no module" if module is None else type(module).__name__
+            raise AdaptError(
+                f"layer {name!r} is {what}, not a LayerNorm or GroupNorm layer with affine "
+                "parameters; pick names from select_affine_norms()"
+            )
+        resolved.append(module)
     return resolved
 
 

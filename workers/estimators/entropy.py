@@ -1,10 +1,14 @@
 """The ``entropy`` estimator: test-time entropy minimisation (TENT, Wang et al. 2021).
 
-Only the affine parameters (weight and bias) of the selected BatchNorm layers are optimised,
-to lower the mean entropy of the model's softmax predictions on the target data; the selected
-layers run in train mode, so they normalise with batch statistics and their running statistics
-follow the target data with their own momentum, as in ``ema``. Dropout and the other modules
-stay in eval mode, and every other parameter and buffer keeps its value bit for bit.
+Only the affine parameters (weight and bias) of the selected normalization layers are
+optimised, to lower the mean entropy of the model's softmax predictions on the target data.
+The selected BatchNorm layers run in train mode, so they normalise with batch statistics and
+their running statistics follow the target data with their own momentum, as in ``ema``. With
+``affine_norms="all"`` (the default, as SAR, Niu et al. 2023) the affine parameters of the
+selected LayerNorm and GroupNorm layers are trained too (TENT trains BatchNorm's only:
+``affine_norms="batchnorm"``); those layers keep no statistics, so a ViT or a ConvNeXt adapts
+by them alone. Dropout and the other modules stay in eval mode, and every other parameter and
+buffer keeps its value bit for bit.
 
 Unlike the other estimators this one needs gradients: it runs under ``enable_grad`` whatever
 the caller's mode, and a model wrapped by workers/checkpoint.py gives bitwise the same
@@ -21,7 +25,13 @@ import torch
 from torch import nn
 
 from workers.errors import AdaptError, JobCanceled
-from workers.estimators.base import NO_BATCHES, AdaptStats, EstimatorTask, resolve_batchnorm
+from workers.estimators.base import (
+    NO_BATCHES,
+    AdaptStats,
+    EstimatorTask,
+    resolve_affine_norms,
+    resolve_batchnorm,
+)
 from workers.models.modules import model_device, training_flags
 
 if TYPE_CHECKING:
@@ -52,6 +62,7 @@ def entropy_adapt(
     should_stop: Callable[[], bool] | None = None,
     forward: Forward | None = None,
     clock: StepClock | None = None,
+    affine_layers: Sequence[str] = (),
 ) -> AdaptStats:
     """``steps`` optimiser steps (``None``: one per batch), each on the next of ``batches``
     ``(B, ...)``, cycling; batches are moved to the model's device. ``optimizer`` is Adam, or
@@ -62,19 +73,28 @@ def entropy_adapt(
     ``requires_grad`` and ``.grad`` of every parameter and all training flags are as before
     when it returns or raises. ``forward`` runs the steps' forward passes (default ``model``;
     a compiled ``model``, workers/passes/steps.py); ``clock`` times each step.
+    ``affine_layers`` (LayerNorm, GroupNorm) have their affine parameters trained too; with
+    them, ``layers`` may be empty.
     """
     if not lr > 0:
         raise AdaptError(f"the learning rate must be > 0, got {lr}")
     if steps is not None and steps < 1:
         raise AdaptError(f"steps must be >= 1 or None (one pass over the data), got {steps}")
-    selected = resolve_batchnorm(model, layers)
+    selected = resolve_batchnorm(model, layers) if layers or not affine_layers else []
+    norms = resolve_affine_norms(model, affine_layers)
     if not batches:
         raise AdaptError(NO_BATCHES)
-    params = [p for bn in selected for p in (bn.weight, bn.bias) if p is not None]
+    params = [
+        p
+        for layer in [*selected, *norms]
+        for p in (layer.weight, layer.bias)
+        if isinstance(p, nn.Parameter)
+    ]
     if not params:
         raise AdaptError(
-            f"none of the layers {list(layers)} has affine parameters (affine=False) for the "
-            "entropy estimator to optimise; select layers with affine=True or use 'precise'"
+            f"none of the layers {[*layers, *affine_layers]} has affine parameters "
+            "(affine=False) for the entropy estimator to optimise; select layers with "
+            "affine=True or use 'precise'"
         )
     total = len(batches) if steps is None else steps
     device = model_device(model)
@@ -155,4 +175,5 @@ def run(task: EstimatorTask) -> AdaptStats:
         should_stop=task.hooks.should_stop,
         forward=task.forward,
         clock=task.clock,
+        affine_layers=task.affine_layers,
     )

@@ -4,7 +4,8 @@ Sources, in order of precedence (a later source never replaces an earlier name):
 1. the built-ins :data:`BUILTINS` (``digits_cnn``, ``resnet``, ``mlp``);
 2. entry points of the group ``bnadapt.architectures``: each loads an :class:`Architecture`
    or a zero-argument callable returning one;
-3. torchvision's classification models as ``torchvision.<name>``, when torchvision imports.
+3. torchvision's classification models as ``torchvision.<name>`` and timm's as
+   ``timm.<name>``, when those libraries import (workers/models/zoo.py, the ``zoo`` extra).
 
 Module names used here and across the workers are those of ``state_dict``: a checkpoint
 wrapper adds nothing to them (see :func:`named_modules`).
@@ -12,11 +13,13 @@ wrapper adds nothing to them (see :func:`named_modules`).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.metadata
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -36,12 +39,11 @@ from workers.models.builtin import (
 )
 from workers.models.modules import named_modules
 from workers.models.spec import (
-    MAX_CLASSES,
     Architecture,
     ParamSpec,
     ParamValue,
-    int_param,
 )
+from workers.models.zoo import from_timm, from_torchvision
 
 __all__ = [
     "ACTIVATION_PROBE_SIDE",
@@ -58,6 +60,7 @@ __all__ = [
     "describe",
     "digits_cnn",
     "input_fits",
+    "load_weights",
     "mlp",
     "parameter_count",
     "registry",
@@ -69,6 +72,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "bnadapt.architectures"
+_NAMES_SHOWN = 40  # names an unknown-architecture error lists
 
 # --- Registry -----------------------------------------------------------------------------
 
@@ -92,35 +96,11 @@ def _from_entry_points() -> Iterator[Architecture]:
         yield arch
 
 
-def _torchvision_block_types(models: Any, name: str) -> tuple[type[nn.Module], ...]:
-    if name.startswith(("resnet", "resnext", "wide_resnet")):
-        return (models.resnet.BasicBlock, models.resnet.Bottleneck)
-    return ()
-
-
-def _from_torchvision() -> Iterator[Architecture]:
-    try:
-        torchvision = importlib.import_module("torchvision")
-    except Exception:  # noqa: BLE001 - optional: absent or broken (ABI mismatch) alike
-        return
-    models = torchvision.models
-    for name in models.list_models(module=models):
-        yield Architecture(
-            name=f"torchvision.{name}",
-            description=f"torchvision.models.{name}, randomly initialised (no pretrained "
-            "weights are downloaded; upload weights instead).",
-            factory=functools.partial(models.get_model, name, weights=None),
-            params=(int_param("num_classes", 1000, "Number of output classes.", MAX_CLASSES),),
-            input_shape=lambda kw: (3, None, None),
-            block_types=_torchvision_block_types(models, name),
-        )
-
-
 @functools.lru_cache(maxsize=1)
 def registry() -> Mapping[str, Architecture]:
     """Every known architecture by name; built once per process."""
     found: dict[str, Architecture] = {}
-    for source in (iter(BUILTINS), _from_entry_points(), _from_torchvision()):
+    for source in (iter(BUILTINS), _from_entry_points(), from_torchvision(), from_timm()):
         for arch in source:
             if arch.name in found:
                 logger.warning("ignoring a second architecture named %r", arch.name)
@@ -132,9 +112,16 @@ def registry() -> Mapping[str, Architecture]:
 def _get(name: str) -> Architecture:
     known = registry()
     if name not in known:
+        # The zoo holds over a thousand names: the message shows the closest ones.
+        close = []
+        if len(known) > _NAMES_SHOWN:
+            close = difflib.get_close_matches(name, list(known), n=10, cutoff=0.5)
+        shown = ", ".join(close or sorted(known)[:_NAMES_SHOWN])
         raise ArchitectureError(
-            f"unknown architecture {name!r}; known: {', '.join(sorted(known))}. Pick one of "
-            f"these, or install a package that registers it under {ENTRY_POINT_GROUP!r}"
+            f"unknown architecture {name!r}; {'close' if close else 'known'}: {shown} "
+            f"({len(known)} in all, `bnadapt architectures` lists them). Pick one of these, "
+            f"install the zoo (bnadapt[zoo]) or a package that registers it under "
+            f"{ENTRY_POINT_GROUP!r}"
         )
     return known[name]
 
@@ -202,13 +189,33 @@ def input_fits(expected: Sequence[int | None], sample_shape: Sequence[int]) -> b
 
 def state_spec(name: str, kwargs: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
     """``state_dict`` key -> (shape, dtype name such as ``"float32"``), the names numpy uses
-    for the common dtypes. Built on the meta device: no memory, no initialisation cost."""
-    with torch.device("meta"):
+    for the common dtypes. Built on the meta device: no memory, no initialisation cost; a
+    factory that reads tensor values while building (torchvision's RegNet computes its widths
+    with torch) is built on the CPU instead."""
+    try:
+        with torch.device("meta"):
+            model = build_model(name, kwargs)
+    except (NotImplementedError, RuntimeError):
         model = build_model(name, kwargs)
     return {
         key: (tuple(value.shape), str(value.dtype).removeprefix("torch."))
         for key, value in model.state_dict().items()
     }
+
+
+def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """``model.load_state_dict(state, strict=True)`` for weights read from a safetensors file.
+
+    Such a file keeps tensors only, not the module versions ``state_dict()`` records in its
+    ``_metadata``; a module that reads its version when loading (torchvision's MNASNet raises
+    without one) is given that of the model being loaded into: the weights were checked against
+    this architecture's keys and shapes already."""
+    metadata = getattr(state, "_metadata", None)
+    if metadata is None:
+        loaded = OrderedDict(state)
+        loaded._metadata = model.state_dict()._metadata  # type: ignore[attr-defined]
+        state = loaded
+    model.load_state_dict(state, strict=True)
 
 
 # --- Inspecting a model -------------------------------------------------------------------

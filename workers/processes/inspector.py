@@ -42,6 +42,7 @@ from workers.models.architectures import (
     batchnorm_layers,
     build_model,
     describe,
+    load_weights,
     parameter_count,
     registry,
     resolve_kwargs,
@@ -250,7 +251,7 @@ def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFa
             if not_finite is not None:
                 return not_finite
             model = build_model(request.architecture, kwargs)
-            model.load_state_dict(state, strict=True)
+            load_weights(model, state)
             size = path.stat().st_size
             if renaming is not None:  # stored again under the architecture's own keys
                 data = weights_bytes(state)
@@ -262,7 +263,9 @@ def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFa
     except ObjectNotFoundError as exc:
         log.warning("inspection %s: %s", request.request_id, exc)
         return _failure(422, "the uploaded weights are gone from the store; upload them again")
-    except RuntimeError as exc:  # load_state_dict: dtypes that do not convert, say
+    # load_state_dict: dtypes that do not convert, say; a module's own loading hook refusing
+    # (ValueError)
+    except (RuntimeError, ValueError) as exc:
         detail = scrub_internals(str(exc))
         return _failure(422, f"the weights do not load into {request.architecture}: {detail}")
     layers = [BatchNormLayer(**layer) for layer in batchnorm_layers(model)]

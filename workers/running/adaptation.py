@@ -16,9 +16,16 @@ from torch import nn
 
 from api_schemas import AdaptParams
 from api_schemas.reports import PredictionDiagnostics
+from workers.errors import AdaptError
 from workers.estimators.auto import AutoStats
-from workers.estimators.base import Estimate, EstimatorTask, select_batchnorm
+from workers.estimators.base import (
+    Estimate,
+    EstimatorTask,
+    select_affine_norms,
+    select_batchnorm,
+)
 from workers.estimators.dispatch import run_task
+from workers.models.modules import named_modules
 from workers.passes.data import Data
 from workers.passes.predictions import (
     MAX_DIAGNOSTIC_SAMPLES,
@@ -64,7 +71,26 @@ class Adaptation(ModelChange):
     def run(self, task: ChangeTask) -> ChangeResult:
         params, job, target = self.params, task.job, self._target
         assert target is not None, "compute measures before it changes the model"
-        adapted = select_batchnorm(job.model, params.include, params.exclude)
+        # Estimators that train affine parameters only (entropy) may have no BatchNorm layer to
+        # run: a model of LayerNorm or GroupNorm layers adapts by their affine parameters.
+        statistics_free = not params.spec.needs_running_stats
+        adapted = select_batchnorm(
+            job.model, params.include, params.exclude, required=not statistics_free
+        )
+        norms = []
+        if statistics_free and params.affine_norms == "all":
+            norms = select_affine_norms(job.model, params.include, params.exclude)
+        if statistics_free and not adapted and not norms:
+            raise AdaptError(
+                f"no normalization layer to adapt: include {list(params.include)} and exclude "
+                f"{list(params.exclude)} select no BatchNorm layer with running statistics"
+                + (
+                    " and no LayerNorm or GroupNorm layer with affine parameters"
+                    if params.affine_norms == "all"
+                    else " (affine_norms 'all' would add LayerNorm and GroupNorm layers)"
+                )
+                + "; widen `include` or narrow `exclude`"
+            )
         reset = params.effective_reset()
         given = job.x if params.spec.holds_out else target.split.estimation
         estimation = EstimatorTask(
@@ -77,6 +103,7 @@ class Adaptation(ModelChange):
             device=job.device,
             forward=task.forward,
             clock=task.clock,
+            affine_layers=norms,
         )
         with one_sample_batch_explained(len(given), params.batch_size, params.max_batches):
             stats = self.estimate(estimation)
@@ -91,11 +118,23 @@ class Adaptation(ModelChange):
             reset=reset,
             auto=auto,
             chosen_layers=True,
+            affine=_trained_affine(job.model, adapted, norms) if statistics_free else [],
         )
 
     def diagnostics(self, job: LoadedJob) -> PredictionDiagnostics | None:
         assert self._target is not None, "compute measures before it changes the model"
         return _target_after(job.model, self._target, job.device)
+
+
+def _trained_affine(model: nn.Module, batchnorm: list[str], norms: list[str]) -> list[str]:
+    """The layers whose affine parameters entropy trained, in module order."""
+    trained = set(norms) | {
+        name
+        for name, module in named_modules(model)
+        if name in batchnorm
+        and any(isinstance(getattr(module, p, None), nn.Parameter) for p in ("weight", "bias"))
+    }
+    return [name for name, _ in named_modules(model) if name in trained]
 
 
 @dataclass(frozen=True)

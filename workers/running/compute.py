@@ -27,8 +27,10 @@ from torch import nn
 
 from api_schemas import JobPayload
 from api_schemas.reports import (
+    AffineChange,
     AutoChoice,
     BatchNormChange,
+    CheckpointSummary,
     EpochLog,
     PredictionDiagnostics,
     Report,
@@ -39,6 +41,7 @@ from service.store.base import Store
 from workers.errors import AdaptError, DataError
 from workers.models.architectures import batchnorm_layers, parameter_count, resolve_kwargs
 from workers.models.modules import named_modules
+from workers.models.policy import CheckpointOutcome
 from workers.passes.data import num_batches
 from workers.passes.hooks import JobHooks, NoHooks
 from workers.passes.steps import Forward, StepClock, step_forward
@@ -46,7 +49,9 @@ from workers.running.evaluation import Loss, contract_metrics, evaluate_sums, lo
 from workers.running.evaluation import Metrics as EvalMetrics
 from workers.running.loading import LoadedJob, ModelJobParams, load_job
 from workers.running.reporting import (
+    affine_changes,
     batchnorm_changes,
+    frozen_norm_names,
     state_snapshot,
     tensor_changes,
 )
@@ -107,6 +112,8 @@ class ChangeResult:
     reset: bool = False  # the changed layers' statistics started anew
     epochs: list[EpochLog] = field(default_factory=list)
     auto: AutoChoice | None = None
+    # Normalization layers whose affine parameters the change trained (entropy), in order.
+    affine: list[str] = field(default_factory=list)
     # The job chose the changed layers (`include`, `exclude`): a layer whose statistics come out
     # non-finite may be left out, and the error says so.
     chosen_layers: bool = False
@@ -227,6 +234,11 @@ def compute(
         diagnostics=found_diagnostics,
         auto=result.auto,
         steps=None if clock is None or clock.steps == 0 else clock.timings(),
+        checkpoint=checkpoint_summary(job.checkpointed, params.checkpoint.preset),
+        frozen_norms=frozen_norm_names(model),
+        affine=[
+            AffineChange(**asdict(c)) for c in affine_changes(model, before, after, result.affine)
+        ],
     )
     kwargs = resolve_kwargs(payload.model.architecture, payload.model.kwargs)
     return JobOutcome(
@@ -235,6 +247,19 @@ def compute(
         parameter_count=parameter_count(model),
         batchnorm_layers=batchnorm_layers(model),
         input_shape=list(arch.input_shape(kwargs)),
+    )
+
+
+def checkpoint_summary(outcome: CheckpointOutcome | None, preset: str) -> CheckpointSummary | None:
+    """The report's ``checkpoint``: what the job's policy wrapped (NOTE [ The blocks rule ])."""
+    if outcome is None:
+        return None
+    return CheckpointSummary(
+        preset=preset,
+        blocks_rule=outcome.blocks_rule,
+        wrapped=len(outcome.wrapped),
+        modules=outcome.wrapped,
+        note=outcome.note,
     )
 
 

@@ -21,8 +21,8 @@ from service.formats.arrays import open_arrays
 from service.settings import get_settings
 from service.store.base import Store
 from workers.errors import ArchitectureError, DataError, WorkerError
-from workers.models.architectures import Architecture, build_model, registry
-from workers.models.policy import apply_checkpoint_policy
+from workers.models.architectures import Architecture, build_model, load_weights, registry
+from workers.models.policy import CheckpointOutcome, checkpoint_model
 from workers.passes.data import Data, Samples, labels_tensor
 from workers.passes.images import ImageSamples, array_transform
 
@@ -78,7 +78,7 @@ def load_model(payload: JobPayload, store: Store) -> nn.Module:
     model = build_model(payload.model.architecture, payload.model.kwargs)
     state = safetensors.torch.load_file(str(store.local_path(payload.model.weights_sha256)))
     try:
-        model.load_state_dict(state, strict=True)
+        load_weights(model, state)
     except RuntimeError as exc:
         raise ArchitectureError(
             f"the weights of model {payload.model.id} no longer load into "
@@ -96,6 +96,7 @@ class LoadedJob:
     y: torch.Tensor | None  # (N,) labels or (N, ...) targets, on the CPU
     device: torch.device
     arch: Architecture
+    checkpointed: CheckpointOutcome | None = None  # what the job's checkpoint policy wrapped
 
 
 def open_dataset(payload: JobPayload, store: Store) -> tuple[Data, torch.Tensor | None]:
@@ -143,7 +144,7 @@ def load_job(payload: JobPayload, store: Store) -> LoadedJob:
     x, y = open_dataset(payload, store)
     arch = registry()[payload.model.architecture]
     policy = params.checkpoint
-    apply_checkpoint_policy(
+    checkpointed = checkpoint_model(
         model, arch, policy.preset, policy.modules, policy.types, policy.offload_to_cpu
     )
-    return LoadedJob(model, x, y, device, arch)
+    return LoadedJob(model, x, y, device, arch, checkpointed)

@@ -14,10 +14,15 @@ from typing import Final
 import torch
 from torch import nn
 
+from workers.models.modules import named_modules
+
 __all__ = [
+    "AffineChange",
     "BatchNormChange",
     "TensorChange",
+    "affine_changes",
     "batchnorm_changes",
+    "frozen_norm_names",
     "state_snapshot",
     "tensor_changes",
 ]
@@ -140,3 +145,53 @@ def tensor_changes(
             )
         )
     return changes
+
+
+@dataclass(frozen=True)
+class AffineChange:
+    name: str
+    kind: str  # the layer's class name
+    parameters: list[str]  # its affine parameters: "weight", "bias"
+    changed: bool
+    max_abs: float  # max |after - before| over the parameters' elements
+
+
+def affine_changes(
+    model: nn.Module,
+    before: Mapping[str, torch.Tensor],
+    after: Mapping[str, torch.Tensor],
+    layers: Sequence[str],
+) -> list[AffineChange]:
+    """One entry per layer of ``layers`` (normalization layers whose affine parameters were
+    trained), from the state snapshots."""
+    modules = dict(named_modules(model))
+    changes = []
+    for name in layers:
+        parameters = [p for p in ("weight", "bias") if f"{name}.{p}" in before]
+        diffs = [
+            (_float64(after[f"{name}.{p}"]) - _float64(before[f"{name}.{p}"])).abs()
+            for p in parameters
+        ]
+        changes.append(
+            AffineChange(
+                name=name,
+                kind=type(modules[name]).__name__,
+                parameters=parameters,
+                changed=any(
+                    not torch.equal(before[f"{name}.{p}"], after[f"{name}.{p}"]) for p in parameters
+                ),
+                max_abs=max((d.max().item() for d in diffs if d.numel()), default=0.0),
+            )
+        )
+    return changes
+
+
+def frozen_norm_names(model: nn.Module) -> list[str]:
+    """The model's frozen BatchNorm layers (torchvision's and timm's ``FrozenBatchNorm2d``,
+    timm's ``FrozenBatchNormAct2d``): statistics and affine parameters held as buffers, which
+    no estimator adapts."""
+    return [
+        name
+        for name, module in named_modules(model)
+        if type(module).__name__.startswith("FrozenBatchNorm")
+    ]
