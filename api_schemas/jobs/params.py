@@ -44,7 +44,6 @@ MAX_SHARDS: Final = 256
 # lost); a job that fails for its own reasons (bad data, NaN) runs once.
 DEFAULT_MAX_ATTEMPTS: Final = 3
 MAX_ATTEMPTS: Final = 10
-MaxAttempts = Annotated[int, Field(ge=1, le=MAX_ATTEMPTS)]
 # The order of a tenant's own queued jobs: higher first, first in first out within one
 # priority. It never moves the tenant's turn among other tenants (NOTE [ Fair turns ] in
 # service/records/turns.py).

@@ -156,19 +156,6 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quota_records(args: argparse.Namespace) -> tuple[Records, str]:
-    from service.records.connection import redis_client
-    from service.records.sync import Records
-
-    records = Records(redis_client(args.redis_url or get_settings().redis_url))
-    tenant_id = records.find_tenant(args.tenant)
-    if tenant_id is None:
-        raise BnadaptError(
-            f"no tenant {args.tenant!r}; give a tenant's name or id (`bnadapt keys list`)"
-        )
-    return records, tenant_id
-
-
 def cmd_tenants_set_quota(args: argparse.Namespace) -> int:
     from service.records.quotas import parse_quota_value
 
@@ -176,7 +163,7 @@ def cmd_tenants_set_quota(args: argparse.Namespace) -> int:
         value = parse_quota_value(args.name, args.value)
     except ValueError as exc:
         raise BnadaptError(str(exc)) from None
-    records, tenant_id = _quota_records(args)
+    records, tenant_id = _tenant_records(args)
     records.set_quota(tenant_id, args.name, value)
     shown = "the setting's value" if value is None else f"{value:g}"
     print(f"tenant {tenant_id}: {args.name} is {shown}", file=sys.stderr)
@@ -186,7 +173,7 @@ def cmd_tenants_set_quota(args: argparse.Namespace) -> int:
 def cmd_tenants_quotas(args: argparse.Namespace) -> int:
     from service.records.quotas import QUOTAS
 
-    records, tenant_id = _quota_records(args)
+    records, tenant_id = _tenant_records(args)
     own = records.quota_overrides(tenant_id)
     effective = records.effective_quotas(tenant_id, get_settings())
     used = records.quota_usage(tenant_id)
@@ -196,6 +183,7 @@ def cmd_tenants_quotas(args: argparse.Namespace) -> int:
         origin = "tenant" if name in own else quota.setting
         in_use = f"{used[name]:g}" if name in used else "-"
         print(f"{name:18} {value:>14} {in_use:>14}  {origin}")
+    return 0
 
 
 def _tenant_records(args: argparse.Namespace) -> tuple[Records, str]:
@@ -264,6 +252,7 @@ def cmd_tenants_revoke_import(args: argparse.Namespace) -> int:
             f"`bnadapt tenants list-imports {args.tenant}`"
         )
     print(f"tenant {args.tenant} may no longer import from {args.prefix}", file=sys.stderr)
+    return 0
 
 
 def cmd_tenants_set_weight(args: argparse.Namespace) -> int:
