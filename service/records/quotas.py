@@ -377,6 +377,12 @@ class AsyncTenantQuotas:
     async def take_request_token(self, tenant_id: str, rate_per_s: float, burst: int) -> None:
         """Takes one request from the tenant's bucket, or raises :class:`QuotaExceededError`
         with the seconds until the next one."""
+        if rate_per_s <= 0:
+            # No limit by default: a read decides, so a tenant without a rate of its own
+            # costs no script (a write to Redis) per request.
+            own = await self.client.hget(keys.tenant_quotas(tenant_id), "rate_per_s")
+            if own is None or float(text(own)) <= 0:
+                return
         result = await self._take_token(
             keys=[keys.tenant_rate(tenant_id), keys.tenant_quotas(tenant_id)],
             args=[repr(float(rate_per_s)), str(burst)],

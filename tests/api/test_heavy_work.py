@@ -34,7 +34,13 @@ WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessApi]:
-    with running_api(tmp_path_factory.mktemp("heavy"), api_copy_threads=COPY_THREADS) as api:
+    # More open uploads and requests at once than a tenant's default quotas allow: no limits.
+    with running_api(
+        tmp_path_factory.mktemp("heavy"),
+        api_copy_threads=COPY_THREADS,
+        tenant_max_open_uploads=0,
+        tenant_rate_per_s=0,
+    ) as api:
         yield api
 
 

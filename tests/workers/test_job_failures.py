@@ -145,7 +145,12 @@ def test_workers_publish_their_memory(redis_url: str) -> None:
 def test_a_retry_runs_under_the_jobs_own_timeout(redis_url: str, tmp_path: Path) -> None:
     settings = Settings(redis_url=redis_url, data_dir=tmp_path, queue="timeout-tests")
     attempts = JobAttempts(redis_client(redis_url))
-    payload = {"job_id": "job_t", "params": {"device": "auto"}, "timeout_s": 77}
+    payload = {
+        "job_id": "job_t",
+        "tenant_id": "ten_t",
+        "params": {"device": "auto"},
+        "timeout_s": 77,
+    }
     enqueue_attempt(attempts, settings, "job_t", "job_t-attempt-2", json.dumps(payload))
     job = Job.fetch("job_t-attempt-2", connection=attempts.client, serializer="json")
     assert job.timeout == 77
