@@ -265,13 +265,13 @@ def job_timeout(request: AnyJobCreate, settings: Settings) -> int:
 # largest batch_size that fits) rather than run to an out-of-memory death. The pieces:
 # - the model inspector measures, when a model is registered, its activations in bytes per
 #   element of its input (ActivationFootprint in api_schemas/models.py; activation_footprint
-#   in workers/models/architectures.py): a train-mode forward of two samples with a hook on
-#   every leaf module. "forward": the input and twice the largest leaf's input and output,
-#   what a pass without gradients holds at once (a residual branch beside its input;
-#   evaluate, forward-only adapt); "backward": the input and every leaf's output, what
-#   autograd keeps for the backward pass, and the largest leaf's input and output again for
-#   its gradients (train, and the estimators that run backward passes). A job's model
-#   inherits its parent's figures.
+#   in workers/models/architectures.py), from a train-mode batch of two on the CPU: what the
+#   allocator held at its peak (the profiler's memory events), for a forward without
+#   gradients ("forward": evaluate, forward-only adapt) and for a forward and backward
+#   ("backward": train, and the estimators that run backward passes), or, where more, what
+#   the tensors alone come to (a hook on every leaf module). The peak counts what tensors
+#   miss: a 3x3 convolution of 8 channels at 512x512 holds about 1.4 times its input and
+#   output on the CPU while it runs. A job's model inherits its parent's figures.
 # - each worker publishes the memory it offers a job (service/records/capacity.py): its
 #   BNADAPT_WORKER_MEMORY_BYTES when set, else its machine's (or cgroup's) memory, or its
 #   GPU's for a CUDA worker (workers/running/capacity.py); the API takes the smallest a
@@ -285,8 +285,9 @@ def job_timeout(request: AnyJobCreate, settings: Settings) -> int:
 #   slack. A job at the batch_size the 422 names ran within a worker holding its jobs to
 #   256 MiB (tests/e2e/test_job_bounds_e2e.py).
 # What it does not count: activation checkpointing (a job with checkpointed blocks keeps less
-# than the "backward" figure: the estimate errs on the safe side), temporary buffers inside
-# an operator, and a model whose activations grow otherwise than with its input. A job that
+# than the "backward" figure: the estimate errs on the safe side), a GPU's own workspaces
+# (cuDNN's differ from the CPU's), and a model whose activations grow otherwise than with
+# its input. A job that
 # gets past the estimate and runs out of memory all the same fails at once, with an error
 # saying so (workers/running/failures.py), and is not retried.
 MEMORY_HEADROOM: Final = 0.7

@@ -19,13 +19,16 @@ import importlib
 import importlib.metadata
 import logging
 import math
+import os
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from workers.errors import ArchitectureError
 from workers.models.builtin import (
@@ -258,12 +261,15 @@ def _tensor_bytes(value: Any) -> int:
 
 
 def activation_footprint(model: nn.Module, input_shape: Sequence[int | None]) -> dict[str, float]:
-    """The model's activation bytes per input element (the contract's ``ActivationFootprint``):
-    a train-mode forward of a batch of 2 (BatchNorm needs more than one sample) with a hook
-    on every leaf module, under no_grad, on the current default device. ``forward``: the
-    input and twice the largest leaf's input and output; ``backward``: the input, every leaf's
-    output and the largest leaf's input and output. Moves the model's BatchNorm running
-    statistics: use it on a model kept for nothing else, or last."""
+    """The model's activation bytes per input element (the contract's ``ActivationFootprint``)
+    from a batch of 2 in train mode (BatchNorm needs more than one sample) on the CPU. Each
+    figure is the larger of two: what the allocator held at its peak (the profiler's memory
+    events: a forward under no_grad; a forward and backward), and what the tensors alone
+    come to (a hook on every leaf module: ``forward`` the input and twice the largest leaf's
+    input and output; ``backward`` the input, every leaf's output and the largest leaf's
+    input and output). The peak counts what tensors miss: an operator's workspace, a
+    convolution's copies of its input and output in another layout. Moves the model's
+    BatchNorm running statistics: use it on a model kept for nothing else, or last."""
     shape = [ACTIVATION_PROBE_SIDE if d is None else d for d in input_shape]
     x = torch.zeros(2, *shape)
     largest = 0
@@ -275,23 +281,75 @@ def activation_footprint(model: nn.Module, input_shape: Sequence[int | None]) ->
         largest = max(largest, _tensor_bytes(args) + out)
         kept += out
 
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+
+    def forward_and_backward() -> None:
+        loss = _float_sum(model(x))
+        if loss is not None and loss.requires_grad:
+            loss.backward()
+
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
     handles = [leaf.register_forward_hook(measure) for leaf in leaves]
     was_training = model.training
     try:
         model.train()
-        with torch.no_grad():
-            model(x)
+        forward_peak = _peak_allocated(forward)
+        for handle in handles:
+            handle.remove()
+        handles = []
+        backward_peak = _peak_allocated(forward_and_backward)
     finally:
         model.train(was_training)
         for handle in handles:
             handle.remove()
+        for parameter in model.parameters():
+            parameter.grad = None
     elements = x.numel()
     inputs = _tensor_bytes(x)
     # Twice the largest leaf's: a residual block holds its input beside its branch's, and the
     # allocator's caching keeps a freed block for the next; with gradients, the largest leaf's
     # gradients join what autograd kept.
     return {
-        "forward_bytes_per_element": (inputs + 2 * largest) / elements,
-        "backward_bytes_per_element": (inputs + kept + largest) / elements,
+        "forward_bytes_per_element": (inputs + max(2 * largest, forward_peak)) / elements,
+        "backward_bytes_per_element": (inputs + max(kept + largest, backward_peak)) / elements,
     }
+
+
+def _float_sum(output: Any) -> torch.Tensor | None:
+    """A scalar that depends on every floating-point tensor in a model's output."""
+    if isinstance(output, torch.Tensor):
+        return output.float().sum() if output.is_floating_point() else None
+    if isinstance(output, dict):
+        parts = list(output.values())
+    elif isinstance(output, list | tuple):
+        parts = list(output)
+    else:
+        return None
+    sums = [s for s in (_float_sum(part) for part in parts) if s is not None]
+    return torch.stack(sums).sum() if sums else None
+
+
+# Kineto's log level past its errors: nothing printed.
+_KINETO_QUIET = "6"
+
+
+def _peak_allocated(run: Callable[[], None]) -> int:
+    """The most bytes the CPU allocator held at once while ``run`` ran, beyond what it held
+    before: the running sum of the profiler's memory events (allocations positive, frees
+    negative), in order. 0 where the profiler records none. The profiler's own log lines
+    (start, stop) stay out of the process's stderr."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        run()
+    events = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in profiler.profiler.kineto_results.events()
+        if event.name() == "[memory]" and event.device_type() == DeviceType.CPU
+    )
+    held = peak = 0
+    for _, change in events:
+        held += change
+        peak = max(peak, held)
+    return peak
