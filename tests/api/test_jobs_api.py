@@ -130,11 +130,14 @@ def test_delete_and_retention_drop_records_and_store_references(stack: Stack) ->
 
 def test_events_stream_progress_and_end(stack: Stack) -> None:
     client = stack.client("events")
-    body = _small_adapt(client)
-    # Long enough (900 batches of 2, measured before and after) to be seen running.
+    # Long enough to be seen running, several times the 0.5 s between the worker's progress
+    # writes: 900 batches of 2 through a residual network, measured before and after (a
+    # tiny CNN's ran in under 0.5 s on a fast machine, and the stream saw only "saving").
+    model = created(client.add_model("resnet", {"in_channels": 1, "depth": 2, "width": 16}))
     full = created(client.add_dataset(digits_npz()))
     body = {
-        **body,
+        "kind": "adapt",
+        "model_id": model["id"],
         "dataset_id": full["id"],
         "params": {"batch_size": 2, "estimator": "cumulative"},
     }
