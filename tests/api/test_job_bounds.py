@@ -139,9 +139,7 @@ def test_an_impossible_batch_is_refused_saying_what_fits(small_workers: InProces
     client = small_workers.client("bounds-memory")
     # No worker has published: the API goes by BNADAPT_WORKER_MEMORY_BYTES (64 GiB).
     body = _image_job(client, 8192, 4096, "auto")
-    refused = problem(
-        client.submit(body), 422, "batch_size 4096 at 3x8192x8192", "TiB", "64.0 GiB"
-    )
+    refused = problem(client.submit(body), 422, "batch_size 4096 at 3x8192x8192", "TiB", "64.0 GiB")
     fits = int(refused["detail"].split("use batch_size <= ")[1].split(",")[0])
     assert 1 <= fits < 4096
     assert "resize" in refused["detail"]
