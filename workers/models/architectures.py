@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import DeviceType
+from torch._C._autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from workers.errors import ArchitectureError
@@ -288,7 +288,7 @@ def activation_footprint(model: nn.Module, input_shape: Sequence[int | None]) ->
     def forward_and_backward() -> None:
         loss = _float_sum(model(x))
         if loss is not None and loss.requires_grad:
-            loss.backward()
+            torch.autograd.backward(loss)
 
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
     handles = [leaf.register_forward_hook(measure) for leaf in leaves]
