@@ -1,4 +1,6 @@
-"""Train jobs: all parameters trained with a plain optimizer on a labelled dataset."""
+"""Train jobs: all parameters trained on a labelled dataset, with a trainer's recipe
+(schedules, accumulation, mixed precision, clipping, label smoothing) and resumable from
+training checkpoints (docs/training.md)."""
 
 from typing import Final, Literal, Self
 
@@ -8,6 +10,7 @@ from api_schemas.common import RequestModel, ResourceId
 from api_schemas.jobs.params import (
     DEFAULT_MAX_ATTEMPTS,
     MAX_LR,
+    MAX_STEPS,
     BatchSize,
     CheckpointPolicy,
     CompileBackend,
@@ -21,16 +24,38 @@ from api_schemas.jobs.params import (
 )
 from api_schemas.models import Seed
 
-__all__ = ["MAX_EPOCHS", "TrainJobCreate", "TrainParams"]
+__all__ = [
+    "MAX_ACCUMULATE_STEPS",
+    "MAX_EPOCHS",
+    "MAX_SAVE_EVERY_S",
+    "LrSchedule",
+    "Precision",
+    "TrainJobCreate",
+    "TrainParams",
+]
 
 # NOTE [ Job bounds ] in api_schemas/jobs/params.py.
 MAX_EPOCHS: Final = 1000
 MAX_WEIGHT_DECAY: Final = 1.0
+# Micro-batches per optimizer step: 1024 batches of 64 make a 65,536-sample step, past any
+# effective batch a recipe here asks for.
+MAX_ACCUMULATE_STEPS: Final = 1024
+# A checkpoint at most once a day is no checkpoint.
+MAX_SAVE_EVERY_S: Final = 24 * 3600
+MAX_CLIP_GRAD_NORM: Final = 1e6
+
+LrSchedule = Literal["constant", "cosine", "step", "one_cycle"]
+Precision = Literal["fp32", "bf16", "fp16"]
 
 
 class TrainParams(RequestModel):
-    """Train all parameters with a plain optimizer. ``loss=None`` picks cross-entropy for class
-    labels and MSE for float targets.
+    """Train all parameters with ``optimizer``. ``loss=None`` picks cross-entropy for class
+    labels and MSE for float targets. Every field is described in docs/training.md.
+
+    ``batch_size`` is the micro-batch: the samples of one forward and backward pass (and of
+    one BatchNorm statistics update). The optimizer steps once every ``accumulate_steps``
+    micro-batches, on the mean gradient over their samples: the effective batch is
+    ``batch_size * accumulate_steps`` samples.
 
     ``compile``: the training steps run through ``torch.compile`` with ``compile_backend``
     (NOTE [ Compiled jobs ] in api_schemas/jobs/params.py); the report's ``steps`` gives the
@@ -77,10 +102,123 @@ class TrainParams(RequestModel):
     preprocessing: JobPreprocessing = None
     compile: bool = False
     compile_backend: CompileBackend = "inductor"
+    lr_schedule: LrSchedule = Field(
+        default="constant",
+        description="How the learning rate moves over the optimizer steps after the warm-up: "
+        "constant; cosine (down to 0 at the end); step (times lr_gamma every lr_step_epochs "
+        "epochs); one_cycle (up from lr/25 over warmup_steps, 30% of the steps when 0, then "
+        "cosine down to lr/250000).",
+    )
+    warmup_steps: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_STEPS,
+        description="Optimizer steps of linear warm-up: step t (from 0) of the warm-up runs at "
+        "lr * (t + 1) / (warmup_steps + 1). Fewer than the job's optimizer steps.",
+    )
+    lr_step_epochs: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_EPOCHS,
+        description="lr_schedule step: the learning rate is multiplied by lr_gamma every this "
+        "many epochs. Needed by step, refused otherwise.",
+    )
+    lr_gamma: float = Field(
+        default=0.1,
+        gt=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="lr_schedule step: the factor of each decay, above 0, below 1.",
+    )
+    label_smoothing: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="Cross-entropy's label smoothing in training (validation reports the "
+        "plain loss), 0 to below 1. Class labels only.",
+    )
+    clip_grad_norm: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=MAX_CLIP_GRAD_NORM,
+        allow_inf_nan=False,
+        description="Clip the total gradient norm (all parameters as one vector, L2) to this "
+        "before each optimizer step; null: no clipping.",
+    )
+    accumulate_steps: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_ACCUMULATE_STEPS,
+        description=f"Micro-batches (of batch_size samples) per optimizer step, 1 to "
+        f"{MAX_ACCUMULATE_STEPS}; the step uses the mean gradient over their samples.",
+    )
+    precision: Precision = Field(
+        default="fp32",
+        description="fp32; bf16 (autocast to bfloat16, CPU and CUDA); fp16 (autocast to "
+        "float16 with a gradient scaler, CUDA only: device must be cuda).",
+    )
+    keep_best: bool = Field(
+        default=False,
+        description="Keep the weights of the epoch with the lowest validation loss (the "
+        "report's best_epoch) instead of the last; needs validation_fraction > 0.",
+    )
+    save_every_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_STEPS,
+        description="Write a training checkpoint every this many optimizer steps (and at the "
+        "end); a retried attempt resumes from the latest. null: none by steps.",
+    )
+    save_every_s: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_SAVE_EVERY_S,
+        description="Write a training checkpoint at the first optimizer step this many seconds "
+        "after the last one (and at the end). null: none by time.",
+    )
+    resume_from: ResourceId | None = Field(
+        default=None,
+        description="A train job of yours that kept a training checkpoint (save_every_steps or "
+        "save_every_s): this job continues from its latest checkpoint up to epoch `epochs`. "
+        "Same model_id, dataset_id, seed, batch_size, accumulate_steps and "
+        "validation_fraction as that job.",
+    )
 
     @model_validator(mode="after")
     def _compile_backend_fits(self) -> Self:
         compile_backend_fits(self.compile, self.compile_backend)
+        return self
+
+    @model_validator(mode="after")
+    def _recipe_fits(self) -> Self:
+        if self.lr_schedule == "step" and self.lr_step_epochs is None:
+            raise ValueError(
+                "lr_schedule 'step' needs lr_step_epochs (the epochs between two decays by "
+                "lr_gamma); add it, or choose another lr_schedule"
+            )
+        if self.lr_schedule != "step" and self.lr_step_epochs is not None:
+            raise ValueError(
+                f"lr_step_epochs is an option of lr_schedule 'step', not "
+                f"{self.lr_schedule!r}; add lr_schedule: 'step', or drop lr_step_epochs"
+            )
+        if self.label_smoothing > 0 and self.loss == "mse":
+            raise ValueError(
+                "label_smoothing applies to cross_entropy on class labels, not to loss mse; "
+                "drop label_smoothing or use loss cross_entropy"
+            )
+        if self.precision == "fp16" and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"precision fp16 runs on CUDA only (a gradient scaler with float16 autocast), "
+                f"and device is {self.device!r}; set device 'cuda', or use precision bf16 "
+                "(CPU and CUDA) or fp32"
+            )
+        if self.keep_best and self.validation_fraction == 0:
+            raise ValueError(
+                "keep_best picks the epoch with the lowest validation loss and "
+                "validation_fraction is 0: there is no validation split; set "
+                "validation_fraction above 0, or drop keep_best"
+            )
         return self
 
 

@@ -1,20 +1,36 @@
-"""Supervised training on one labelled data set, deterministic given the seed.
+"""Supervised training on one labelled data set, deterministic given the seed, with a
+trainer's recipe and resumable from a training checkpoint (docs/training.md).
 
-The seed fixes the train/validation split and each epoch's shuffle (one ``torch.Generator``)
-and the global RNG that Dropout and friends draw from, forked so the caller's RNG state is
-left as it was. With a checkpoint wrapper applied, the resulting ``state_dict`` is bitwise
-that of the unwrapped model, ``num_batches_tracked`` included (NOTE in workers/checkpoint.py).
+The seed fixes the train/validation split and each epoch's order (one ``torch.Generator``,
+:func:`epoch_order`) and the global RNG that Dropout and friends draw from, forked so the
+caller's RNG state is left as it was. With a checkpoint wrapper applied, the resulting
+``state_dict`` is bitwise that of the unwrapped model, ``num_batches_tracked`` included (NOTE
+in workers/checkpoint.py).
+
+NOTE [ Micro-batches and steps ]
+``batch_size`` samples make a micro-batch: one forward and backward pass, one BatchNorm
+statistics update. ``accumulate_steps`` consecutive micro-batches of an epoch make a group,
+whose gradients add up before one optimizer step; each micro-batch's mean loss is weighted by
+its share of the group's samples, so the step takes the mean gradient over the group's
+samples (the last group of an epoch may hold fewer micro-batches). The learning rate of
+optimizer step t is set from t alone (workers/running/schedules.py), just before the step. A
+training checkpoint is taken after a step, so a resumed run starts at a group's first
+micro-batch: at (epoch, batch) it draws the epoch's order again from the data-order generator
+as it was at the epoch's start and skips ``batch`` micro-batches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+from torch.nn import functional as F  # noqa: N812 - torch's own convention
 
 from workers.errors import DataError, JobCanceled, TrainError
 from workers.models.modules import training_flags
@@ -26,25 +42,61 @@ from workers.running.evaluation import (
     compute_loss,
     evaluate_sums,
 )
+from workers.running.schedules import Schedule
+from workers.running.train_state import EpochLog, TrainState
 
-__all__ = ["EpochLog", "Optimizer", "TrainStats", "batch_bounds", "split_indices", "train_model"]
+__all__ = [
+    "Checkpointing",
+    "EpochLog",
+    "Optimizer",
+    "Recipe",
+    "TrainStats",
+    "batch_bounds",
+    "epoch_order",
+    "split_indices",
+    "train_model",
+]
 
 Optimizer = Literal["sgd", "adamw"]
+Precision = Literal["fp32", "bf16", "fp16"]
 
 
 @dataclass(frozen=True)
-class EpochLog:
-    epoch: int  # from 1
-    train_loss: float  # mean over the epoch's samples, as measured during the epoch
-    val_loss: float | None  # None without a validation split
-    val_accuracy: float | None  # None without a validation split or for mse
+class Recipe:
+    """How each optimizer step is taken (TrainParams' fields of the same names)."""
+
+    lr_schedule: Literal["constant", "cosine", "step", "one_cycle"] = "constant"
+    warmup_steps: int = 0
+    lr_step_epochs: int = 1
+    lr_gamma: float = 0.1
+    label_smoothing: float = 0.0
+    clip_grad_norm: float | None = None
+    accumulate_steps: int = 1
+    precision: Precision = "fp32"
+    keep_best: bool = False
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """When to hand a :class:`TrainState` to ``save`` (besides once at the end), and the one to
+    go on from."""
+
+    save: Callable[[TrainState], None]
+    every_steps: int | None = None
+    every_s: float | None = None
+    resume: TrainState | None = None
 
 
 @dataclass(frozen=True)
 class TrainStats:
     epochs: list[EpochLog]
-    steps: int  # optimizer steps, = forward passes in train mode
+    steps: int  # optimizer steps, all attempts together
     samples: int  # training samples seen, all epochs together
+    # Micro-batches run in train mode that the returned weights hold: one BatchNorm update
+    # each (with keep_best, those up to the end of the best epoch).
+    batches: int = 0
+    best_epoch: int | None = None  # keep_best: the epoch whose weights were kept
+    resumed_from_step: int | None = None  # the checkpoint's step this run went on from
 
 
 def split_indices(
@@ -82,6 +134,38 @@ def _make_optimizer(
     raise TrainError(f"unknown optimizer {name!r}; use 'sgd' or 'adamw'")
 
 
+def epoch_order(train_idx: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The epoch's order of the training samples' indices (N,): one permutation drawn from
+    the data-order ``generator``. Every consumer of an epoch's order calls this, once an
+    epoch, so that a resumed run (and each process of a distributed one, slicing each global
+    batch) sees the same order."""
+    return train_idx[torch.randperm(train_idx.numel(), generator=generator)]
+
+
+def _autocast(
+    device: torch.device, precision: Precision
+) -> contextlib.AbstractContextManager[None]:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _train_loss(
+    outputs: torch.Tensor, targets: torch.Tensor, loss: Loss, label_smoothing: float
+) -> torch.Tensor:
+    outputs = outputs.float()  # autocast's half outputs: the loss in float32
+    if loss == "cross_entropy" and label_smoothing > 0:
+        return F.cross_entropy(outputs, targets, label_smoothing=label_smoothing)
+    return compute_loss(outputs, targets, loss, "mean")
+
+
+def _groups(num_batches: int, accumulate: int) -> Iterator[range]:
+    """The micro-batch indices of each optimizer step of an epoch."""
+    for first in range(0, num_batches, accumulate):
+        yield range(first, min(first + accumulate, num_batches))
+
+
 def train_model(
     model: nn.Module,
     x: Data,
@@ -97,22 +181,29 @@ def train_model(
     validation_fraction: float,
     seed: int,
     device: torch.device | str,
+    recipe: Recipe | None = None,
+    checkpointing: Checkpointing | None = None,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_epoch: Callable[[EpochLog], None] | None = None,
     forward: Forward | None = None,
     clock: StepClock | None = None,
 ) -> TrainStats:
     """Train ``model`` in place on ``x`` (N, ...) and ``y`` (N,) class labels or (N, ...)
     targets; the model is moved to ``device``, the data goes there batch by batch.
+    ``batch_size`` is the micro-batch (NOTE [ Micro-batches and steps ]).
 
-    ``progress(steps_done, total_steps)`` after each step; ``should_stop()`` before each,
-    raising :class:`JobCanceled` when it answers True. Every module's training flag is
-    restored at the end.
+    ``progress(steps_done, total_steps)`` after each optimizer step; ``should_stop()`` before
+    each micro-batch, raising :class:`JobCanceled` when it answers True; ``on_epoch`` with
+    each epoch's log once it is validated. Every module's training flag is restored at the
+    end. ``checkpointing``: training checkpoints written through its ``save`` (NOTE [
+    Training checkpoints ] in workers/running/train_state.py), and the one to resume from.
 
     ``forward`` runs the train steps' forward passes (default ``model``; a compiled
-    ``model``, workers/passes/steps.py); validation runs ``model`` itself. ``clock`` times
-    each step, from reading its batch to the optimizer's update.
+    ``model``, workers/passes/steps.py); validation runs ``model`` itself, in float32.
+    ``clock`` times each optimizer step, from reading its first batch to the update.
     """
+    recipe = recipe or Recipe()
     if epochs < 1 or batch_size < 1:
         raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
     if not 0 <= validation_fraction < 1:
@@ -129,44 +220,151 @@ def train_model(
             f"{train_idx.numel()} for training; BatchNorm needs at least 2: upload more data "
             "or lower validation_fraction"
         )
+    if recipe.keep_best and not val_idx.numel():
+        raise TrainError("keep_best needs a validation split; set validation_fraction above 0")
     bounds = batch_bounds(train_idx.numel(), batch_size)
-    total_steps = epochs * len(bounds)
+    steps_per_epoch = -(-len(bounds) // recipe.accumulate_steps)
+    total_steps = epochs * steps_per_epoch
+    schedule = Schedule(
+        recipe.lr_schedule,
+        lr,
+        total_steps,
+        recipe.warmup_steps,
+        steps_per_epoch,
+        recipe.lr_step_epochs,
+        recipe.lr_gamma,
+    )
     target = torch.device(device)
+    if recipe.precision == "fp16" and target.type != "cuda":
+        raise TrainError(f"precision fp16 runs on CUDA only, and this job runs on {target}")
     model.to(target)
     opt = _make_optimizer(model, optimizer, lr, momentum, weight_decay)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    scaler = torch.amp.GradScaler("cuda") if recipe.precision == "fp16" else None
     x_val, y_val = x[val_idx], y[val_idx]  # (V, ...): a view of x, read as it is evaluated
 
+    resume = checkpointing.resume if checkpointing is not None else None
     logs: list[EpochLog] = []
-    steps = samples = 0
+    steps = batches = samples = 0
+    first_epoch, first_batch = 1, 0
+    best: tuple[int, float, int, dict[str, torch.Tensor]] | None = None
+    if resume is not None:
+        if resume.epoch > epochs:
+            raise TrainError(
+                f"the training checkpoint is past epoch {resume.epoch - 1} and the job asks "
+                f"for {epochs} epochs: nothing is left to train; ask for more epochs"
+            )
+        model.load_state_dict(resume.model)
+        opt.load_state_dict(resume.optimizer)
+        if scaler is not None and resume.scaler is not None:
+            scaler.load_state_dict(resume.scaler)
+        generator.set_state(resume.order_rng)
+        logs = list(resume.logs)
+        steps, batches, samples = resume.step, resume.batches, resume.samples
+        first_epoch, first_batch = resume.epoch, resume.batch
+        if resume.best_epoch is not None and resume.best_model is not None:
+            assert resume.best_loss is not None
+            best = (resume.best_epoch, resume.best_loss, resume.best_batches, resume.best_model)
+
+    def state_at(
+        epoch: int, batch: int, epoch_rng: torch.Tensor, loss_sum: torch.Tensor, seen: int
+    ) -> TrainState:
+        return TrainState(
+            epoch=epoch,
+            batch=batch,
+            step=steps,
+            batches=batches,
+            samples=samples,
+            epoch_samples=seen,
+            epoch_loss_sum=loss_sum,
+            logs=list(logs),
+            model=model.state_dict(),
+            optimizer=opt.state_dict(),
+            order_rng=epoch_rng,
+            cpu_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state(target) if target.type == "cuda" else None,
+            scaler=None if scaler is None else scaler.state_dict(),
+            best_epoch=None if best is None else best[0],
+            best_loss=None if best is None else best[1],
+            best_batches=0 if best is None else best[2],
+            best_model=None if best is None else best[3],
+        )
+
+    saved_at = time.monotonic()
+    checked = False
     rng_devices = [target] if target.type == "cuda" else []
     with training_flags(model), torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(seed)
-        for epoch in range(1, epochs + 1):
+        if resume is not None:
+            torch.set_rng_state(resume.cpu_rng)
+            if resume.cuda_rng is not None and target.type == "cuda":
+                torch.cuda.set_rng_state(resume.cuda_rng, target)
+        for epoch in range(first_epoch, epochs + 1):
             model.train()
-            order = train_idx[torch.randperm(train_idx.numel(), generator=generator)]
+            epoch_rng = generator.get_state()
+            order = epoch_order(train_idx, generator)
             loss_sum = torch.zeros((), dtype=torch.float64, device=target)
             epoch_samples = 0
-            for start, stop in bounds:
-                if should_stop is not None and should_stop():
-                    raise JobCanceled(f"training canceled after {steps} of {total_steps} steps")
+            if resume is not None and epoch == resume.epoch:
+                loss_sum = resume.epoch_loss_sum.to(target)
+                epoch_samples = resume.epoch_samples
+            for group in _groups(len(bounds), recipe.accumulate_steps):
+                if group.start < (first_batch if epoch == first_epoch else 0):
+                    continue  # done before the checkpoint this run resumed from
+                group_samples = sum(bounds[i][1] - bounds[i][0] for i in group)
                 if clock is not None:
                     clock.start()
-                idx = order[start:stop]
-                xb, yb = load_rows(x, idx).to(target), y[idx].to(target)  # (B, ...), (B, ...)
-                outputs = (forward or model)(xb)  # (B, num_classes) or (B, ...)
-                if steps == 0:
-                    check_targets(outputs, y, loss)
-                batch_loss = compute_loss(outputs, yb, loss, "mean")
                 opt.zero_grad(set_to_none=True)
-                torch.autograd.backward(batch_loss)
-                opt.step()
+                for i in group:
+                    if should_stop is not None and should_stop():
+                        raise JobCanceled(f"training canceled after {steps} of {total_steps} steps")
+                    start, stop = bounds[i]
+                    idx = order[start:stop]
+                    xb, yb = load_rows(x, idx).to(target), y[idx].to(target)  # (B, ...), (B, ...)
+                    with _autocast(target, recipe.precision):
+                        outputs = (forward or model)(xb)  # (B, num_classes) or (B, ...)
+                    if not checked:
+                        check_targets(outputs, y, loss)
+                        checked = True
+                    batch_loss = _train_loss(outputs, yb, loss, recipe.label_smoothing)
+                    # NOTE [ Micro-batches and steps ]: the group's mean gradient.
+                    scaled = (
+                        batch_loss
+                        if len(group) == 1
+                        else batch_loss * ((stop - start) / group_samples)
+                    )
+                    torch.autograd.backward(scaled if scaler is None else scaler.scale(scaled))
+                    loss_sum += batch_loss.detach().double() * (stop - start)
+                    epoch_samples += stop - start
+                    batches += 1
+                for param_group in opt.param_groups:
+                    param_group["lr"] = schedule.at(steps)
+                if scaler is not None:
+                    if recipe.clip_grad_norm is not None:
+                        scaler.unscale_(opt)
+                        nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    if recipe.clip_grad_norm is not None:
+                        nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
+                    opt.step()
                 if clock is not None:
-                    clock.stop(stop - start)
-                loss_sum += batch_loss.detach().double() * (stop - start)
-                epoch_samples += stop - start
+                    clock.stop(group_samples)
                 steps += 1
                 if progress is not None:
                     progress(steps, total_steps)
+                if checkpointing is not None and (
+                    (checkpointing.every_steps and steps % checkpointing.every_steps == 0)
+                    or (
+                        checkpointing.every_s
+                        and time.monotonic() - saved_at >= checkpointing.every_s
+                    )
+                ):
+                    checkpointing.save(
+                        state_at(epoch, group.stop, epoch_rng, loss_sum, epoch_samples)
+                    )
+                    saved_at = time.monotonic()
             samples += epoch_samples
             train_loss = loss_sum.item() / epoch_samples  # one device sync per epoch
             if not math.isfinite(train_loss):
@@ -179,12 +377,30 @@ def train_model(
                 val = evaluate_sums(
                     model, x_val, y_val, batch_size=batch_size, loss=loss, device=target
                 ).metrics()
-            logs.append(
-                EpochLog(
-                    epoch=epoch,
-                    train_loss=train_loss,
-                    val_loss=None if val is None else val.loss,
-                    val_accuracy=None if val is None else val.accuracy,
-                )
+            log = EpochLog(
+                epoch=epoch,
+                train_loss=train_loss,
+                val_loss=None if val is None else val.loss,
+                val_accuracy=None if val is None else val.accuracy,
             )
-    return TrainStats(epochs=logs, steps=steps, samples=samples)
+            logs.append(log)
+            if on_epoch is not None:
+                on_epoch(log)
+            if recipe.keep_best and val is not None and (best is None or val.loss < best[1]):
+                kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                best = (epoch, val.loss, batches, kept)
+        if checkpointing is not None:
+            zero = torch.zeros((), dtype=torch.float64)
+            checkpointing.save(state_at(epochs + 1, 0, generator.get_state(), zero, 0))
+    best_epoch = None
+    if recipe.keep_best and best is not None:
+        model.load_state_dict(best[3])
+        best_epoch, batches = best[0], best[2]
+    return TrainStats(
+        epochs=logs,
+        steps=steps,
+        samples=samples,
+        batches=batches,
+        best_epoch=best_epoch,
+        resumed_from_step=None if resume is None else resume.step,
+    )
