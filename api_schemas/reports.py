@@ -21,6 +21,7 @@ __all__ = [
     "StepTimings",
     "TensorChange",
     "Timings",
+    "TrainAttempt",
 ]
 
 
@@ -183,6 +184,14 @@ class EpochLog(_ReportModel):
     val_accuracy: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
+class TrainAttempt(_ReportModel):
+    """One attempt of a train job (NOTE [ Job attempts ]): the optimizer step it started at,
+    from the latest training checkpoint (0: from the start; NOTE [ Training checkpoints ])."""
+
+    attempt: int = Field(ge=1)
+    resumed_from_step: int = Field(ge=0)
+
+
 class ShardSummary(_ReportModel):
     """One shard of a sharded adapt job: batches ``first_batch`` to ``first_batch + batches -
     1`` of the job (numbered from 0), collected by the RQ worker named ``worker``."""
@@ -308,3 +317,11 @@ class Report(_ReportModel):
     frozen_norms: list[str] = Field(default_factory=list)
     # The entropy estimator: per layer, the affine parameters it trained and how they changed.
     affine: list[AffineChange] = Field(default_factory=list)
+    # Train jobs run by a worker: each attempt and the step it resumed from, in order; empty
+    # in-process and in reports written before this field existed.
+    attempts: list[TrainAttempt] = Field(default_factory=list)
+    # A train job with keep_best: the epoch whose weights are the job's output (by the lowest
+    # validation loss); null otherwise.
+    best_epoch: int | None = Field(default=None, ge=1)
+    # A train job with resume_from: that job, and the optimizer step its checkpoint was at.
+    resumed_from_job: ResourceId | None = None

@@ -158,6 +158,9 @@ class JobPayload(RequestModel):
     # The seconds each attempt may run (JobPublic.timeout_s); null in payloads of releases
     # before: the service's default.
     timeout_s: int | None = Field(default=None, ge=1)
+    # A train job with `resume_from`: the training checkpoint it starts from, the latest of
+    # that job when this one was submitted (NOTE [ Train checkpoint records ]).
+    resume_sha256: Sha256Hex | None = None
 
     @field_validator("params", mode="before")
     @classmethod

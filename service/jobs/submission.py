@@ -28,6 +28,7 @@ from api_schemas import (
     utc_now,
 )
 from api_schemas.jobs.kinds import AnyJobCreate
+from api_schemas.jobs.params import num_batches
 from service.api.problems import ApiError, not_found
 from service.datasets.preprocessing import model_spec, with_job_spec
 from service.jobs.idempotency import IDEMPOTENCY_TTL_S, body_sha256, existing_for_key
@@ -46,6 +47,7 @@ __all__ = [
     "job_payload",
     "job_timeout",
     "needed_memory",
+    "resume_checkpoint",
     "submit_job",
     "worker_memory",
 ]
@@ -73,6 +75,7 @@ def submit_job(
     timeout_s = job_timeout(request, settings)
     check_memory(request, model, dataset, worker_memory(records, settings, request))
     check_running_statistics(request, model)
+    resume_sha256 = resume_checkpoint(records, tenant, request)
 
     job_id = new_id("job")
     digest = None
@@ -97,7 +100,7 @@ def submit_job(
         priority=request.priority,
         timeout_s=timeout_s,
     )
-    payload = job_payload(job_id, tenant, request, model, dataset, timeout_s)
+    payload = job_payload(job_id, tenant, request, model, dataset, timeout_s, resume_sha256)
     queue = job_queue(default_queue, settings, request.params.device)
     waiting = waiting_progress(request.params.device)
 
@@ -123,7 +126,7 @@ def submit_job(
             tenant,
             job,
             payload,
-            uses=(model.sha256, dataset.sha256),
+            uses=(model.sha256, dataset.sha256, *([resume_sha256] if resume_sha256 else [])),
             enqueue=enqueue,
             max_active_jobs=settings.tenant_max_active_jobs,
         )
@@ -178,6 +181,8 @@ def check_fit(request: AnyJobCreate, model: ModelPublic, dataset: DatasetPublic)
                 "labels; use loss cross_entropy, or upload float targets",
             )
     params = request.params
+    if isinstance(params, TrainParams):
+        _check_train_fit(params, dataset)
     if isinstance(params, AdaptParams) and params.shards > 1:
         batches = params.estimation_batches(dataset.num_samples)
         holdout = params.effective_holdout()
@@ -191,6 +196,94 @@ def check_fit(request: AnyJobCreate, model: ModelPublic, dataset: DatasetPublic)
                 f"needs at least one whole batch; use shards <= {batches}, or a smaller "
                 "batch_size",
             )
+
+
+def _check_train_fit(params: TrainParams, dataset: DatasetPublic) -> None:
+    """A train job's recipe against its dataset: label smoothing needs class labels, and the
+    warm-up must end before the job's last optimizer step."""
+    if params.label_smoothing > 0 and dataset.label_kind != "class":
+        raise ApiError(
+            422,
+            f"label_smoothing needs int64 class labels but dataset {dataset.id} has float "
+            "targets; drop label_smoothing, or upload class labels",
+        )
+    # As workers/running/training.py splits and batches (split_indices, batch_bounds).
+    num_val = max(1, int(dataset.num_samples * params.validation_fraction))
+    train = dataset.num_samples - (num_val if params.validation_fraction > 0 else 0)
+    batches = num_batches(train, params.batch_size)
+    if params.batch_size > 1 and batches > 1 and train % params.batch_size == 1:
+        batches -= 1
+    steps = params.epochs * -(-batches // params.accumulate_steps)
+    if params.warmup_steps >= steps:
+        raise ApiError(
+            422,
+            f"warmup_steps={params.warmup_steps} but the job takes {steps} optimizer steps "
+            f"({params.epochs} epochs of {batches} batches of {params.batch_size} samples, "
+            f"accumulate_steps {params.accumulate_steps}); use warmup_steps below {steps}",
+        )
+
+
+# What a job that resumes another must share with it: its data order and its optimizer.
+_RESUME_SAME: Final = (
+    "seed",
+    "batch_size",
+    "accumulate_steps",
+    "validation_fraction",
+    "optimizer",
+)
+
+
+def resume_checkpoint(records: Records, tenant: str, request: AnyJobCreate) -> str | None:
+    """The training checkpoint a train job with ``resume_from`` starts from: the latest of
+    that job (NOTE [ Train checkpoint records ]). 404 for a job the tenant does not have
+    (another tenant's reads the same as one that does not exist) or that is not a train job;
+    422 for one still running, one that kept no checkpoint, or one that differs in what
+    fixes the data order and the optimizer's state."""
+    params = request.params
+    if not isinstance(params, TrainParams) or params.resume_from is None:
+        return None
+    source = records.get_job(tenant, params.resume_from)
+    if source is None or not isinstance(source.params, TrainParams):
+        raise not_found("job", params.resume_from)
+    if not source.status.is_terminal:
+        raise ApiError(
+            422,
+            f"job {source.id} is {source.status.value}; resume_from takes a job that has "
+            "ended: wait for it, or cancel it first",
+        )
+    sha256 = records.train_checkpoint(source.id)
+    if sha256 is None:
+        raise ApiError(
+            422,
+            f"job {source.id} kept no training checkpoint (it ran without save_every_steps "
+            "and save_every_s, or ended before its first); train anew, with save_every_steps "
+            "to make a job others can resume",
+        )
+    differ = [
+        f"{name} {getattr(params, name)!r} (job {source.id}: {getattr(source.params, name)!r})"
+        for name in _RESUME_SAME
+        if getattr(params, name) != getattr(source.params, name)
+    ]
+    differ += [
+        f"{name} {getattr(request, name)!r} (job {source.id}: {getattr(source, name)!r})"
+        for name in ("model_id", "dataset_id")
+        if getattr(request, name) != getattr(source, name)
+    ]
+    if differ:
+        raise ApiError(
+            422,
+            f"resume_from {source.id}: this job must train the same model on the same data "
+            f"in the same order as that job, and differs in {', '.join(differ)}; use that "
+            "job's values",
+        )
+    if source.status is JobStatus.SUCCEEDED and params.epochs <= source.params.epochs:
+        raise ApiError(
+            422,
+            f"job {source.id} trained all its {source.params.epochs} epochs and this job asks "
+            f"for epochs={params.epochs}; epochs counts from the start: ask for more than "
+            f"{source.params.epochs}",
+        )
+    return sha256
 
 
 def check_running_statistics(request: AnyJobCreate, model: ModelPublic) -> None:
@@ -222,6 +315,7 @@ def job_payload(
     model: ModelPublic,
     dataset: DatasetPublic,
     timeout_s: int | None = None,
+    resume_sha256: str | None = None,
 ) -> JobPayload:
     """What the worker receives: the job, and what the API knows of its model and dataset
     (the dataset as the job sees it), so that no worker reads a whole dataset to plan."""
@@ -241,6 +335,7 @@ def job_payload(
         params=request.params,
         priority=request.priority,
         timeout_s=timeout_s,
+        resume_sha256=resume_sha256,
     )
 
 

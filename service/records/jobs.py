@@ -26,6 +26,7 @@ from service.records.paging import newest_first
 from service.records.quotas import active_job_ids, within_quota
 from service.records.resources import TenantResources
 from service.records.store_refs import release_sha_ref
+from service.records.train_checkpoints import CHECKPOINT_FIELD
 
 __all__ = ["JobFilter", "JobRecords", "status_keys"]
 
@@ -165,22 +166,27 @@ class JobRecords(TenantResources):
 
     def delete_finished_job(self, tenant_id: str, job: JobPublic) -> None:
         """Deletes an ended job's record, progress and logs, drops its uses of the store
-        objects (its inputs' and its report's: the collector deletes those nothing else uses)
-        and frees its Idempotency-Key. A model the job registered is a resource of its own and
-        stays."""
+        objects (its inputs', its report's and its training checkpoint's: the collector
+        deletes those nothing else uses) and frees its Idempotency-Key. A model the job
+        registered is a resource of its own and stays."""
         if not job.status.is_terminal:
             raise ValueError(f"job {job.id} is {job.status.value}; only an ended job is deleted")
         job_key = keys.record("job", job.id)
-        payload, report, idempotency_key = cast(
+        payload, report, checkpoint, idempotency_key = cast(
             "list[bytes | None]",
-            self.client.hmget(job_key, ["payload", "report_sha256", IDEMPOTENCY_FIELD]),
+            self.client.hmget(
+                job_key, ["payload", "report_sha256", CHECKPOINT_FIELD, IDEMPOTENCY_FIELD]
+            ),
         )
         used: list[str] = []
         if payload is not None:
             data = json.loads(payload)
             used += [data["model"]["weights_sha256"], data["dataset"]["sha256"]]
-        if report is not None:
-            used.append(text(report))
+            if data.get("resume_sha256"):  # the checkpoint of the job it resumed from
+                used.append(data["resume_sha256"])
+        for stored in (report, checkpoint):  # NOTE [ Train checkpoint records ]
+            if stored is not None:
+                used.append(text(stored))
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, "job", job.id, job.created_at)
         pipe.delete(

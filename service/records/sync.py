@@ -19,6 +19,8 @@ root, ``RedisRecords``, is in base.py):
 - :class:`~service.records.logs.JobLogs` (logs.py), :class:`~service.records.signals.JobSignals`
   (signals.py: heartbeats, progress, cancel requests) and
   :class:`~service.records.idempotency.IdempotencyKeys` (idempotency.py);
+- :class:`~service.records.train_checkpoints.TrainCheckpoints` (train_checkpoints.py): a
+  train job's latest training checkpoint (NOTE [ Train checkpoint records ]);
 - :class:`~service.records.quotas.TenantQuotas` (quotas.py): tenants' own quota values and
   what they use (NOTE [ Tenant quotas ]).
 
@@ -43,6 +45,7 @@ from service.records.quotas import TenantQuotas
 from service.records.retries import JobAttempts
 from service.records.signals import JobSignals
 from service.records.store_refs import StoreRefs, release_sha_ref
+from service.records.train_checkpoints import TrainCheckpoints
 
 __all__ = [
     "JOB_LOG_MAX_ENTRIES",
@@ -66,6 +69,7 @@ class Records(
     IdempotencyKeys,
     TenantQuotas,
     ImportSources,
+    TrainCheckpoints,
 ):
     """All record reads and writes, over one redis-py client (thread-safe, pooled): the
     methods of every class it combines, and the one read that spans two of them."""

@@ -1,12 +1,15 @@
 """The ``train`` row's runner and its change to the model: every parameter trained on the
-labelled dataset (workers/running/training.py); then the new model is saved and registered."""
+labelled dataset with the job's recipe (workers/running/training.py), resuming from the
+latest training checkpoint (workers/running/resumption.py); then the new model is saved and
+registered."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 
 from api_schemas import JobPayload, TrainParams
-from api_schemas.reports import EpochLog
+from api_schemas.reports import EpochLog, TrainAttempt
 from service.records.sync import Records
 from service.settings import Settings
 from service.store.base import Store
@@ -18,17 +21,39 @@ from workers.running.compute import (
     batchnorm_names,
     one_sample_batch_explained,
 )
-from workers.running.training import train_model
+from workers.running.resumption import StoredCheckpoints
+from workers.running.train_state import EpochLog as TrainedEpoch
+from workers.running.training import Checkpointing, Recipe, train_model
 
-__all__ = ["Training", "change", "run"]
+__all__ = ["Training", "change", "recipe", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def recipe(params: TrainParams) -> Recipe:
+    """The job's recipe, as the training loop takes it."""
+    return Recipe(
+        lr_schedule=params.lr_schedule,
+        warmup_steps=params.warmup_steps,
+        lr_step_epochs=params.lr_step_epochs or 1,
+        lr_gamma=params.lr_gamma,
+        label_smoothing=params.label_smoothing,
+        clip_grad_norm=params.clip_grad_norm,
+        accumulate_steps=params.accumulate_steps,
+        precision=params.precision,
+        keep_best=params.keep_best,
+    )
 
 
 class Training(ModelChange):
     """The job's epochs of optimizer steps on all parameters, every BatchNorm layer in train
-    mode."""
+    mode. With ``checkpoints`` (a worker's run) it resumes from the latest training checkpoint
+    and writes new ones as the job's params ask; without (in-process runs) it starts afresh
+    and writes none."""
 
-    def __init__(self, params: TrainParams) -> None:
+    def __init__(self, params: TrainParams, checkpoints: StoredCheckpoints | None = None) -> None:
         self.params = params
+        self.checkpoints = checkpoints
 
     @property
     def timed(self) -> bool:
@@ -40,10 +65,39 @@ class Training(ModelChange):
         assert loss is not None  # set whenever there are labels
         hooks.start_phase("train", 0, "steps", float(params.batch_size))
 
+        samples_per_step = float(params.batch_size * params.accumulate_steps)
+        started: list[bool] = []
+
         def progress(done: int, total: int) -> None:
-            if done <= 1:
-                hooks.start_phase("train", total, "steps", float(params.batch_size))
+            if not started:
+                hooks.start_phase("train", total, "steps", samples_per_step)
+                started.append(True)
             hooks.report(done)
+
+        def on_epoch(epoch: TrainedEpoch) -> None:
+            # The job's log, and so its events stream (NOTE [ Job events ]): one line an epoch.
+            log.info(
+                "epoch %d of %d: train_loss %.6g, val_loss %s, val_accuracy %s",
+                epoch.epoch,
+                params.epochs,
+                epoch.train_loss,
+                "null" if epoch.val_loss is None else f"{epoch.val_loss:.6g}",
+                "null" if epoch.val_accuracy is None else f"{epoch.val_accuracy:.6g}",
+            )
+
+        checkpointing = None
+        attempts: list[TrainAttempt] = []
+        if self.checkpoints is not None:
+            resume = self.checkpoints.latest()
+            attempts = self.checkpoints.note_attempt(0 if resume is None else resume.step)
+            save = params.save_every_steps is not None or params.save_every_s is not None
+            if save or resume is not None:
+                checkpointing = Checkpointing(
+                    save=self.checkpoints.save if save else _keep_none,
+                    every_steps=params.save_every_steps,
+                    every_s=None if params.save_every_s is None else float(params.save_every_s),
+                    resume=resume,
+                )
 
         with one_sample_batch_explained(None, params.batch_size, None):
             trained = train_model(
@@ -60,17 +114,27 @@ class Training(ModelChange):
                 validation_fraction=params.validation_fraction,
                 seed=params.seed,
                 device=job.device,
+                recipe=recipe(params),
+                checkpointing=checkpointing,
                 progress=progress,
                 should_stop=hooks.should_stop,
+                on_epoch=on_epoch,
                 forward=task.forward,
                 clock=task.clock,
             )
         return ChangeResult(
-            batches=trained.steps,
+            batches=trained.batches,
             samples=trained.samples,
             changed=batchnorm_names(job.model),
             epochs=[EpochLog(**asdict(e)) for e in trained.epochs],
+            attempts=attempts,
+            best_epoch=trained.best_epoch,
+            resumed_from_job=params.resume_from,
         )
+
+
+def _keep_none(state: object) -> None:
+    """A resumed job that asks for no checkpoints of its own writes none."""
 
 
 def change(payload: JobPayload) -> Training:
@@ -83,4 +147,11 @@ def change(payload: JobPayload) -> Training:
 def run(job: JobPayload, records: Records, store: Store, settings: Settings) -> dict[str, str]:
     """Trains, saves weights and report, registers the new model and marks the job succeeded;
     returns the RQ job's result."""
-    return run_change(job, records, store, settings, change(job))
+    checkpoints = StoredCheckpoints(records, store, job.job_id, job.resume_sha256)
+    return run_change(job, records, store, settings, Training(_params(job), checkpoints))
+
+
+def _params(payload: JobPayload) -> TrainParams:
+    params = payload.params
+    assert isinstance(params, TrainParams), f"{payload.kind} jobs do not train"
+    return params

@@ -36,6 +36,7 @@ from api_schemas.reports import (
     Report,
     TensorChange,
     Timings,
+    TrainAttempt,
 )
 from service.store.base import Store
 from workers.errors import AdaptError, DataError
@@ -117,6 +118,11 @@ class ChangeResult:
     # The job chose the changed layers (`include`, `exclude`): a layer whose statistics come out
     # non-finite may be left out, and the error says so.
     chosen_layers: bool = False
+    # A train job: its attempts (run by a worker), the epoch keep_best kept, the job it
+    # resumed from.
+    attempts: list[TrainAttempt] = field(default_factory=list)
+    best_epoch: int | None = None
+    resumed_from_job: str | None = None
 
 
 class ModelChange(ABC):
@@ -239,6 +245,9 @@ def compute(
         affine=[
             AffineChange(**asdict(c)) for c in affine_changes(model, before, after, result.affine)
         ],
+        attempts=result.attempts,
+        best_epoch=result.best_epoch,
+        resumed_from_job=result.resumed_from_job,
     )
     kwargs = resolve_kwargs(payload.model.architecture, payload.model.kwargs)
     return JobOutcome(
