@@ -79,7 +79,8 @@ class Recipe:
 @dataclass(frozen=True)
 class Checkpointing:
     """When to hand a :class:`TrainState` to ``save`` (besides once at the end), and the one to
-    go on from."""
+    go on from. ``save`` must write the state before it returns: its tensors are the live
+    model's, optimizer's and loss sum's, which the next step changes in place."""
 
     save: Callable[[TrainState], None]
     every_steps: int | None = None
