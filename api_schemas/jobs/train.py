@@ -27,7 +27,9 @@ from api_schemas.models import Seed
 __all__ = [
     "MAX_ACCUMULATE_STEPS",
     "MAX_EPOCHS",
+    "MAX_LOADER_WORKERS",
     "MAX_SAVE_EVERY_S",
+    "Augmentation",
     "LrSchedule",
     "Precision",
     "TrainJobCreate",
@@ -44,8 +46,50 @@ MAX_ACCUMULATE_STEPS: Final = 1024
 MAX_SAVE_EVERY_S: Final = 24 * 3600
 MAX_CLIP_GRAD_NORM: Final = 1e6
 
+# DataLoader processes decoding one job's training batches: past 16 a worker machine's cores
+# are the limit, not the job's.
+MAX_LOADER_WORKERS: Final = 16
+
 LrSchedule = Literal["constant", "cosine", "step", "one_cycle"]
 Precision = Literal["fp32", "bf16", "fp16"]
+
+
+class Augmentation(RequestModel):
+    """Training-time augmentation of image samples (C, H, W), drawn per micro-batch from the
+    job's seed (docs/training.md): validation and the measurements before and after see the
+    samples as they are."""
+
+    random_resized_crop: bool = Field(
+        default=False,
+        description="Crop each sample to a random box (area fraction in crop_scale, aspect "
+        "ratio in crop_ratio, as torchvision's RandomResizedCrop) and resize it back to its "
+        "size (bilinear).",
+    )
+    crop_scale: tuple[float, float] = Field(
+        default=(0.08, 1.0), description="The box's area over the sample's: low, high in (0, 1]."
+    )
+    crop_ratio: tuple[float, float] = Field(
+        default=(3 / 4, 4 / 3), description="The box's width over its height: low, high, above 0."
+    )
+    horizontal_flip: bool = Field(
+        default=False, description="Flip each sample left-right with probability 1/2."
+    )
+
+    @model_validator(mode="after")
+    def _ranges(self) -> Self:
+        low, high = self.crop_scale
+        if not 0 < low <= high <= 1:
+            raise ValueError(
+                f"crop_scale must be (low, high) with 0 < low <= high <= 1, got "
+                f"{list(self.crop_scale)}; e.g. [0.08, 1.0]"
+            )
+        low, high = self.crop_ratio
+        if not 0 < low <= high <= 100:
+            raise ValueError(
+                f"crop_ratio must be (low, high) with 0 < low <= high <= 100, got "
+                f"{list(self.crop_ratio)}; e.g. [0.75, 1.3333]"
+            )
+        return self
 
 
 class TrainParams(RequestModel):
@@ -162,6 +206,18 @@ class TrainParams(RequestModel):
         default=False,
         description="Keep the weights of the epoch with the lowest validation loss (the "
         "report's best_epoch) instead of the last; needs validation_fraction > 0.",
+    )
+    augmentation: Augmentation | None = Field(
+        default=None,
+        description="Augmentation of image samples (C, H, W) in training; null: none.",
+    )
+    loader_workers: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_LOADER_WORKERS,
+        description=f"DataLoader processes that read, decode and augment the training "
+        f"batches ahead of the steps, 0 to {MAX_LOADER_WORKERS}; 0: the job's own process. "
+        "The results are the same either way.",
     )
     save_every_steps: int | None = Field(
         default=None,

@@ -207,6 +207,13 @@ def _check_train_fit(params: TrainParams, dataset: DatasetPublic) -> None:
             f"label_smoothing needs int64 class labels but dataset {dataset.id} has float "
             "targets; drop label_smoothing, or upload class labels",
         )
+    if params.augmentation is not None and len(dataset.sample_shape) != 3:
+        raise ApiError(
+            422,
+            f"augmentation crops and flips images (C, H, W), and dataset {dataset.id} has "
+            f"samples of shape {dataset.sample_shape}; drop augmentation, or use an image "
+            "dataset",
+        )
     # As workers/running/training.py splits and batches (split_indices, batch_bounds).
     num_val = max(1, int(dataset.num_samples * params.validation_fraction))
     train = dataset.num_samples - (num_val if params.validation_fraction > 0 else 0)

@@ -19,8 +19,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - torch's own convention
 
+from api_schemas.jobs.train import Augmentation
 from tests.workers.test_training import SETTINGS, assert_same_state, digits, digits_cnn, nbt
 from workers.errors import TrainError
+from workers.passes.augmentation import augment, batch_generator
 from workers.running.schedules import Schedule
 from workers.running.train_state import TrainState, load_state, state_bytes
 from workers.running.training import (
@@ -278,6 +280,13 @@ RESUMED_RECIPES = {
         ),
     ),
     "bf16": ({}, Recipe(precision="bf16")),
+    "augmented-in-loader-processes": (
+        {},
+        Recipe(
+            augmentation=Augmentation(random_resized_crop=True, horizontal_flip=True),
+            loader_workers=2,
+        ),
+    ),
 }
 
 
@@ -375,3 +384,42 @@ def test_the_epoch_order_is_one_function_of_the_generator() -> None:
     generator.set_state(state)
     assert torch.equal(epoch_order(train, generator), first)
     assert sorted(first.tolist()) == sorted(train.tolist())
+
+
+AUGMENTED = Augmentation(random_resized_crop=True, horizontal_flip=True, crop_scale=(0.3, 1.0))
+
+
+def test_loader_processes_give_the_same_training_bitwise(
+    digits: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    x, y = digits
+    own, loaded, plain = digits_cnn(), digits_cnn(), digits_cnn()
+    own_stats = train_model(own, x, y, **SETTINGS, recipe=Recipe(augmentation=AUGMENTED))
+    loaded_stats = train_model(
+        loaded, x, y, **SETTINGS, recipe=Recipe(augmentation=AUGMENTED, loader_workers=2)
+    )
+    assert_same_state(own, loaded)
+    assert own_stats == loaded_stats
+    # The augmentation changed the run (the comparison above could fail).
+    train_model(plain, x, y, **SETTINGS)
+    assert not torch.equal(plain.state_dict()["head.weight"], own.state_dict()["head.weight"])
+
+
+def test_augmentation_draws_are_the_batches_own() -> None:
+    torch.manual_seed(0)
+    batch = torch.rand(16, 3, 12, 10)  # (B, C, H, W)
+    first = augment(batch, AUGMENTED, batch_generator(1, 2, 3))
+    assert first.shape == batch.shape
+    assert torch.equal(first, augment(batch, AUGMENTED, batch_generator(1, 2, 3)))
+    assert not torch.equal(first, augment(batch, AUGMENTED, batch_generator(1, 2, 4)))
+    # Flips alone: each sample as it is or mirrored, about half of them mirrored.
+    flips = Augmentation(horizontal_flip=True)
+    flipped = augment(batch, flips, batch_generator(0, 1, 0))
+    mirrored = [bool(torch.equal(f, b.flip(-1))) for f, b in zip(flipped, batch, strict=True)]
+    same = [bool(torch.equal(f, b)) for f, b in zip(flipped, batch, strict=True)]
+    assert all(m != s for m, s in zip(mirrored, same, strict=True))
+    assert 0 < sum(mirrored) < 16
+    # A crop of the whole sample at ratio 1 is the sample (bilinear resize to its own size).
+    whole = Augmentation(random_resized_crop=True, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0))
+    square = torch.rand(4, 3, 8, 8)
+    assert torch.equal(augment(square, whole, batch_generator(0, 1, 0)), square)

@@ -42,6 +42,8 @@ def recipe(params: TrainParams) -> Recipe:
         accumulate_steps=params.accumulate_steps,
         precision=params.precision,
         keep_best=params.keep_best,
+        augmentation=params.augmentation,
+        loader_workers=params.loader_workers,
     )
 
 

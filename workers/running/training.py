@@ -32,10 +32,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - torch's own convention
 
+from api_schemas.jobs.train import Augmentation
 from workers.errors import DataError, JobCanceled, TrainError
 from workers.models.modules import training_flags
-from workers.passes.data import Data, load_rows
+from workers.passes.data import Data
 from workers.passes.steps import Forward, StepClock
+from workers.passes.train_batches import epoch_batches
 from workers.running.evaluation import (
     Loss,
     check_targets,
@@ -74,6 +76,8 @@ class Recipe:
     accumulate_steps: int = 1
     precision: Precision = "fp32"
     keep_best: bool = False
+    augmentation: Augmentation | None = None
+    loader_workers: int = 0  # DataLoader processes reading the training batches
 
 
 @dataclass(frozen=True)
@@ -309,63 +313,78 @@ def train_model(
             if resume is not None and epoch == resume.epoch:
                 loss_sum = resume.epoch_loss_sum.to(target)
                 epoch_samples = resume.epoch_samples
-            for group in _groups(len(bounds), recipe.accumulate_steps):
-                if group.start < (first_batch if epoch == first_epoch else 0):
-                    continue  # done before the checkpoint this run resumed from
-                group_samples = sum(bounds[i][1] - bounds[i][0] for i in group)
-                if clock is not None:
-                    clock.start()
-                opt.zero_grad(set_to_none=True)
-                for i in group:
-                    if should_stop is not None and should_stop():
-                        raise JobCanceled(f"training canceled after {steps} of {total_steps} steps")
-                    start, stop = bounds[i]
-                    idx = order[start:stop]
-                    xb, yb = load_rows(x, idx).to(target), y[idx].to(target)  # (B, ...), (B, ...)
-                    with _autocast(target, recipe.precision):
-                        outputs = (forward or model)(xb)  # (B, num_classes) or (B, ...)
-                    if not checked:
-                        check_targets(outputs, y, loss)
-                        checked = True
-                    batch_loss = _train_loss(outputs, yb, loss, recipe.label_smoothing)
-                    # NOTE [ Micro-batches and steps ]: the group's mean gradient.
-                    scaled = (
-                        batch_loss
-                        if len(group) == 1
-                        else batch_loss * ((stop - start) / group_samples)
-                    )
-                    torch.autograd.backward(scaled if scaler is None else scaler.scale(scaled))
-                    loss_sum += batch_loss.detach().double() * (stop - start)
-                    epoch_samples += stop - start
-                    batches += 1
-                for param_group in opt.param_groups:
-                    param_group["lr"] = schedule.at(steps)
-                if scaler is not None:
-                    if recipe.clip_grad_norm is not None:
-                        scaler.unscale_(opt)
-                        nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    if recipe.clip_grad_norm is not None:
-                        nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
-                    opt.step()
-                if clock is not None:
-                    clock.stop(group_samples)
-                steps += 1
-                if progress is not None:
-                    progress(steps, total_steps)
-                if checkpointing is not None and (
-                    (checkpointing.every_steps and steps % checkpointing.every_steps == 0)
-                    or (
-                        checkpointing.every_s
-                        and time.monotonic() - saved_at >= checkpointing.every_s
-                    )
-                ):
-                    checkpointing.save(
-                        state_at(epoch, group.stop, epoch_rng, loss_sum, epoch_samples)
-                    )
-                    saved_at = time.monotonic()
+            skipped = first_batch if epoch == first_epoch else 0  # done before the checkpoint
+            batches_of_epoch = epoch_batches(
+                x,
+                order,
+                bounds,
+                first=skipped,
+                augmentation=recipe.augmentation,
+                seed=seed,
+                epoch=epoch,
+                workers=recipe.loader_workers,
+            )
+            # Closed however the epoch ends: a cancel stops the loader processes too.
+            with contextlib.closing(batches_of_epoch) as reader:
+                for group in _groups(len(bounds), recipe.accumulate_steps):
+                    if group.start < skipped:
+                        continue
+                    group_samples = sum(bounds[i][1] - bounds[i][0] for i in group)
+                    if clock is not None:
+                        clock.start()
+                    opt.zero_grad(set_to_none=True)
+                    for i in group:
+                        if should_stop is not None and should_stop():
+                            raise JobCanceled(
+                                f"training canceled after {steps} of {total_steps} steps"
+                            )
+                        start, stop = bounds[i]
+                        idx = order[start:stop]
+                        xb, yb = next(reader).to(target), y[idx].to(target)  # (B, ...), (B, ...)
+                        with _autocast(target, recipe.precision):
+                            outputs = (forward or model)(xb)  # (B, num_classes) or (B, ...)
+                        if not checked:
+                            check_targets(outputs, y, loss)
+                            checked = True
+                        batch_loss = _train_loss(outputs, yb, loss, recipe.label_smoothing)
+                        # NOTE [ Micro-batches and steps ]: the group's mean gradient.
+                        scaled = (
+                            batch_loss
+                            if len(group) == 1
+                            else batch_loss * ((stop - start) / group_samples)
+                        )
+                        torch.autograd.backward(scaled if scaler is None else scaler.scale(scaled))
+                        loss_sum += batch_loss.detach().double() * (stop - start)
+                        epoch_samples += stop - start
+                        batches += 1
+                    for param_group in opt.param_groups:
+                        param_group["lr"] = schedule.at(steps)
+                    if scaler is not None:
+                        if recipe.clip_grad_norm is not None:
+                            scaler.unscale_(opt)
+                            nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        if recipe.clip_grad_norm is not None:
+                            nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
+                        opt.step()
+                    if clock is not None:
+                        clock.stop(group_samples)
+                    steps += 1
+                    if progress is not None:
+                        progress(steps, total_steps)
+                    if checkpointing is not None and (
+                        (checkpointing.every_steps and steps % checkpointing.every_steps == 0)
+                        or (
+                            checkpointing.every_s
+                            and time.monotonic() - saved_at >= checkpointing.every_s
+                        )
+                    ):
+                        checkpointing.save(
+                            state_at(epoch, group.stop, epoch_rng, loss_sum, epoch_samples)
+                        )
+                        saved_at = time.monotonic()
             samples += epoch_samples
             train_loss = loss_sum.item() / epoch_samples  # one device sync per epoch
             if not math.isfinite(train_loss):
