@@ -65,11 +65,17 @@ class Augmentation(RequestModel):
         "ratio in crop_ratio, as torchvision's RandomResizedCrop) and resize it back to its "
         "size (bilinear).",
     )
-    crop_scale: tuple[float, float] = Field(
-        default=(0.08, 1.0), description="The box's area over the sample's: low, high in (0, 1]."
+    crop_scale: list[float] = Field(
+        default=[0.08, 1.0],
+        min_length=2,
+        max_length=2,
+        description="The box's area over the sample's: [low, high] in (0, 1].",
     )
-    crop_ratio: tuple[float, float] = Field(
-        default=(3 / 4, 4 / 3), description="The box's width over its height: low, high, above 0."
+    crop_ratio: list[float] = Field(
+        default=[3 / 4, 4 / 3],
+        min_length=2,
+        max_length=2,
+        description="The box's width over its height: [low, high], above 0.",
     )
     horizontal_flip: bool = Field(
         default=False, description="Flip each sample left-right with probability 1/2."

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -20,7 +21,7 @@ from service.records import keys
 from service.records.train_checkpoints import CHECKPOINT_FIELD
 from tests.e2e.test_e2e import created, digits_npz, problem
 from tests.servers import wait_for
-from tests.stack import Client, Stack, running_stack
+from tests.stack import Client, Stack, npz_bytes, running_stack
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +156,11 @@ def test_resume_from_continues_a_finished_job_for_more_epochs(stack: Stack) -> N
     assert got["attempts"] == [{"attempt": 1, "resumed_from_step": 18}]
     assert got["epochs"] == expected["epochs"]
     assert [e["epoch"] for e in got["epochs"]] == [1, 2, 3, 4]
+    # Each epoch's validation metrics, as they came, in the job's log (and events stream).
+    logged = client.http.get(f"/v1/jobs/{continued['id']}/logs").json()["items"]
+    epochs = [e["message"] for e in logged if e["message"].startswith("epoch ")]
+    assert [m.split(":")[0] for m in epochs] == ["epoch 3 of 4", "epoch 4 of 4"]
+    assert f"val_loss {got['epochs'][3]['val_loss']:.6g}" in epochs[1]
 
     # What it must share with the job it continues, and what another tenant sees.
     problem(
@@ -206,6 +212,8 @@ BAD_RECIPES: list[tuple[dict[str, Any], list[str]]] = [
     ({"warmup_steps": 9, "epochs": 1}, ["warmup_steps=9", "9 optimizer steps", "below 9"]),
     ({"save_every_steps": 0}, ["save_every_steps"]),
     ({"clip_grad_norm": -1}, ["clip_grad_norm"]),
+    ({"augmentation": {"crop_scale": [0.5, 0.2]}}, ["0 < low <= high <= 1", "[0.08, 1.0]"]),
+    ({"loader_workers": 17}, ["loader_workers"]),
 ]
 
 
@@ -234,3 +242,18 @@ def test_resume_from_a_job_without_a_checkpoint_is_refused(stack: Stack) -> None
     assert plain["status"] == "succeeded"
     refused = client.submit(base | {"params": {"epochs": 2, "resume_from": plain["id"]}})
     problem(refused, 422, "kept no training checkpoint", "save_every_steps")
+
+
+def test_augmentation_of_samples_that_are_not_images_is_refused(stack: Stack) -> None:
+    client = stack.client("flat")
+    model = created(client.add_model("mlp", {"in_features": 64}))
+    x = np.random.default_rng(0).random((100, 64), dtype=np.float32)
+    y = np.arange(100, dtype=np.int64) % 10
+    dataset = created(client.add_dataset(npz_bytes(x=x, y=y)))
+    body = {
+        "kind": "train",
+        "model_id": model["id"],
+        "dataset_id": dataset["id"],
+        "params": {"augmentation": {"horizontal_flip": True}},
+    }
+    problem(client.submit(body), 422, "images (C, H, W)", "[64]", "drop augmentation")

@@ -386,7 +386,7 @@ def test_the_epoch_order_is_one_function_of_the_generator() -> None:
     assert sorted(first.tolist()) == sorted(train.tolist())
 
 
-AUGMENTED = Augmentation(random_resized_crop=True, horizontal_flip=True, crop_scale=(0.3, 1.0))
+AUGMENTED = Augmentation(random_resized_crop=True, horizontal_flip=True, crop_scale=[0.3, 1.0])
 
 
 def test_loader_processes_give_the_same_training_bitwise(
@@ -420,6 +420,6 @@ def test_augmentation_draws_are_the_batches_own() -> None:
     assert all(m != s for m, s in zip(mirrored, same, strict=True))
     assert 0 < sum(mirrored) < 16
     # A crop of the whole sample at ratio 1 is the sample (bilinear resize to its own size).
-    whole = Augmentation(random_resized_crop=True, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0))
+    whole = Augmentation(random_resized_crop=True, crop_scale=[1.0, 1.0], crop_ratio=[1.0, 1.0])
     square = torch.rand(4, 3, 8, 8)
     assert torch.equal(augment(square, whole, batch_generator(0, 1, 0)), square)
