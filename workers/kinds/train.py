@@ -65,9 +65,8 @@ class Training(ModelChange):
         params, job, hooks, loss = self.params, task.job, task.hooks, task.loss
         assert job.y is not None, "the API only accepts train jobs on labelled datasets"
         assert loss is not None  # set whenever there are labels
-        hooks.start_phase("train", 0, "steps", float(params.batch_size))
-
         samples_per_step = float(params.batch_size * params.accumulate_steps)
+        hooks.start_phase("train", 0, "steps", samples_per_step)
         started: list[bool] = []
 
         def progress(done: int, total: int) -> None:
