@@ -344,8 +344,13 @@ def test_more_epochs_from_the_final_checkpoint(
     whole_stats = train_model(whole, x, y, **(SETTINGS | {"epochs": 4}))
     assert_same_state(whole, continued)
     assert stats.epochs == whole_stats.epochs
+    # An attempt lost after its final checkpoint: the next one ends where it ended.
+    again = digits_cnn()
+    again_stats = train_model(again, x, y, **SETTINGS, checkpointing=resume)
+    assert_same_state(first, again)
+    assert again_stats.steps == 16 and len(again_stats.epochs) == 2
     with pytest.raises(TrainError, match="nothing is left to train; ask for more epochs"):
-        train_model(digits_cnn(), x, y, **SETTINGS, checkpointing=resume)
+        train_model(digits_cnn(), x, y, **(SETTINGS | {"epochs": 1}), checkpointing=resume)
 
 
 def test_a_checkpoint_is_safetensors_and_json_only(

@@ -254,7 +254,9 @@ def train_model(
     first_epoch, first_batch = 1, 0
     best: tuple[int, float, int, dict[str, torch.Tensor]] | None = None
     if resume is not None:
-        if resume.epoch > epochs:
+        # At epochs + 1 the checkpoint is the final one of this very job (an attempt lost
+        # after training, while saving): nothing to redo, the weights are those.
+        if resume.epoch > epochs + 1:
             raise TrainError(
                 f"the training checkpoint is past epoch {resume.epoch - 1} and the job asks "
                 f"for {epochs} epochs: nothing is left to train; ask for more epochs"
