@@ -55,6 +55,7 @@ from PIL import Image
 
 from api_schemas.datasets import Preprocessing
 from service.errors import ArrayFileError, ArrayLimitError
+from service.formats.image_tars import IMAGE_EXTENSIONS
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -66,7 +67,6 @@ __all__ = [
     "index_tar",
 ]
 
-IMAGE_EXTENSIONS: Final = frozenset({"jpg", "jpeg", "png"})
 _LABEL_EXTENSIONS: Final = frozenset({"cls", "json"})
 _FORMATS: Final = frozenset({"JPEG", "PNG"})
 _MAX_LABEL_BYTES: Final = 4096
