@@ -12,18 +12,16 @@ from typing import Final
 import redis
 from pydantic import TypeAdapter
 
-from api_schemas import ArchitecturePublic
 from api_schemas.inspection import InspectFailure, InspectRequest, InspectSuccess
 from service.api.problems import ApiError
 from service.records import keys
 from service.records.connection import REDIS_BLOCK_SLICE_S
 
-__all__ = ["inspect_model", "published_architectures", "published_catalog"]
+__all__ = ["inspect_model", "published_catalog"]
 
 _REPLY: Final[TypeAdapter[InspectSuccess | InspectFailure]] = TypeAdapter(
     InspectSuccess | InspectFailure
 )
-_CATALOG: Final[TypeAdapter[list[ArchitecturePublic]]] = TypeAdapter(list[ArchitecturePublic])
 
 NO_WORKER: Final = (
     "no worker is running to build models; start one with `bnadapt worker` "
@@ -60,14 +58,6 @@ def inspect_model(client: redis.Redis, request: InspectRequest, timeout_s: float
     if isinstance(reply, InspectFailure):
         raise ApiError(reply.status, reply.detail, errors=reply.errors)
     return reply
-
-
-def published_architectures(client: redis.Redis) -> list[ArchitecturePublic]:
-    """The architectures the running workers can build. Raises 503 when none runs."""
-    raw = client.get(keys.ARCHITECTURES)
-    if raw is None:
-        raise ApiError(503, NO_WORKER, headers={"Retry-After": "5"})
-    return _CATALOG.validate_json(raw)
 
 
 def published_catalog(client: redis.Redis) -> bytes:
