@@ -152,24 +152,32 @@ def test_processes_are_checked_at_submission(stack: Stack) -> None:
         )
 
 
-def rank_pids(run_id: str) -> dict[int, int]:
-    """pid by rank of the processes the launcher started for a job (its run id is the job
-    id), found by the environment torch's agent gives them."""
-    found: dict[int, int] = {}
+def rank_pids(stack: Stack) -> list[int]:
+    """The rank processes under the stack's worker: the processes torch's launcher spawned
+    (``multiprocessing.spawn``) among the worker supervisor's descendants."""
+    assert stack.worker is not None
+    parents: dict[int, int] = {}
+    spawned: list[int] = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            env = dict(
-                item.split("=", 1)
-                for item in (entry / "environ").read_text(errors="replace").split("\0")
-                if "=" in item
-            )
-        except OSError:  # gone, or not ours
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
             continue
-        if env.get("TORCHELASTIC_RUN_ID") == run_id and "RANK" in env:
-            found[int(env["RANK"])] = int(entry.name)
-    return found
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        if b"spawn_main" in cmdline:
+            spawned.append(int(entry.name))
+
+    def under_worker(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == stack.worker.pid:  # type: ignore[union-attr]
+                return True
+        return False
+
+    return sorted(pid for pid in spawned if under_worker(pid))
 
 
 def wait_training(client: Client, job_id: str, timeout_s: float = 240) -> None:
@@ -185,11 +193,11 @@ def wait_training(client: Client, job_id: str, timeout_s: float = 240) -> None:
     raise AssertionError(f"job {job_id} did not start training in {timeout_s} s")
 
 
-def wait_gone(job_id: str, timeout_s: float = 30) -> None:
+def wait_gone(stack: Stack, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
-    while rank_pids(job_id) and time.monotonic() < deadline:
+    while rank_pids(stack) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert rank_pids(job_id) == {}, "rank processes outlived their job"
+    assert rank_pids(stack) == [], "rank processes outlived their job"
 
 
 @pytest.fixture
@@ -212,15 +220,15 @@ def test_a_rank_killed_ends_the_attempt_and_the_retry_succeeds(own_stack: Stack)
     client = own_stack.client("rank-killed")
     job_id = long_job(client, max_attempts=2)
     wait_training(client, job_id)
-    ranks = rank_pids(job_id)
-    assert sorted(ranks) == [0, 1], ranks
-    os.kill(ranks[1], signal.SIGKILL)
+    ranks = rank_pids(own_stack)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGKILL)
     done = client.wait(job_id, timeout_s=600)
     assert done["status"] == "succeeded", done
     assert len(done["attempts"]) == 1, done["attempts"]  # the killed run, one attempt
-    assert "rank 1" in done["attempts"][0]["reason"], done["attempts"][0]
-    wait_gone(job_id)
-    assert all(not Path(f"/proc/{pid}").exists() for pid in ranks.values())
+    assert "was killed (SIGKILL)" in done["attempts"][0]["reason"], done["attempts"][0]
+    wait_gone(own_stack)
+    assert all(not Path(f"/proc/{pid}").exists() for pid in ranks)
 
 
 @pytest.mark.slow
@@ -228,10 +236,9 @@ def test_a_canceled_job_ends_its_ranks(own_stack: Stack) -> None:
     client = own_stack.client("ranks-canceled")
     job_id = long_job(client, max_attempts=1)
     wait_training(client, job_id)
-    ranks = rank_pids(job_id)
-    assert sorted(ranks) == [0, 1], ranks
+    assert len(rank_pids(own_stack)) == 2
     client.api.cancel(job_id)
     done = client.wait(job_id, timeout_s=120)
     assert done["status"] == "canceled", done
     assert done["result"] is None
-    wait_gone(job_id)
+    wait_gone(own_stack)
