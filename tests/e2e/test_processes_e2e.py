@@ -19,8 +19,15 @@ import safetensors.torch
 import torch
 
 from api_schemas import TrainParams
-from tests.e2e.test_e2e import created, digits_npz, problem, store_of
-from tests.stack import SHARED_STACK_THREADS, Client, Stack, job_payload, running_stack
+from tests.e2e.test_e2e import created, digits, digits_npz, problem, store_of
+from tests.stack import (
+    SHARED_STACK_THREADS,
+    Client,
+    Stack,
+    job_payload,
+    npz_bytes,
+    running_stack,
+)
 from workers.kinds.changing import compute
 from workers.passes.data import load_rows
 from workers.running.evaluation import compute_loss
@@ -242,3 +249,26 @@ def test_a_canceled_job_ends_its_ranks(own_stack: Stack) -> None:
     assert done["status"] == "canceled", done
     assert done["result"] is None
     wait_gone(own_stack)
+
+
+def test_a_ranks_own_error_fails_the_job_with_its_message(stack: Stack) -> None:
+    """Inputs whose harm the API cannot see (one sample near float32's largest): the training
+    loss becomes NaN on every rank, which raises the error one process would, and the job
+    fails once (no retry) with that error's message, not the launcher's."""
+    client = stack.client("rank-error")
+    model = created(client.add_model("digits_cnn", {"width": 4}))
+    x, y = digits(n=200)
+    x[3] = 3e38
+    dataset = created(client.add_dataset(npz_bytes(x=x, y=y)))
+    body = {"kind": "train", "model_id": model["id"], "dataset_id": dataset["id"]}
+    errors = []
+    for processes in (1, 2):
+        params = {"processes": processes, "batch_size": 20, "validation_fraction": 0.0}
+        job = created(client.submit({**body, "params": params, "max_attempts": 3}), 202)
+        done = client.wait(job["id"], timeout_s=300)
+        assert done["status"] == "failed", done
+        assert done["attempts"] == []
+        errors.append(done["error"])
+    assert errors[1] == errors[0]
+    assert "training loss became nan" in errors[1], errors[1]
+    assert "rank" not in errors[1] and "exit code" not in errors[1]
