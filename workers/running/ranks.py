@@ -67,7 +67,8 @@ from service.settings import get_settings
 from service.store import open_store
 from service.upkeep.parent_death import die_with_parent
 from workers import errors
-from workers.errors import JobCanceled, JobInterrupted, WorkerError
+from workers.errors import JobCanceled, JobInterrupted, TrainError, WorkerError
+from workers.models.modules import named_modules
 from workers.passes.hooks import JobHooks
 from workers.passes.steps import StepClock
 from workers.running.compute import one_sample_batch_explained
@@ -195,6 +196,7 @@ def _train_rank(
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
+    tracked_before = _batches_tracked(model)
     clock = StepClock(device, None)
     progress = shared.write_progress if ranks.rank == 0 else None
     loss = params.loss or loss_for(job.y)
@@ -219,6 +221,7 @@ def _train_rank(
             clock=clock,
             ranks=ranks,
         )
+    _check_one_update_a_step(model, tracked_before, trained.steps, ranks.rank)
     if ranks.rank == 0:
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         partial = shared.path / f"{_STATE}.partial"
@@ -231,6 +234,32 @@ def _train_rank(
         epochs=[EpochLog(**asdict(e)) for e in trained.epochs],
         timings=None if clock.steps == 0 else clock.timings(),
     )
+
+
+def _batches_tracked(model: nn.Module) -> dict[str, int]:
+    """Each BatchNorm layer's ``num_batches_tracked``, by name."""
+    return {
+        name: int(module.num_batches_tracked)
+        for name, module in named_modules(model)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and module.num_batches_tracked is not None
+    }
+
+
+def _check_one_update_a_step(
+    model: nn.Module, before: dict[str, int], steps: int, rank: int
+) -> None:
+    """The checkpoint wrapper's guarantee, on this rank: each BatchNorm layer counted exactly
+    one batch a step. DDP gives every rank rank 0's buffers before each forward, so on any
+    rank the count after the last step is the count before plus the steps."""
+    for name, count in _batches_tracked(model).items():
+        if count != before[name] + steps:
+            raise TrainError(
+                f"rank {rank}: BatchNorm layer {name!r} counted {count - before[name]} batches "
+                f"in {steps} steps; its statistics were updated more than once a step. Report "
+                "this with the job's checkpoint policy; submit with checkpoint preset 'none' "
+                "meanwhile"
+            )
 
 
 def _processes_fit(processes: int, device: torch.device) -> None:
