@@ -213,12 +213,13 @@ def own_stack(tmp_path: Path) -> Iterator[Stack]:
         yield stack
 
 
-def long_job(client: Client, max_attempts: int) -> str:
+def long_job(client: Client, max_attempts: int, epochs: int = 40, **extra: Any) -> str:
     model = created(client.add_model("digits_cnn", {"width": 4}))
     dataset = created(client.add_dataset(digits_npz(n=1000)))
-    params = {"epochs": 40, "batch_size": 20, "processes": 2, "validation_fraction": 0.0}
+    params = {"epochs": epochs, "batch_size": 20, "processes": 2, "validation_fraction": 0.0}
     body = {"kind": "train", "model_id": model["id"], "dataset_id": dataset["id"]}
-    job = created(client.submit({**body, "params": params, "max_attempts": max_attempts}), 202)
+    body = {**body, "params": params, "max_attempts": max_attempts, **extra}
+    job = created(client.submit(body), 202)
     return str(job["id"])
 
 
@@ -248,6 +249,20 @@ def test_a_canceled_job_ends_its_ranks(own_stack: Stack) -> None:
     done = client.wait(job_id, timeout_s=120)
     assert done["status"] == "canceled", done
     assert done["result"] is None
+    wait_gone(own_stack)
+
+
+@pytest.mark.slow
+def test_a_job_past_its_timeout_ends_its_ranks(own_stack: Stack) -> None:
+    """RQ's timeout interrupts the job's process inside the launcher: the agent stops the
+    ranks on its way out, and the job fails as timed out, once."""
+    client = own_stack.client("ranks-timeout")
+    job_id = long_job(client, max_attempts=2, epochs=400, timeout_s=30)
+    wait_training(client, job_id)
+    done = client.wait(job_id, timeout_s=300)
+    assert done["status"] == "failed", done
+    assert "timed out" in done["error"] or "timeout" in done["error"], done["error"]
+    assert done["attempts"] == []
     wait_gone(own_stack)
 
 
