@@ -34,8 +34,8 @@ launcher is each rank's :class:`RankOutcome` as JSON text: no pickled user data.
 Failures: the ranks of a job live and die together. The launcher runs with ``max_restarts``
 0; when one rank ends with an error or is killed, its agent ends the others and raises, and
 the job's attempt ends with it: a rank's own error (bad data, NaN) fails the job with its
-message, a rank killed by a signal is an interruption (retried as one attempt, NOTE [ Job
-attempts ] in service/records/retries.py). Each rank asks the kernel for SIGKILL when the
+message, as does a rank killed for memory; a rank killed by a signal otherwise is an
+interruption (retried as one attempt, NOTE [ Job attempts ] in service/records/retries.py). Each rank asks the kernel for SIGKILL when the
 job's process dies, so a job process killed by RQ (stop, timeout) leaves no rank behind.
 """
 
@@ -71,8 +71,10 @@ from workers.errors import JobCanceled, JobInterrupted, TrainError, WorkerError
 from workers.models.modules import named_modules
 from workers.passes.hooks import JobHooks
 from workers.passes.steps import StepClock
+from workers.running.capacity import oom_kills
 from workers.running.compute import one_sample_batch_explained
 from workers.running.evaluation import loss_for
+from workers.running.failures import out_of_memory_message
 from workers.running.loading import LoadedJob, load_job
 from workers.running.training import RankSlice, train_model
 
@@ -331,11 +333,12 @@ def train_in_ranks(
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         )
         launch = elastic_launch(config, run_rank)
+        oom_kills_before = oom_kills()
         try:
             with _Watch(shared, hooks, params.batch_size):
                 results = launch(payload.model_dump_json(), workdir, os.getpid(), threads)
         except ChildFailedError as exc:
-            raise _ranks_failure(exc, shared, hooks) from exc
+            raise _ranks_failure(exc, shared, hooks, oom_kills_before) from exc
         state = safetensors.torch.load_file(str(shared.state))
     job.model.load_state_dict(state)
     return RanksOutcome(
@@ -343,14 +346,25 @@ def train_in_ranks(
     )
 
 
-def _ranks_failure(exc: ChildFailedError, shared: _Workdir, hooks: JobHooks) -> WorkerError:
-    """What ended a job's ranks, as the job's error: a cancel, an interruption (a rank killed
-    by a signal: retried), or the first rank's own error with its message."""
+def _ranks_failure(
+    exc: ChildFailedError, shared: _Workdir, hooks: JobHooks, oom_kills_before: int | None
+) -> WorkerError:
+    """What ended a job's ranks, as the job's error: a cancel, the job's own failure (a rank
+    killed by the out-of-memory killer, or a rank's own error with its message), or an
+    interruption (a rank killed by a signal otherwise: retried)."""
     if hooks.should_stop():
         return JobCanceled("training canceled while its ranks ran")
     killed = sorted(r for r, f in exc.failures.items() if f.exitcode < 0)
     if killed:
         failure = exc.failures[killed[0]]
+        after = oom_kills()
+        if oom_kills_before is not None and after is not None and after > oom_kills_before:
+            # As a job process killed for memory (workers/running/capacity.py): not retried.
+            return WorkerError(
+                out_of_memory_message(
+                    f"rank {killed[0]} was killed by the kernel's out-of-memory killer"
+                )
+            )
         return JobInterrupted(
             f"rank {killed[0]} of the job's processes was killed ({failure.signal_name()}); "
             "its other ranks were stopped with it"
