@@ -266,6 +266,7 @@ def test_a_job_past_its_timeout_ends_its_ranks(own_stack: Stack) -> None:
     wait_gone(own_stack)
 
 
+@pytest.mark.slow
 def test_a_ranks_own_error_fails_the_job_with_its_message(stack: Stack) -> None:
     """Inputs whose harm the API cannot see (one sample near float32's largest): the training
     loss becomes NaN on every rank, which raises the error one process would, and the job

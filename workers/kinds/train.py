@@ -78,7 +78,7 @@ class Training(ModelChange):
 
     def _run_in_ranks(self, task: ChangeTask) -> ChangeResult:
         """The same training in ``processes`` ranks under DDP (docs/distributed.md)."""
-        ran = train_in_ranks(self.payload, self.params, task.job, task.hooks).ranks
+        ran = train_in_ranks(self.payload, self.params, task.job, task.hooks)
         first = ran[0]  # rank 0: its validation, its statistics in the model
         return ChangeResult(
             batches=first.steps,

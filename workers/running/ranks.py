@@ -24,19 +24,20 @@ forward, so the running statistics the job keeps are rank 0's.
 
 NOTE [ What the ranks share with the job's process ]
 
-The ranks exchange nothing with Redis or the store's writers. They share a private temporary
-directory with the job's process (``_Workdir``): rank 0 writes its progress there after each
-step and the trained state (safetensors) at the end; a rank that fails writes its error's
-kind and message there; the job's process creates a ``stop`` file there when the job is
-canceled or lost, which every rank checks before each step. What comes back through the
+The ranks write nothing to Redis or the store (they read the job's inputs from it). They share
+a private temporary directory with the job's process (``_Workdir``): rank 0 writes its progress
+there after each step and the trained state (safetensors) at the end; a rank that fails writes
+its error's kind and message there; the job's process creates a ``stop`` file there when the
+job is canceled or lost, which every rank checks before each step. What comes back through the
 launcher is each rank's :class:`RankOutcome` as JSON text: no pickled user data.
 
 Failures: the ranks of a job live and die together. The launcher runs with ``max_restarts``
 0; when one rank ends with an error or is killed, its agent ends the others and raises, and
 the job's attempt ends with it: a rank's own error (bad data, NaN) fails the job with its
 message, as does a rank killed for memory; a rank killed by a signal otherwise is an
-interruption (retried as one attempt, NOTE [ Job attempts ] in service/records/retries.py). Each rank asks the kernel for SIGKILL when the
-job's process dies, so a job process killed by RQ (stop, timeout) leaves no rank behind.
+interruption (retried as one attempt, NOTE [ Job attempts ] in service/records/retries.py).
+Each rank asks the kernel for SIGKILL when the job's process dies, so a job process killed by
+RQ (stop, timeout) leaves no rank behind.
 """
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ from workers.running.capacity import oom_kills
 from workers.running.compute import one_sample_batch_explained
 from workers.running.evaluation import loss_for
 from workers.running.failures import out_of_memory_message
-from workers.running.loading import LoadedJob, load_job
+from workers.running.loading import LoadedJob, load_job, resolve_device
 from workers.running.training import RankSlice, train_model
 
-__all__ = ["RankOutcome", "RanksOutcome", "run_rank", "train_in_ranks"]
+__all__ = ["RankOutcome", "run_rank", "train_in_ranks"]
 
 # How often the job's process reads rank 0's progress and passes a cancel on to the ranks.
 WATCH_INTERVAL_S: Final = 0.2
@@ -99,12 +100,6 @@ class RankOutcome(BaseModel):
     samples: int  # the global batches' samples, all ranks together
     epochs: list[EpochLog]  # rank 0's carry the validation; others' have none
     timings: StepTimings | None  # this rank's steps, counting its own slices
-
-
-class RanksOutcome(BaseModel):
-    """What the ranks of a job trained, in rank order; the model holds rank 0's state."""
-
-    ranks: list[RankOutcome]
 
 
 class _Workdir:
@@ -141,19 +136,22 @@ class _Workdir:
         return int(done), int(total)
 
 
-def _rank_device(job: LoadedJob, local_rank: int) -> torch.device:
-    """Rank r's device: the r-th of the worker's GPUs on CUDA (one rank a GPU), else the CPU."""
-    if job.device.type == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return job.device
+def _rank_device(requested: str, local_rank: int) -> torch.device:
+    """Rank r's device: the r-th of the worker's GPUs on CUDA (one rank a GPU), made this
+    process's current one before anything touches CUDA (else every rank would open a context
+    on the first GPU); else the CPU."""
+    device = resolve_device(requested)
+    if device.type != "cuda":
+        return device
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def run_rank(payload_json: str, workdir: str, parent_pid: int, threads: int) -> str:
     """One rank of a train job; the launcher's entry point, run in a process of its own with
     torch.distributed's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). Returns
     its :class:`RankOutcome` as JSON."""
-    die_with_parent(signal.SIGKILL, parent_pid)  # NOTE [ What the ranks share ... ]
+    die_with_parent(signal.SIGKILL, parent_pid)  # no rank outlives the job's process
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     shared = _Workdir(workdir)
@@ -162,17 +160,18 @@ def run_rank(payload_json: str, workdir: str, parent_pid: int, threads: int) -> 
         payload = JobPayload.model_validate_json(payload_json)
         params = payload.params
         assert isinstance(params, TrainParams), f"{payload.kind} jobs do not train"
+        device = _rank_device(params.device, local_rank)
         job = load_job(payload, open_store(get_settings()))
-        device = _rank_device(job, local_rank)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        outcome = _train_rank(payload, params, job, device, shared, RankSlice(rank, world_size))
+        outcome = _train_rank(params, job, device, shared, RankSlice(rank, world_size))
         return outcome.model_dump_json()
     except BaseException as exc:
         kind = type(exc).__name__ if isinstance(exc, WorkerError) else "WorkerError"
         message = str(exc) or type(exc).__name__
         if not isinstance(exc, WorkerError):
             message = f"rank {rank} of {world_size} failed: {type(exc).__name__}: {message}"
-        shared.error(rank).write_text(json.dumps({"kind": kind, "message": message}))
+        with contextlib.suppress(OSError):  # the error itself propagates either way
+            shared.error(rank).write_text(json.dumps({"kind": kind, "message": message}))
         raise
     finally:
         if dist.is_initialized():
@@ -180,7 +179,6 @@ def run_rank(payload_json: str, workdir: str, parent_pid: int, threads: int) -> 
 
 
 def _train_rank(
-    payload: JobPayload,
     params: TrainParams,
     job: LoadedJob,
     device: torch.device,
@@ -309,9 +307,10 @@ class _Watch:
 
 def train_in_ranks(
     payload: JobPayload, params: TrainParams, job: LoadedJob, hooks: JobHooks
-) -> RanksOutcome:
+) -> list[RankOutcome]:
     """Trains ``job.model`` with ``params.processes`` ranks and loads rank 0's state into it;
-    raises what ended the ranks (NOTE [ What the ranks share with the job's process ])."""
+    returns what each rank trained, in rank order, or raises what ended the ranks (module
+    docstring: failures)."""
     processes = params.processes
     _processes_fit(processes, job.device)
     threads = max(1, torch.get_num_threads() // processes)
@@ -341,9 +340,7 @@ def train_in_ranks(
             raise _ranks_failure(exc, shared, hooks, oom_kills_before) from exc
         state = safetensors.torch.load_file(str(shared.state))
     job.model.load_state_dict(state)
-    return RanksOutcome(
-        ranks=[RankOutcome.model_validate_json(results[r]) for r in range(processes)]
-    )
+    return [RankOutcome.model_validate_json(results[r]) for r in range(processes)]
 
 
 def _ranks_failure(
