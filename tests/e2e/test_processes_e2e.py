@@ -18,7 +18,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from api_schemas import TrainParams
+from api_schemas import Report, TrainParams
+from service.local.summary import report_summary
 from tests.e2e.test_e2e import created, digits, digits_npz, problem, store_of
 from tests.stack import (
     SHARED_STACK_THREADS,
@@ -107,6 +108,8 @@ def test_two_processes_equal_averaged_gradients(stack: Stack) -> None:
     assert [r["steps"] for r in report["rank_steps"]] == [report["batches"]] * 2
     assert all(r["steady_samples_per_s"] > 0 for r in report["rank_steps"])
     assert report["steps"] == report["rank_steps"][0]
+    summary = report_summary(Report.model_validate(report))
+    assert any(line.startswith("2 processes (ranks") for line in summary), summary
     assert [e["epoch"] for e in report["epochs"]] == [1, 2]
     assert report["epochs"][-1]["val_accuracy"] is not None
     for layer in report["batchnorm"]:
