@@ -18,6 +18,7 @@ from workers.running.compute import (
     batchnorm_names,
     one_sample_batch_explained,
 )
+from workers.running.ranks import train_in_ranks
 from workers.running.training import train_model
 
 __all__ = ["Training", "change", "run"]
@@ -27,8 +28,9 @@ class Training(ModelChange):
     """The job's epochs of optimizer steps on all parameters, every BatchNorm layer in train
     mode."""
 
-    def __init__(self, params: TrainParams) -> None:
+    def __init__(self, params: TrainParams, payload: JobPayload) -> None:
         self.params = params
+        self.payload = payload  # what ranks load the job from (workers/running/ranks.py)
 
     @property
     def timed(self) -> bool:
@@ -39,6 +41,8 @@ class Training(ModelChange):
         assert job.y is not None, "the API only accepts train jobs on labelled datasets"
         assert loss is not None  # set whenever there are labels
         hooks.start_phase("train", 0, "steps", float(params.batch_size))
+        if params.processes > 1:
+            return self._run_in_ranks(task)
 
         def progress(done: int, total: int) -> None:
             if done <= 1:
@@ -72,12 +76,25 @@ class Training(ModelChange):
             epochs=[EpochLog(**asdict(e)) for e in trained.epochs],
         )
 
+    def _run_in_ranks(self, task: ChangeTask) -> ChangeResult:
+        """The same training in ``processes`` ranks under DDP (docs/distributed.md)."""
+        ran = train_in_ranks(self.payload, self.params, task.job, task.hooks)
+        first = ran[0]  # rank 0: its validation, its statistics in the model
+        return ChangeResult(
+            batches=first.steps,
+            samples=first.samples,
+            changed=batchnorm_names(task.job.model),
+            epochs=first.epochs,
+            world_size=len(ran),
+            rank_steps=[r.timings for r in ran if r.timings is not None],
+        )
+
 
 def change(payload: JobPayload) -> Training:
     """The train job's change to its model."""
     params = payload.params
     assert isinstance(params, TrainParams), f"{payload.kind} jobs do not train"
-    return Training(params)
+    return Training(params, payload)
 
 
 def run(job: JobPayload, records: Records, store: Store, settings: Settings) -> dict[str, str]:

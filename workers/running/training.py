@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from workers.errors import DataError, JobCanceled, TrainError
@@ -27,7 +28,15 @@ from workers.running.evaluation import (
     evaluate_sums,
 )
 
-__all__ = ["EpochLog", "Optimizer", "TrainStats", "batch_bounds", "split_indices", "train_model"]
+__all__ = [
+    "EpochLog",
+    "Optimizer",
+    "RankSlice",
+    "TrainStats",
+    "batch_bounds",
+    "split_indices",
+    "train_model",
+]
 
 Optimizer = Literal["sgd", "adamw"]
 
@@ -69,6 +78,37 @@ def batch_bounds(num_samples: int, batch_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
+@dataclass(frozen=True)
+class RankSlice:
+    """The part of each global batch this process trains on, one of ``world_size`` ranks of a
+    data-parallel job (NOTE [ Ranks' batches ] in workers/running/ranks.py); the default is the
+    whole batch."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def take(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's indices of a global batch's (B,): every ``world_size``-th from the
+        ``rank``-th, as DistributedSampler deals them, once a short last batch is cut to a
+        multiple of ``world_size``."""
+        usable = batch.numel() - batch.numel() % self.world_size
+        return batch[:usable][self.rank :: self.world_size]  # (usable / world_size,)
+
+    def keep(self, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``bounds`` less a short last batch that leaves a rank fewer than 2 samples, which
+        BatchNorm cannot train on (as :func:`batch_bounds` drops a one-sample batch)."""
+        if self.world_size == 1:
+            return bounds
+        return [(a, b) for a, b in bounds if (b - a) // self.world_size >= 2]
+
+    def average(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` over the ranks (all ranks call it together)."""
+        if self.world_size > 1:
+            dist.all_reduce(value)
+            value /= self.world_size
+        return value
+
+
 def _make_optimizer(
     model: nn.Module, name: Optimizer, lr: float, momentum: float, weight_decay: float
 ) -> torch.optim.Optimizer:
@@ -101,6 +141,7 @@ def train_model(
     should_stop: Callable[[], bool] | None = None,
     forward: Forward | None = None,
     clock: StepClock | None = None,
+    ranks: RankSlice | None = None,
 ) -> TrainStats:
     """Train ``model`` in place on ``x`` (N, ...) and ``y`` (N,) class labels or (N, ...)
     targets; the model is moved to ``device``, the data goes there batch by batch.
@@ -112,7 +153,12 @@ def train_model(
     ``forward`` runs the train steps' forward passes (default ``model``; a compiled
     ``model``, workers/passes/steps.py); validation runs ``model`` itself. ``clock`` times
     each step, from reading its batch to the optimizer's update.
+
+    ``ranks``: this process is one rank of a data-parallel job (workers/running/ranks.py):
+    each step trains on its slice of the global batch, ``forward`` is the DDP model, and only
+    rank 0 validates. The epochs' train loss is averaged over the ranks.
     """
+    ranks = ranks or RankSlice()
     if epochs < 1 or batch_size < 1:
         raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
     if not 0 <= validation_fraction < 1:
@@ -129,7 +175,12 @@ def train_model(
             f"{train_idx.numel()} for training; BatchNorm needs at least 2: upload more data "
             "or lower validation_fraction"
         )
-    bounds = batch_bounds(train_idx.numel(), batch_size)
+    bounds = ranks.keep(batch_bounds(train_idx.numel(), batch_size))
+    if not bounds:
+        raise TrainError(
+            f"{train_idx.numel()} training samples over {ranks.world_size} processes leave "
+            "no rank 2 samples a step; upload more data or use fewer processes"
+        )
     total_steps = epochs * len(bounds)
     target = torch.device(device)
     model.to(target)
@@ -151,7 +202,7 @@ def train_model(
                     raise JobCanceled(f"training canceled after {steps} of {total_steps} steps")
                 if clock is not None:
                     clock.start()
-                idx = order[start:stop]
+                idx = ranks.take(order[start:stop])
                 xb, yb = load_rows(x, idx).to(target), y[idx].to(target)  # (B, ...), (B, ...)
                 outputs = (forward or model)(xb)  # (B, num_classes) or (B, ...)
                 if steps == 0:
@@ -161,21 +212,22 @@ def train_model(
                 torch.autograd.backward(batch_loss)
                 opt.step()
                 if clock is not None:
-                    clock.stop(stop - start)
-                loss_sum += batch_loss.detach().double() * (stop - start)
-                epoch_samples += stop - start
+                    clock.stop(idx.numel())
+                trained = idx.numel() * ranks.world_size  # the global batch's, all ranks
+                loss_sum += batch_loss.detach().double() * trained
+                epoch_samples += trained
                 steps += 1
                 if progress is not None:
                     progress(steps, total_steps)
             samples += epoch_samples
-            train_loss = loss_sum.item() / epoch_samples  # one device sync per epoch
+            train_loss = ranks.average(loss_sum).item() / epoch_samples  # one device sync per epoch
             if not math.isfinite(train_loss):
                 raise TrainError(
                     f"the training loss became {train_loss} in epoch {epoch}; lower lr "
                     f"(now {lr}) or check the data for extreme values"
                 )
             val = None
-            if val_idx.numel():
+            if val_idx.numel() and ranks.rank == 0:
                 val = evaluate_sums(
                     model, x_val, y_val, batch_size=batch_size, loss=loss, device=target
                 ).metrics()
