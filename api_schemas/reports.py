@@ -306,6 +306,11 @@ class Report(_ReportModel):
     # Train jobs and entropy adapt jobs: the optimizer steps' timings, compiled or not; null
     # for forward-only jobs and in reports written before this field existed.
     steps: StepTimings | None = None
+    # A train job run with processes=N (docs/distributed.md): N ranks, and each rank's step
+    # timings in rank order, counting that rank's slices (their samples per second add up to
+    # the job's). `steps` is then rank 0's. 1 and empty for a job in one process.
+    world_size: int = Field(default=1, ge=1)
+    rank_steps: list[StepTimings] = Field(default_factory=list)
     # How the dataset's images became inputs (its preprocessing spec); null for arrays
     # registered without one.
     preprocessing: Preprocessing | None = None

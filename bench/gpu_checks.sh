@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run (about 6-8 minutes on one GPU): the GPU tests
 # (the checkpoint wrapper's CUDA paths, compiled on CUDA, SyncBatchNorm over NCCL, bf16
-# autocast, and a compiled train job end to end on a CUDA worker), then the checkpoint bench's
-# eager, launch-bound, adaptation and compiled rows on CUDA. Run from the repository root
-# with the project's dependencies importable; PYTHON picks the interpreter (default python3).
+# autocast, a compiled train job end to end on a CUDA worker, and, with 2 GPUs or more,
+# SyncBatchNorm train jobs over 2 GPUs), then the checkpoint bench's eager, launch-bound,
+# adaptation and compiled rows on CUDA, and, with 2 GPUs or more, a train job on 1 GPU against
+# the same on N (bench/train_processes_bench.py). Run from the repository root with the
+# project's dependencies importable; PYTHON picks the interpreter (default python3).
 # Exits non-zero if any test fails; the bench tables go to stdout.
 set -uo pipefail
 PYTHON="${PYTHON:-python3}"
@@ -14,8 +16,18 @@ fi
 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "on", torch.cuda.get_device_name(0))'
 status=0
 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -o log_level=WARNING \
-    tests/checkpoint/test_checkpoint_gpu.py tests/e2e/test_compile_e2e.py || status=$?
+    tests/checkpoint/test_checkpoint_gpu.py tests/e2e/test_compile_e2e.py \
+    tests/e2e/test_processes_gpu.py || status=$?
 (cd bench && "$PYTHON" checkpoint_bench.py --measure train control launch adapt --pairs 100) \
     || status=$?
 (cd bench && "$PYTHON" checkpoint_bench.py --measure compiled --pairs 100) || status=$?
+# A train job on 1 GPU against the same job on N ranks, one a GPU (NCCL), when there are N.
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+if [ "$gpus" -ge 2 ]; then
+    counts=$(seq 2 "$gpus" | tr '\n' ' ')
+    # shellcheck disable=SC2086 # one argument a count
+    "$PYTHON" bench/train_processes_bench.py --device cuda --processes $counts || status=$?
+else
+    echo "gpu_checks: $gpus GPU: the 1-vs-N GPU train rows need 2 or more" >&2
+fi
 exit "$status"

@@ -101,9 +101,10 @@ class Settings(BaseSettings):
     # it allocates the uncompressed size (service/formats/arrays.py).
     max_npz_ratio: float = Field(default=DEFAULT_MAX_NPZ_RATIO, ge=1)
     # Image datasets (docs/datasets.md): the pixels of one image, and the processes that
-    # decode a job's images (0: the job's own process decodes them).
+    # decode a job's images (0: the job's own process decodes them; unset: chosen from the
+    # worker's cores, NOTE [ Decoding in loader processes ] in workers/passes/images.py).
     max_image_pixels: int = Field(default=DEFAULT_MAX_IMAGE_PIXELS, ge=1)
-    loader_processes: int = Field(default=2, ge=0, le=64)
+    loader_processes: int | None = Field(default=None, ge=0, le=64)
     # How long an Idempotency-Key stays reserved for a POST /v1/jobs that has not written its
     # job yet (NOTE [ Idempotency lease ] in service/jobs/idempotency.py).
     idempotency_lease_s: float = Field(default=10.0, gt=0)

@@ -12,7 +12,9 @@ Tree::
     ├── DataError           data that does not fit the model or the loss
     ├── AdaptError          a BatchNorm adaptation that cannot run (no layers, no data)
     ├── TrainError          training that cannot run or diverged
-    └── JobCanceled         should_stop() answered True; not a failure
+    ├── JobCanceled         should_stop() answered True; not a failure
+    └── JobInterrupted      a part of the job was killed from outside (a rank of a train job
+                            in several processes): retried, as a killed job process is
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "ArchitectureError",
     "DataError",
     "JobCanceled",
+    "JobInterrupted",
     "PolicyError",
     "TrainError",
     "WorkerError",
@@ -55,3 +58,9 @@ class TrainError(WorkerError):
 class JobCanceled(WorkerError):  # noqa: N818 - a request honoured, not an error condition
     """The job was asked to stop; raised between batches or steps, so state is consistent
     per batch but the job's result must be discarded."""
+
+
+class JobInterrupted(WorkerError):  # noqa: N818 - an interruption, not the job's own failure
+    """A process the job ran on was killed from outside (a rank of a train job run in
+    several processes: workers/running/ranks.py); the attempt ends as an interruption, retried
+    (NOTE [ Job attempts ] in service/records/retries.py)."""

@@ -28,6 +28,7 @@ __all__ = [
     "MAX_ACCUMULATE_STEPS",
     "MAX_EPOCHS",
     "MAX_LOADER_WORKERS",
+    "MAX_PROCESSES",
     "MAX_SAVE_EVERY_S",
     "Augmentation",
     "LrSchedule",
@@ -39,6 +40,10 @@ __all__ = [
 # NOTE [ Job bounds ] in api_schemas/jobs/params.py.
 MAX_EPOCHS: Final = 1000
 MAX_WEIGHT_DECAY: Final = 1.0
+# Ranks of one train job on one worker (docs/distributed.md): on CUDA one a GPU, so a worker
+# runs at most as many as it serves GPUs (the job fails saying so beyond); on the CPU one a
+# share of the worker's cores. 8 is the GPUs of one large machine.
+MAX_PROCESSES: Final = 8
 # Micro-batches per optimizer step: 1024 batches of 64 make a 65,536-sample step, past any
 # effective batch a recipe here asks for.
 MAX_ACCUMULATE_STEPS: Final = 1024
@@ -152,6 +157,23 @@ class TrainParams(RequestModel):
     preprocessing: JobPreprocessing = None
     compile: bool = False
     compile_backend: CompileBackend = "inductor"
+    # Data parallelism (docs/distributed.md): kept together, checked by _ranks_fit.
+    processes: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_PROCESSES,
+        description=f"Ranks of the job on one worker, 1 to {MAX_PROCESSES}: one a GPU on CUDA "
+        "(at most the worker's GPUs), gloo processes on the CPU. Each global batch of "
+        "batch_size is split into processes slices of batch_size / processes (it must divide); "
+        "gradients are averaged over the ranks (DDP), BatchNorm statistics are rank 0's.",
+    )
+    sync_batchnorm: bool = Field(
+        default=False,
+        description="Convert BatchNorm to SyncBatchNorm: statistics over the whole global "
+        "batch, all ranks together. Needs device 'cuda' (torch's SyncBatchNorm runs on GPUs "
+        "only); with processes 1 it changes nothing.",
+    )
+
     lr_schedule: LrSchedule = Field(
         default="constant",
         description="How the learning rate moves over the optimizer steps after the warm-up: "
@@ -250,6 +272,47 @@ class TrainParams(RequestModel):
     @model_validator(mode="after")
     def _compile_backend_fits(self) -> Self:
         compile_backend_fits(self.compile, self.compile_backend)
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_fit(self) -> Self:
+        if self.batch_size % self.processes:
+            raise ValueError(
+                f"batch_size {self.batch_size} does not split into processes={self.processes} "
+                "equal slices; use a batch_size that is a multiple of processes (e.g. "
+                f"{self.batch_size - self.batch_size % self.processes or self.processes})"
+            )
+        if self.processes > 1 and self.batch_size // self.processes < 2:
+            raise ValueError(
+                f"batch_size {self.batch_size} over processes={self.processes} leaves "
+                f"{self.batch_size // self.processes} sample per rank, and BatchNorm in train "
+                f"mode needs at least 2; use batch_size >= {2 * self.processes}"
+            )
+        if self.processes > 1 and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device {self.device!r} names one GPU, but processes={self.processes} runs "
+                "one rank a GPU; use device 'cuda' or 'auto'"
+            )
+        if self.processes > 1 and self.compile:
+            raise ValueError(
+                "compile is not offered with processes > 1 yet; submit with compile: false "
+                "or processes: 1"
+            )
+        if self.sync_batchnorm and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"sync_batchnorm needs device 'cuda', got {self.device!r}: torch's "
+                "SyncBatchNorm runs on GPUs only, and 'auto' may run on a CPU worker; submit "
+                "with device 'cuda', or without sync_batchnorm"
+            )
+        if self.processes > 1 and (
+            self.save_every_steps is not None
+            or self.save_every_s is not None
+            or self.resume_from is not None
+        ):
+            raise ValueError(
+                "training checkpoints (save_every_steps, save_every_s, resume_from) are not "
+                "offered with processes > 1 yet; submit with processes: 1, or without them"
+            )
         return self
 
     @model_validator(mode="after")

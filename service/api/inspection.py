@@ -10,20 +10,19 @@ import time
 from typing import Final
 
 import redis
+import redis.asyncio
 from pydantic import TypeAdapter
 
-from api_schemas import ArchitecturePublic
 from api_schemas.inspection import InspectFailure, InspectRequest, InspectSuccess
 from service.api.problems import ApiError
 from service.records import keys
 from service.records.connection import REDIS_BLOCK_SLICE_S
 
-__all__ = ["inspect_model", "published_architectures", "published_catalog"]
+__all__ = ["inspect_model", "published_catalog"]
 
 _REPLY: Final[TypeAdapter[InspectSuccess | InspectFailure]] = TypeAdapter(
     InspectSuccess | InspectFailure
 )
-_CATALOG: Final[TypeAdapter[list[ArchitecturePublic]]] = TypeAdapter(list[ArchitecturePublic])
 
 NO_WORKER: Final = (
     "no worker is running to build models; start one with `bnadapt worker` "
@@ -35,21 +34,26 @@ def new_request_id() -> str:
     return secrets.token_urlsafe(12)
 
 
-def inspect_model(client: redis.Redis, request: InspectRequest, timeout_s: float) -> InspectSuccess:
-    """Sends ``request`` to an inspector and waits for the reply. Raises ``ApiError`` with the
-    inspector's status (404, 422) for a wrong request and 503 when no worker answers."""
-    if not client.exists(keys.INSPECTORS_ALIVE):
+async def inspect_model(
+    client: redis.asyncio.Redis, request: InspectRequest, timeout_s: float
+) -> InspectSuccess:
+    """Sends ``request`` to an inspector and waits for the reply on the event loop, holding no
+    thread of the request path however long the inspector takes (a registration waits for
+    it up to ``timeout_s``; many waiting at once must not stall the sync routes). Raises
+    ``ApiError`` with the inspector's status (404, 422) for a wrong request and 503 when no
+    worker answers."""
+    if not await client.exists(keys.INSPECTORS_ALIVE):
         raise ApiError(503, NO_WORKER, headers={"Retry-After": "5"})
     reply_key = keys.inspect_reply(request.request_id)
     # At the tail: inspectors pop the head, so requests are served first in, first out.
-    client.rpush(keys.INSPECT_REQUESTS, request.model_dump_json())
+    await client.rpush(keys.INSPECT_REQUESTS, request.model_dump_json())
     deadline = time.monotonic() + timeout_s
     popped = None
     while popped is None and (left := deadline - time.monotonic()) > 0:
-        popped = client.blpop([reply_key], timeout=min(left, REDIS_BLOCK_SLICE_S))
+        popped = await client.blpop([reply_key], timeout=min(left, REDIS_BLOCK_SLICE_S))
     if popped is None:
         # Nobody took it (or took too long): make sure no inspector takes it later.
-        client.lrem(keys.INSPECT_REQUESTS, 1, request.model_dump_json())
+        await client.lrem(keys.INSPECT_REQUESTS, 1, request.model_dump_json())
         raise ApiError(
             503,
             f"no worker answered within {timeout_s:g} s; they may all be busy or stopped: "
@@ -60,14 +64,6 @@ def inspect_model(client: redis.Redis, request: InspectRequest, timeout_s: float
     if isinstance(reply, InspectFailure):
         raise ApiError(reply.status, reply.detail, errors=reply.errors)
     return reply
-
-
-def published_architectures(client: redis.Redis) -> list[ArchitecturePublic]:
-    """The architectures the running workers can build. Raises 503 when none runs."""
-    raw = client.get(keys.ARCHITECTURES)
-    if raw is None:
-        raise ApiError(503, NO_WORKER, headers={"Retry-After": "5"})
-    return _CATALOG.validate_json(raw)
 
 
 def published_catalog(client: redis.Redis) -> bytes:

@@ -2,7 +2,11 @@
 service/formats/images.py), streamed object by object into a writer: what registers an S3
 prefix of images without the user building a tar.
 
-# NOTE [ Folders of images ]
+# NOTE [ Folders of images in a bucket ]
+A local folder's rules (NOTE [ Folders of images ] in service/formats/image_folders.py), where
+the client lists the files it leaves out; the API has no one to show such a list to, so here
+what a local folder skips is refused, and member names are sample numbers, not keys. The
+tar's bytes are written as a local folder's are (service/formats/image_tars.py).
 - **Labels as torchvision's ImageFolder gives them.** Folders directly in the folder are the
   classes, numbered in sorted order of their names (Python's string order, which is S3's key
   order); every image anywhere under a class folder has its class. A class folder with no
@@ -28,23 +32,29 @@ prefix of images without the user building a tar.
 
 from __future__ import annotations
 
-import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
 from service.errors import ArrayFileError, ArrayLimitError, ObjectNotFoundError
+from service.formats.image_tars import (
+    IMAGE_EXTENSIONS,
+    OTHER_IMAGE_EXTENSIONS,
+    TAR_END,
+    image_extension,
+    tar_header,
+    tar_member_size,
+    tar_padding,
+)
 from service.store.base import SourceFolders
 
 __all__ = ["FolderPlan", "plan_folder", "write_folder_tar"]
 
-_IMAGE_EXTENSIONS: Final = frozenset({"jpg", "jpeg", "png"})
-# ImageFolder's other image formats: refused, not dropped.
-_OTHER_IMAGE_EXTENSIONS: Final = frozenset({"ppm", "bmp", "pgm", "tif", "tiff", "webp"})
-_BLOCK: Final = 512  # a tar header, and the unit its data is padded to
-_END: Final = 2 * _BLOCK  # two zero blocks end a tar
 _COPY_CHUNK: Final = 1024 * 1024
 _SAMPLE_DIGITS: Final = 9
+# A label member's size in the plan: its text is padded to a whole block whatever its
+# length (a class number), so one digit counts as many as any.
+_LABEL_DIGITS: Final = 1
 
 
 @dataclass(frozen=True)
@@ -55,11 +65,6 @@ class FolderPlan:
     num_classes: int | None
     num_images: int
     tar_bytes: int  # the size of the tar to write
-
-
-def _extension(key: str) -> str:
-    name = key.rpartition("/")[2]
-    return name.rpartition(".")[2].lower() if "." in name else ""
 
 
 def _check_key(key: str, root: str) -> None:
@@ -73,10 +78,6 @@ def _check_key(key: str, root: str) -> None:
             "a key under the folder has an empty, '.' or '..' segment ('//', '/./', '/../'), "
             "which an S3 client may read as another key; rename it"
         )
-
-
-def _tar_size(size: int) -> int:
-    return _BLOCK + size + -size % _BLOCK
 
 
 class _Tree:
@@ -95,15 +96,19 @@ class _Tree:
             folders.extend(page.folders)
             for key, size in page.files:
                 _check_key(key, self.root)
-                ext = _extension(key)
-                if ext in _OTHER_IMAGE_EXTENSIONS:
+                ext = image_extension(key)
+                if ext in OTHER_IMAGE_EXTENSIONS:
                     raise ArrayFileError(
                         f"the folder holds .{ext} images; only JPEG (.jpg, .jpeg) and PNG "
                         "(.png) images are read: convert them"
                     )
-                if ext in _IMAGE_EXTENSIONS:
+                if ext in IMAGE_EXTENSIONS:
                     images += 1
-                    self.tar_bytes += _tar_size(size) + (_BLOCK * 2 if labelled else 0)
+                    # Members are named by sample number (``_member_name``), one digit
+                    # count for all: the image's and its label's sizes are known now.
+                    self.tar_bytes += tar_member_size(_member_name(0, ext), size)
+                    if labelled:
+                        self.tar_bytes += tar_member_size(_member_name(0, "cls"), _LABEL_DIGITS)
         for folder in folders:
             _check_key(folder, self.root)
         self.images += images
@@ -125,9 +130,9 @@ class _Tree:
 def plan_folder(
     source: SourceFolders, root: str, *, max_classes: int, max_bytes: int | None
 ) -> FolderPlan:
-    """The first pass over the folder ``root`` (NOTE [ Folders of images ]): ``ArrayFileError``
-    for a folder that breaks a rule, ``ArrayLimitError`` for more classes or bytes than the
-    limits; ``ObjectNotFoundError`` for a folder with nothing in it."""
+    """The first pass over the folder ``root`` (NOTE [ Folders of images in a bucket ]):
+    ``ArrayFileError`` for a folder that breaks a rule, ``ArrayLimitError`` for more classes or
+    bytes than the limits; ``ObjectNotFoundError`` for a folder with nothing in it."""
     tree = _Tree(source, root)
     top_images, classes = tree.scan(root, labelled=False)
     if not top_images and not classes:
@@ -138,7 +143,7 @@ def plan_folder(
                 "the folder holds no .jpg, .jpeg or .png image; put the images in it, or in "
                 "one folder per class"
             )
-        plan = FolderPlan([(root, None)], None, tree.images, tree.tar_bytes + _END)
+        plan = FolderPlan([(root, None)], None, tree.images, tree.tar_bytes + len(TAR_END))
     else:
         if top_images:
             raise ArrayFileError(
@@ -160,7 +165,7 @@ def plan_folder(
                     ".png image; every folder in the folder is a class: remove it or add images"
                 )
             folders.extend((folder, label) for folder in walked)
-        plan = FolderPlan(folders, len(classes), tree.images, tree.tar_bytes + _END)
+        plan = FolderPlan(folders, len(classes), tree.images, tree.tar_bytes + len(TAR_END))
     if max_bytes is not None and plan.tar_bytes > max_bytes:
         raise ArrayLimitError(
             f"the {plan.num_images} images make a tar of {plan.tar_bytes} bytes, more than the "
@@ -170,23 +175,15 @@ def plan_folder(
     return plan
 
 
-def _member(name: str, size: int) -> bytes:
-    info = tarfile.TarInfo(name)
-    info.size = size
-    info.mode = 0o644
-    info.mtime = 0
-    return info.tobuf(format=tarfile.GNU_FORMAT)
-
-
-def _pad(size: int) -> bytes:
-    return b"\0" * (-size % _BLOCK)
+def _member_name(sample: int, extension: str) -> str:
+    return f"{sample:0{_SAMPLE_DIGITS}d}.{extension}"
 
 
 def _images(source: SourceFolders, plan: FolderPlan) -> Iterator[tuple[str, int | None]]:
     for folder, label in plan.folders:
         for page in source.pages(folder):
             for key, _ in page.files:
-                if _extension(key) in _IMAGE_EXTENSIONS:
+                if image_extension(key) in IMAGE_EXTENSIONS:
                     yield key, label
 
 
@@ -198,9 +195,8 @@ def write_folder_tar(
     while it was read, ``ObjectNotFoundError`` if one went missing."""
     count = 0
     for key, label in _images(source, plan):
-        name = f"{count:0{_SAMPLE_DIGITS}d}"
         with source.open(key) as (size, reader):
-            write(_member(f"{name}.{_extension(key)}", size))
+            write(tar_header(_member_name(count, image_extension(key)), size))
             copied = 0
             while chunk := reader.read(_COPY_CHUNK):
                 copied += len(chunk)
@@ -211,12 +207,12 @@ def write_folder_tar(
             raise ArrayFileError(
                 "an image changed while it was read; nothing was registered: import again"
             )
-        write(_pad(size))
+        write(tar_padding(size))
         if label is not None:
             text = str(label).encode()
-            write(_member(f"{name}.cls", len(text)) + text + _pad(len(text)))
+            write(tar_header(_member_name(count, "cls"), len(text)) + text + tar_padding(len(text)))
         count += 1
     if count == 0:
         raise ArrayFileError("the folder's images were removed while it was read")
-    write(b"\0" * _END)
+    write(TAR_END)
     return count

@@ -25,13 +25,20 @@ copy of the folder on disk or in memory.
 from __future__ import annotations
 
 import os
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 from service.errors import BnadaptError
+from service.formats.image_tars import (
+    IMAGE_EXTENSIONS,
+    TAR_END,
+    image_extension,
+    tar_header,
+    tar_member_size,
+    tar_padding,
+)
 
 __all__ = [
     "FolderError",
@@ -42,8 +49,6 @@ __all__ = [
     "tar_stream",
 ]
 
-_IMAGE_SUFFIXES: Final = frozenset({".jpg", ".jpeg", ".png"})
-_BLOCK: Final = tarfile.BLOCKSIZE  # 512
 _CHUNK: Final = 1 << 20
 
 
@@ -88,8 +93,8 @@ def plan_folder(folder: Path) -> FolderPlan:
     keys: set[str] = set()
 
     def add(path: Path, label: int | None) -> bool:
-        suffix = path.suffix.lower()
-        if suffix not in _IMAGE_SUFFIXES or not path.is_file():
+        extension = image_extension(path.name)
+        if extension not in IMAGE_EXTENSIONS or not path.is_file():
             skipped.append(path)
             return False
         base = path.relative_to(folder).with_suffix("").as_posix().replace(".", "_")
@@ -98,7 +103,7 @@ def plan_folder(folder: Path) -> FolderPlan:
             n += 1
             key = f"{base}~{n}"
         keys.add(key)
-        images.append(FolderImage(path, key, suffix[1:], path.stat().st_size, label))
+        images.append(FolderImage(path, key, extension, path.stat().st_size, label))
         return True
 
     if classes:
@@ -119,25 +124,13 @@ def plan_folder(folder: Path) -> FolderPlan:
     return FolderPlan(images, classes, skipped)
 
 
-def _header(name: str, size: int) -> bytes:
-    info = tarfile.TarInfo(name)
-    info.size, info.mode = size, 0o644
-    return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
-
-
-def _padding(size: int) -> bytes:
-    return b"\0" * (-size % _BLOCK)
-
-
 def tar_size(plan: FolderPlan) -> int:
     """The bytes :func:`tar_stream` yields for ``plan`` (while no file changes)."""
-    total = 2 * _BLOCK
+    total = len(TAR_END)
     for image in plan.images:
-        total += len(_header(f"{image.key}.{image.extension}", image.size))
-        total += image.size + len(_padding(image.size))
+        total += tar_member_size(f"{image.key}.{image.extension}", image.size)
         if image.label is not None:
-            label = len(str(image.label))
-            total += len(_header(f"{image.key}.cls", label)) + label + len(_padding(label))
+            total += tar_member_size(f"{image.key}.cls", len(str(image.label)))
     return total
 
 
@@ -145,7 +138,7 @@ def tar_stream(plan: FolderPlan) -> Iterator[bytes]:
     """The tar of ``plan``'s images (and labels as ``key.cls``), in chunks of at most 1 MiB
     as the files are read."""
     for image in plan.images:
-        yield _header(f"{image.key}.{image.extension}", image.size)
+        yield tar_header(f"{image.key}.{image.extension}", image.size)
         sent = 0
         with image.path.open("rb") as file:
             while chunk := file.read(min(_CHUNK, image.size - sent + 1)):
@@ -158,8 +151,8 @@ def tar_stream(plan: FolderPlan) -> Iterator[bytes]:
                 f"{image.path} changed while it was sent ({image.size} bytes when the upload "
                 "started, now another size); send the folder again once it no longer changes"
             )
-        yield _padding(image.size)
+        yield tar_padding(image.size)
         if image.label is not None:
             label = str(image.label).encode()
-            yield _header(f"{image.key}.cls", len(label)) + label + _padding(len(label))
-    yield b"\0" * (2 * _BLOCK)
+            yield tar_header(f"{image.key}.cls", len(label)) + label + tar_padding(len(label))
+    yield TAR_END

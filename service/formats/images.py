@@ -36,6 +36,16 @@ turns the decoded pixels into batches).
   else the tar holds.
 - **Pillow, not torchvision.** Pillow decodes JPEG and PNG with the same code in the API
   (headers) and the workers (pixels) and needs no torch, so the API can depend on it.
+
+# NOTE [ Reduced-size JPEG decoding ]
+A JPEG whose resize target is at most half its size in both sides is decoded at 1/2, 1/4 or
+1/8 of its size in the DCT domain (Pillow's ``draft``: the smallest scale still at least the
+target), then resized to the target exactly as any image is. Measured here on a 4000 x 3000
+photo to 256 then 224: 92 ms a decode instead of 619 (6.7x); the pixels differ from a
+full-size decode by at most 5 levels of 255 and by under 0.8 on average
+(tests/service/test_reduced_decoding.py). Targets larger than half the image (a 500 x 375
+photo to 256: what the libraries' own transforms are checked against, within 1/255) and PNGs
+decode at full size, as before.
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from PIL import Image
 
 from api_schemas.datasets import Preprocessing
 from service.errors import ArrayFileError, ArrayLimitError
+from service.formats.image_tars import IMAGE_EXTENSIONS
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -66,7 +77,6 @@ __all__ = [
     "index_tar",
 ]
 
-IMAGE_EXTENSIONS: Final = frozenset({"jpg", "jpeg", "png"})
 _LABEL_EXTENSIONS: Final = frozenset({"cls", "json"})
 _FORMATS: Final = frozenset({"JPEG", "PNG"})
 _MAX_LABEL_BYTES: Final = 4096
@@ -346,8 +356,13 @@ def decode_image(
             image: Image.Image = Image.open(io.BytesIO(data), formats=sorted(_FORMATS))
             if image.width * image.height > max_pixels:
                 raise ArrayLimitError(_bomb(key, f"{image.width} x {image.height} pixels"))
-            image = image.convert("L" if spec.channels == "gray" else "RGB")
-        height, width = spec.resized_size(image.height, image.width)
+            mode = "L" if spec.channels == "gray" else "RGB"
+            height, width = spec.resized_size(image.height, image.width)
+            if image.format == "JPEG" and 2 * height <= image.height and 2 * width <= image.width:
+                # NOTE [ Reduced-size JPEG decoding ]: decoded at 1/2, 1/4 or 1/8 of its size
+                # in the DCT domain (still at least the target's), then resized exactly.
+                image.draft(mode, (width, height))
+            image = image.convert(mode)
         if image.size != (width, height):
             image = image.resize((width, height), _RESAMPLING[spec.interpolation])
         if spec.center_crop is not None:

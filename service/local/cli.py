@@ -379,7 +379,11 @@ def _parser() -> argparse.ArgumentParser:
     api.set_defaults(func=cmd_api)
 
     worker = sub.add_parser("worker", help="run a worker (RQ worker + inspector)")
-    worker.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    worker.add_argument(
+        "--device",
+        default="auto",
+        help="auto, cpu, cuda (every GPU), cuda:N, or GPUs as cuda:0,cuda:1",
+    )
     worker.add_argument(
         "--threads", type=_positive_int, help="torch threads per job (BNADAPT_WORKER_THREADS)"
     )

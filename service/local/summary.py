@@ -134,4 +134,11 @@ def report_summary(report: Report) -> list[str]:
             f"steps ({how}): {steps.warmup_steps} warm-up in {steps.warmup_s:.2f} s{graphs}, "
             f"{rate} over {steps.steady_steps} steps"
         )
+    if report.world_size > 1:
+        rates = [r.steady_samples_per_s for r in report.rank_steps]
+        each = ", ".join("-" if r is None else f"{r:,.0f}" for r in rates)
+        lines.append(
+            f"{report.world_size} processes (ranks; the steps above are rank 0's), steady "
+            f"samples/s by rank: {each}"
+        )
     return lines + diagnostic_lines(report)

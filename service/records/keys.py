@@ -11,6 +11,7 @@ from typing import Final, Literal
 
 __all__ = [
     "ARCHITECTURES",
+    "ARCHITECTURES_DIGEST",
     "FINISHED_JOBS",
     "INSPECTORS_ALIVE",
     "INSPECT_REQUESTS",
@@ -63,6 +64,9 @@ ResourceKind = Literal["model", "dataset", "job"]
 
 # The architectures the workers can build, published by each inspector (JSON, with a TTL).
 ARCHITECTURES: Final = f"{PREFIX}:architectures"
+# The SHA-256 of that JSON, so that an inspector renews the catalog's expiry rather than
+# rewrite about 1 MB every few seconds when it is the one already there.
+ARCHITECTURES_DIGEST: Final = f"{PREFIX}:architectures:sha256"
 # Set while at least one inspector runs (TTL refreshed by each).
 INSPECTORS_ALIVE: Final = f"{PREFIX}:inspectors-alive"
 # List of pending inspection requests (JSON): the API pushes at the tail, inspectors pop the

@@ -16,8 +16,11 @@ never both take the last unit:
 - stored bytes: ``keys.tenant_stored_bytes``, added to and taken from in the MULTI that writes
   or deletes a model's or dataset's record (``TenantResources``); a registration WATCHes it.
   A model a job registers is counted but never refused: the job was admitted already.
-  Counting starts with the release that brought quotas: resources registered before it are
-  not in the count.
+  A tenant with no count yet (its resources came before quotas) is counted once from its
+  records before its count is first read or changed (:func:`ensure_stored_bytes_counted`):
+  every path that reads or changes the count ensures it first, and the count is set only
+  where none exists (SET NX), so a registration that raced the first count and changed it
+  after is not lost.
 - open uploads: ``keys.tenant_uploads``, one member per resumable or direct upload scored by
   its expiry, added in the MULTI that writes the session and removed when it ends; an upload
   nobody ends stops counting when it expires.
@@ -31,6 +34,7 @@ never both take the last unit:
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -54,6 +58,7 @@ __all__ = [
     "Quota",
     "TenantQuotas",
     "active_job_ids",
+    "ensure_stored_bytes_counted",
     "open_upload_within",
     "parse_quota_value",
     "within_quota",
@@ -217,6 +222,22 @@ def active_job_ids(client: redis.Redis, tenant_id: str, ids: list[str]) -> list[
     ]
 
 
+def ensure_stored_bytes_counted(client: redis.Redis, tenant_id: str) -> None:
+    """Counts the tenant's stored bytes from its model and dataset records where it has no
+    count yet (NOTE [ Tenant quotas ]); a no-op once it has one."""
+    counted = keys.tenant_stored_bytes(tenant_id)
+    if client.exists(counted):
+        return
+    total = 0
+    for kind in ("model", "dataset"):
+        for member, _ in client.zscan_iter(keys.tenant_index(tenant_id, kind)):
+            resource_id = text(member).partition(":")[2]
+            data = client.hget(keys.record(kind, resource_id), "data")
+            if data is not None:
+                total += int(json.loads(data).get("size_bytes", 0))
+    client.set(counted, total, nx=True)
+
+
 class TenantQuotas(RedisRecords):
     """A tenant's own quota values, what it uses, and the pre-checks that refuse work early."""
 
@@ -248,6 +269,7 @@ class TenantQuotas(RedisRecords):
         """What the tenant uses now of each counted quota."""
         now = time.time()
         ids = [text(m) for m in self.client.smembers(keys.tenant_active_jobs(tenant_id))]
+        ensure_stored_bytes_counted(self.client, tenant_id)
         pipe = self.client.pipeline(transaction=False)
         pipe.get(keys.tenant_stored_bytes(tenant_id))
         pipe.zcount(keys.tenant_uploads(tenant_id), now, "+inf")
@@ -263,6 +285,7 @@ class TenantQuotas(RedisRecords):
     def check_stored_bytes(self, tenant_id: str, adding: int, default: float) -> None:
         """Raises :class:`QuotaExceededError` when ``adding`` bytes would not fit now: the
         early refusal before an upload is read (the registration checks again, atomically)."""
+        ensure_stored_bytes_counted(self.client, tenant_id)
         pipe = self.client.pipeline(transaction=False)
         pipe.hget(keys.tenant_quotas(tenant_id), "max_stored_bytes")
         pipe.get(keys.tenant_stored_bytes(tenant_id))

@@ -19,7 +19,7 @@ from service.records import keys
 from service.records.base import RedisRecords
 from service.records.format import RESOURCE_FIELDS, index_member, owned_resource
 from service.records.paging import newest_first
-from service.records.quotas import within_quota
+from service.records.quotas import ensure_stored_bytes_counted, within_quota
 from service.records.store_refs import release_sha_ref
 
 __all__ = ["StoredResource", "TenantResources"]
@@ -44,6 +44,7 @@ class TenantResources(RedisRecords):
         wins) only if they fit, else :class:`~service.errors.QuotaExceededError` (NOTE
         [ Tenant quotas ] in service/records/quotas.py)."""
         counted = keys.tenant_stored_bytes(tenant_id)
+        ensure_stored_bytes_counted(self.client, tenant_id)
 
         def write(pipe: redis.client.Pipeline) -> None:
             self._put(pipe, tenant_id, kind, resource.id, resource, resource.created_at)
@@ -69,6 +70,7 @@ class TenantResources(RedisRecords):
         """Deletes the record of ``resource`` and drops its use of its store object, which the
         store's collector deletes once nothing else uses it (NOTE [ Store garbage collection ]
         in service/store/gc.py)."""
+        ensure_stored_bytes_counted(self.client, tenant_id)
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, kind, resource.id, resource.created_at)
         release_sha_ref(pipe, resource.sha256, resource.id)

@@ -109,3 +109,56 @@ def test_completions_beyond_the_request_pool_leave_healthz_answering(api: InProc
     }
     probe.close()
     control.close()
+
+
+def test_registrations_waiting_for_the_inspector_leave_the_sync_routes_answering(
+    api: InProcessApi,
+) -> None:
+    """A registration waits for a worker's inspector (up to BNADAPT_INSPECT_TIMEOUT_S): more
+    of them waiting than the request path has threads must not take it. Here Redis' writes
+    are paused, so each registration waits at its request to the inspector; a sync route
+    that reads Redis must still answer while all of them wait."""
+    client = api.client("inspector-waits").http
+    assert client.get("/v1/models").status_code == 200  # the tenant is known
+    created = client.post("/v1/datasets", files={"file": ("d.npz", dataset_file(0))})
+    assert created.status_code == 201, created.text  # its stored bytes are counted
+    control: redis.Redis = redis_client(api.redis.url)
+
+    def held_requests() -> int:
+        """Registrations whose request to the inspector the pause holds."""
+        return sum(
+            1
+            for client in control.client_list()
+            if client.get("cmd") == "rpush" and "b" in client.get("flags", "")
+        )
+
+    meta = '{"architecture": "digits_cnn", "kwargs": {"width": 4}}'
+    with ThreadPoolExecutor(COMPLETIONS) as pool:
+        control.execute_command("CLIENT", "PAUSE", HELD_MS, "WRITE")
+        try:
+            registrations: list[Future[httpx.Response]] = [
+                pool.submit(
+                    lambda: httpx.post(
+                        f"{api.url}/v1/models",
+                        headers=client.headers,
+                        data={"meta": meta},
+                        timeout=HELD_MS / 1000,
+                    )
+                )
+                for _ in range(COMPLETIONS)
+            ]
+            # As many waiting as the request path has threads (all of them, where the
+            # wait held one).
+            wait_for(
+                lambda: held_requests() >= REQUEST_PATH_THREADS,
+                WAIT_S,
+                what="the registrations to wait on Redis",
+            )
+            page = client.get("/v1/models", timeout=WAIT_S)  # a sync route that reads Redis
+            assert page.status_code == 200, page.text
+            assert not any(done.done() for done in registrations)
+        finally:
+            control.execute_command("CLIENT", "UNPAUSE")
+        answers = [done.result() for done in registrations]
+    assert [answer.status_code for answer in answers] == [201] * COMPLETIONS
+    control.close()

@@ -291,6 +291,7 @@ def write_tree(root: Path, files: dict[str, bytes]) -> Path:
     return root
 
 
+@pytest.mark.zoo
 def test_the_order_is_imagefolders(tmp_path: Path) -> None:
     """The rule this file's tests expect is torchvision's own, where torchvision is installed."""
     datasets = pytest.importorskip("torchvision.datasets")

@@ -21,8 +21,11 @@ from service.errors import QuotaExceededError
 from service.local.cli import main as cli_main
 from service.local.embedded import free_port
 from service.local.up import api_command
+from service.records import keys
 from service.records.aio import async_redis_client
+from service.records.connection import redis_client
 from service.records.quotas import AsyncTenantQuotas, parse_quota_value
+from service.records.sync import Records
 from tests.e2e.test_e2e import created, digits_npz, problem
 from tests.inprocess import InProcessApi, running_api
 from tests.servers import stop_process, wait_for
@@ -129,6 +132,30 @@ def test_stored_bytes_count_models_and_datasets_until_deleted(small: InProcessAp
     set_quota(small, "stored-bytes", "max_stored_bytes", str(10 * MAX_STORED_BYTES))
     model = created(client.add_model("digits_cnn", {"width": 4}))
     assert model["size_bytes"] > 0
+
+
+def test_resources_from_before_quotas_are_counted_at_first_use(small: InProcessApi) -> None:
+    """A deployment upgraded to quotas has no count for its tenants: the first read or change
+    counts their models and datasets from the records (before, the count started at zero and
+    a deletion drove it below)."""
+    client = small.client("before-quotas")
+    data = digits_npz(n=32)
+    size = len(data)
+    old = [created(client.add_dataset(data)) for _ in range(3)]
+    records = Records(redis_client(small.redis.url))
+    tenant = records.find_tenant("before-quotas")
+    assert tenant is not None
+    records.client.delete(keys.tenant_stored_bytes(tenant))  # as before quotas
+    assert records.quota_usage(tenant)["max_stored_bytes"] == 3 * size
+    # With room for one more only, the old three count: the fifth is refused.
+    set_quota(small, "before-quotas", "max_stored_bytes", str(4 * size))
+    created(client.add_dataset(data))
+    refused(client.add_dataset(data), "max_stored_bytes")
+    # Deleting an old one frees its bytes, and only its bytes.
+    records.client.delete(keys.tenant_stored_bytes(tenant))
+    assert client.http.delete(f"/v1/datasets/{old[0]['id']}").status_code == 204
+    assert records.quota_usage(tenant)["max_stored_bytes"] == 3 * size
+    created(client.add_dataset(data))
 
 
 def test_open_uploads_are_bounded_until_completed_or_deleted(small: InProcessApi) -> None:

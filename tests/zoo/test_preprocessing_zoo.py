@@ -15,6 +15,7 @@ import pytest
 
 from api_schemas.datasets import Preprocessing
 from service.formats.images import decode_image
+from tests.zoo.photos import JPEGS
 
 torch = pytest.importorskip("torch")
 transforms = pytest.importorskip("torchvision.transforms")
@@ -27,27 +28,6 @@ pytestmark = pytest.mark.zoo
 
 ONE_LEVEL = 1 / 255 + 1e-6
 MAX_PIXELS = 1 << 26
-
-
-def photo_jpeg(width: int, height: int, seed: int) -> bytes:
-    """A photo-like JPEG (smooth gradients plus noise), quality 90."""
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
-    base = np.stack(
-        [
-            128 + 100 * np.sin(xx / (17 + seed)) * np.cos(yy / 23),
-            255 * xx / width,
-            255 * (1 - yy / height) * (0.5 + 0.5 * np.sin((xx + yy) / 41)),
-        ],
-        axis=-1,
-    )
-    pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(out, format="JPEG", quality=90)
-    return out.getvalue()
-
-
-JPEGS = {(500, 375): photo_jpeg(500, 375, 1), (333, 500): photo_jpeg(333, 500, 2)}
 
 
 def ours(data: bytes, spec: Preprocessing) -> torch.Tensor:

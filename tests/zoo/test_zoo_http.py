@@ -1,6 +1,7 @@
 """The zoo over HTTP on the real stack (issue 28, point 7): for each family of
 tests/zoo/families.py, random-initialised weights uploaded round-trip bitwise; a default adapt
-job succeeds (a model with no running statistics is refused at submission, naming `entropy`,
+job on a folder of photos with the model's own transform (``"preprocessing": "model"``)
+succeeds (a model with no running statistics is refused at submission, naming `entropy`,
 and the `entropy` job succeeds); a train job with the family's blocks checkpointed equals the
 unwrapped computation in this process bit for bit. One stack serves every family."""
 
@@ -20,9 +21,11 @@ import safetensors.torch
 import torch
 
 from api_schemas import CheckpointPolicy
+from service.client import Client as ApiClient
 from service.store.local import LocalStore
 from tests.stack import Client, Stack, job_payload, npz_bytes, running_stack
 from tests.zoo.families import FAMILIES, IMAGE_SIZE, NUM_CLASSES, Family
+from tests.zoo.photos import photo_folder
 from workers.kinds.changing import compute
 from workers.models.architectures import build_model
 from workers.running.saving import weights_bytes
@@ -95,24 +98,41 @@ def test_zoo_family_over_http(stack: Stack, family: Family, tmp_path: Path) -> N
     download = client.http.get(f"/v1/models/{model['id']}/weights")
     assert download.status_code == 200 and download.content == uploaded
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((SAMPLES, 3, IMAGE_SIZE, IMAGE_SIZE)).astype(np.float32)
-    y = rng.integers(0, NUM_CLASSES, SAMPLES).astype(np.int64)
-    data = ok(client.add_dataset(npz_bytes(x=x, y=y)), 201)["id"]
-
-    # A default adapt job (the default estimator re-estimates running statistics).
-    adapt = submit(client, "adapt", model["id"], data, batch_size=BATCH)
+    # A default adapt job on a folder of photos, with the model's own evaluation transform
+    # (the default estimator re-estimates running statistics).
+    photos = ApiClient(stack.url, client.http.headers["Authorization"].removeprefix("Bearer "))
+    folder = photos.upload_folder(
+        photo_folder(tmp_path / "photos", 2, SAMPLES // 2),
+        preprocessing={"resize_shorter": 40, "center_crop": [IMAGE_SIZE, IMAGE_SIZE]},
+    )
+    assert folder.has_labels and folder.num_samples == SAMPLES
+    adapt = submit(client, "adapt", model["id"], folder.id, batch_size=BATCH, preprocessing="model")
     if family.running_stats:
         report = report_of(client, succeeded(client, ok(adapt, 202)))
         assert any(layer["adapted"] for layer in report["batchnorm"])
     else:
         refused = ok(adapt, 422)
         assert "entropy" in refused["detail"], refused["detail"]
-        entropy = submit(client, "adapt", model["id"], data, batch_size=BATCH, estimator="entropy")
+        entropy = submit(
+            client,
+            "adapt",
+            model["id"],
+            folder.id,
+            batch_size=BATCH,
+            estimator="entropy",
+            preprocessing="model",
+        )
         report = report_of(client, succeeded(client, ok(entropy, 202)))
         assert report["affine"] and all(layer["changed"] for layer in report["affine"])
         assert {layer["kind"] for layer in report["affine"]} <= {"LayerNorm", "LayerNorm2d"}
     assert report["checkpoint"]["blocks_rule"] == "block_types"
+    assert report["samples"] == SAMPLES
+    assert report["preprocessing"] == model["preprocessing"] is not None
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SAMPLES, 3, IMAGE_SIZE, IMAGE_SIZE)).astype(np.float32)
+    y = rng.integers(0, NUM_CLASSES, SAMPLES).astype(np.int64)
+    data = ok(client.add_dataset(npz_bytes(x=x, y=y)), 201)["id"]
 
     # A train job with the blocks checkpointed (the default policy) equals plain training.
     train = submit(

@@ -21,30 +21,14 @@ from workers.running.compute import (
     batchnorm_names,
     one_sample_batch_explained,
 )
+from workers.running.ranks import train_in_ranks
 from workers.running.resumption import StoredCheckpoints
 from workers.running.train_state import EpochLog as TrainedEpoch
 from workers.running.training import Checkpointing, Recipe, train_model
 
-__all__ = ["Training", "change", "recipe", "run"]
+__all__ = ["Training", "change", "run"]
 
 log = logging.getLogger(__name__)
-
-
-def recipe(params: TrainParams) -> Recipe:
-    """The job's recipe, as the training loop takes it."""
-    return Recipe(
-        lr_schedule=params.lr_schedule,
-        warmup_steps=params.warmup_steps,
-        lr_step_epochs=params.lr_step_epochs or 1,
-        lr_gamma=params.lr_gamma,
-        label_smoothing=params.label_smoothing,
-        clip_grad_norm=params.clip_grad_norm,
-        accumulate_steps=params.accumulate_steps,
-        precision=params.precision,
-        keep_best=params.keep_best,
-        augmentation=params.augmentation,
-        loader_workers=params.loader_workers,
-    )
 
 
 class Training(ModelChange):
@@ -53,8 +37,14 @@ class Training(ModelChange):
     and writes new ones as the job's params ask; without (in-process runs) it starts afresh
     and writes none."""
 
-    def __init__(self, params: TrainParams, checkpoints: StoredCheckpoints | None = None) -> None:
+    def __init__(
+        self,
+        params: TrainParams,
+        payload: JobPayload,
+        checkpoints: StoredCheckpoints | None = None,
+    ) -> None:
         self.params = params
+        self.payload = payload  # what ranks load the job from (workers/running/ranks.py)
         self.checkpoints = checkpoints
 
     @property
@@ -67,6 +57,8 @@ class Training(ModelChange):
         assert loss is not None  # set whenever there are labels
         samples_per_step = float(params.batch_size * params.accumulate_steps)
         hooks.start_phase("train", 0, "steps", samples_per_step)
+        if params.processes > 1:
+            return self._run_in_ranks(task)
         started: list[bool] = []
 
         def progress(done: int, total: int) -> None:
@@ -115,7 +107,7 @@ class Training(ModelChange):
                 validation_fraction=params.validation_fraction,
                 seed=params.seed,
                 device=job.device,
-                recipe=recipe(params),
+                recipe=Recipe.of(params),
                 checkpointing=checkpointing,
                 progress=progress,
                 should_stop=hooks.should_stop,
@@ -133,6 +125,19 @@ class Training(ModelChange):
             resumed_from_job=params.resume_from,
         )
 
+    def _run_in_ranks(self, task: ChangeTask) -> ChangeResult:
+        """The same training in ``processes`` ranks under DDP (docs/distributed.md)."""
+        ran = train_in_ranks(self.payload, self.params, task.job, task.hooks)
+        first = ran[0]  # rank 0: its validation, its statistics in the model
+        return ChangeResult(
+            batches=first.steps,
+            samples=first.samples,
+            changed=batchnorm_names(task.job.model),
+            epochs=first.epochs,
+            world_size=len(ran),
+            rank_steps=[r.timings for r in ran if r.timings is not None],
+        )
+
 
 def _keep_none(state: object) -> None:
     """A resumed job that asks for no checkpoints of its own writes none."""
@@ -142,17 +147,11 @@ def change(payload: JobPayload) -> Training:
     """The train job's change to its model."""
     params = payload.params
     assert isinstance(params, TrainParams), f"{payload.kind} jobs do not train"
-    return Training(params)
+    return Training(params, payload)
 
 
 def run(job: JobPayload, records: Records, store: Store, settings: Settings) -> dict[str, str]:
     """Trains, saves weights and report, registers the new model and marks the job succeeded;
     returns the RQ job's result."""
     checkpoints = StoredCheckpoints(records, store, job.job_id, job.resume_sha256)
-    return run_change(job, records, store, settings, Training(_params(job), checkpoints))
-
-
-def _params(payload: JobPayload) -> TrainParams:
-    params = payload.params
-    assert isinstance(params, TrainParams), f"{payload.kind} jobs do not train"
-    return params
+    return run_change(job, records, store, settings, Training(change(job).params, job, checkpoints))

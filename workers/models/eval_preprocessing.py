@@ -8,7 +8,9 @@ job asks for it and checks the job's input shape against the model before it is 
 - ``torchvision.<name>``: the transform of the model's DEFAULT weights
   (``get_model_weights(name).DEFAULT.transforms()``, an ``ImageClassification``): its
   ``resize_size`` (the shorter side), ``crop_size``, ``interpolation``, ``mean`` and ``std``.
-  Nothing is downloaded: the transform is built from the weights' metadata.
+  Nothing is downloaded: the transform is built from the weights' metadata. A model built
+  for another input size (``image_size``, as a ViT takes) crops that size, and resizes the
+  shorter side in the weights' proportion (256 for a crop of 224: 36 for 32).
 - ``timm.<name>``: timm's data config (``resolve_data_config``, read from the pretrained config
   of the model built on the meta device with the model's kwargs): ``input_size``,
   ``interpolation``, ``crop_pct``, ``mean`` and ``std``; crop mode ``center`` with a square
@@ -34,7 +36,7 @@ __all__ = ["evaluation_preprocessing"]
 log = logging.getLogger(__name__)
 
 
-def _torchvision(name: str) -> Preprocessing | None:
+def _torchvision(name: str, kwargs: Mapping[str, Any]) -> Preprocessing | None:
     models = importlib.import_module("torchvision.models")
     try:
         weights = models.get_model_weights(name)
@@ -45,9 +47,15 @@ def _torchvision(name: str) -> Preprocessing | None:
     interpolation = getattr(transform, "interpolation", None)
     if resize is None or crop is None or interpolation is None:
         return None  # not an ImageClassification transform
+    shorter, crop_side = resize[0], crop[0]
+    built = kwargs.get("image_size")
+    if isinstance(built, int) and built != crop_side:
+        # A model built for another input size (a ViT's image_size): the weights' transform
+        # at that size, the crop in the same proportion to the resize.
+        shorter, crop_side = math.floor(built * shorter / crop_side), built
     return Preprocessing(
-        resize_shorter=resize[0],
-        center_crop=[crop[0], crop[-1]],
+        resize_shorter=shorter,
+        center_crop=[crop_side, crop_side],
         interpolation=interpolation.value,
         mean=list(transform.mean),
         std=list(transform.std),
@@ -85,7 +93,7 @@ def evaluation_preprocessing(architecture: str, kwargs: Mapping[str, Any]) -> Pr
     library, _, name = architecture.partition(".")
     try:
         if library == "torchvision":
-            spec = _torchvision(name)
+            spec = _torchvision(name, kwargs)
         elif library == "timm":
             spec = _timm(name, kwargs)
         else:

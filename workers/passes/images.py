@@ -11,6 +11,12 @@ and normalising happen in the job's process, in one pass, as for uint8 arrays
 (workers/passes/data.py). With 0 processes, or for batches asked one at a time (an estimator
 that cycles, training's shuffled batches), the job's process decodes them itself. Either way
 a batch decodes only its own images, so a shard of a sharded job decodes only its range.
+
+How many processes, unless ``BNADAPT_LOADER_PROCESSES`` says (:func:`auto_loader_processes`):
+on a GPU worker the CPU's only work is decoding, so all the cores the worker may run on but
+the one of the job's process that feeds the device; on a CPU worker the model's forward needs
+cores too, so half of them. At least 1, at most 16 (DataLoader's processes each hold a batch
+in flight and a copy of the index).
 """
 
 from __future__ import annotations
@@ -30,7 +36,16 @@ from service.errors import ArrayFileError
 from service.formats.images import TarIndex, crop_origin, decode_image, index_tar
 from workers.errors import DataError
 
-__all__ = ["ImageSamples", "array_transform", "normalize_"]
+__all__ = ["ImageSamples", "array_transform", "auto_loader_processes", "normalize_"]
+
+_MAX_AUTO_LOADERS: Final = 16
+
+
+def auto_loader_processes(device_type: str, cores: int) -> int:
+    """The loader processes of a job on ``device_type`` ("cpu", "cuda", ...) on a worker that
+    may run on ``cores`` cores (NOTE [ Decoding in loader processes ])."""
+    wanted = cores - 1 if device_type != "cpu" else cores // 2
+    return max(1, min(_MAX_AUTO_LOADERS, wanted))
 
 
 def normalize_(batch: torch.Tensor, spec: Preprocessing) -> torch.Tensor:

@@ -5,7 +5,7 @@ Augmentation draws ] in workers/passes/augmentation.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -29,9 +29,10 @@ class _EpochBatches(Dataset[torch.Tensor]):
         augmentation: Augmentation | None,
         seed: int,
         epoch: int,
+        take: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> None:
         self.x, self.order, self.bounds, self.first = x, order, bounds, first
-        self.augmentation, self.seed, self.epoch = augmentation, seed, epoch
+        self.augmentation, self.seed, self.epoch, self.take = augmentation, seed, epoch, take
 
     def __len__(self) -> int:
         return len(self.bounds) - self.first
@@ -39,7 +40,10 @@ class _EpochBatches(Dataset[torch.Tensor]):
     def __getitem__(self, i: int) -> torch.Tensor:
         index = self.first + i
         start, stop = self.bounds[index]
-        batch = load_rows(self.x, self.order[start:stop])  # (B, ...) float32 on the CPU
+        rows = self.order[start:stop]
+        if self.take is not None:  # one rank's slice of the global batch
+            rows = self.take(rows)
+        batch = load_rows(self.x, rows)  # (B, ...) float32 on the CPU
         if self.augmentation is None:
             return batch
         return augment(batch, self.augmentation, batch_generator(self.seed, self.epoch, index))
@@ -55,10 +59,12 @@ def epoch_batches(
     seed: int = 0,
     epoch: int = 1,
     workers: int = 0,
+    take: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Generator[torch.Tensor, None, None]:
     """The epoch's micro-batches from index ``first`` on, in order; with ``workers`` > 0 read
-    ahead by that many DataLoader processes."""
-    batches = _EpochBatches(x, order, bounds, first, augmentation, seed, epoch)
+    ahead by that many DataLoader processes; ``take``: the rows of a batch's that this process
+    trains on (one rank's slice)."""
+    batches = _EpochBatches(x, order, bounds, first, augmentation, seed, epoch, take)
     if workers == 0 or len(batches) <= 1:
         yield from (batches[i] for i in range(len(batches)))
         return

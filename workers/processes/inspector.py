@@ -11,6 +11,7 @@ with a TTL, so the API can tell when no worker runs.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import threading
 import time
@@ -52,7 +53,7 @@ from workers.models.eval_preprocessing import evaluation_preprocessing
 from workers.models.weight_keys import KeyRenaming, canonical_names, timm_conversion
 from workers.running.saving import weights_bytes
 
-__all__ = ["catalog", "inspect", "serve"]
+__all__ = ["catalog", "inspect", "publish", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -295,11 +296,25 @@ def _activations(
         return None
 
 
-def _publish(client: redis.Redis, catalog_json: str) -> None:
+def publish(client: redis.Redis, catalog_json: str) -> bool:
+    """Marks an inspector alive and makes ``catalog_json`` the published catalog: written
+    (about 1 MB with the zoo) only when the one in Redis is another or gone, else its expiry
+    renewed. True when it was written."""
+    digest = hashlib.sha256(catalog_json.encode()).hexdigest()
+    pipe = client.pipeline()
+    pipe.set(keys.INSPECTORS_ALIVE, "1", ex=ALIVE_TTL_S)
+    pipe.get(keys.ARCHITECTURES_DIGEST)
+    pipe.expire(keys.ARCHITECTURES, ALIVE_TTL_S)  # False when it is gone
+    pipe.expire(keys.ARCHITECTURES_DIGEST, ALIVE_TTL_S)
+    _, stored, renewed, _ = pipe.execute()
+    stored = stored.decode() if isinstance(stored, bytes) else stored
+    if renewed and stored == digest:
+        return False
     pipe = client.pipeline()
     pipe.set(keys.ARCHITECTURES, catalog_json, ex=ALIVE_TTL_S)
-    pipe.set(keys.INSPECTORS_ALIVE, "1", ex=ALIVE_TTL_S)
+    pipe.set(keys.ARCHITECTURES_DIGEST, digest, ex=ALIVE_TTL_S)
     pipe.execute()
+    return True
 
 
 def _handle(client: redis.Redis, store: Store, raw: bytes | str) -> None:
@@ -333,7 +348,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> None:
     while not stop.is_set():
         try:
             if time.monotonic() - published > PUBLISH_INTERVAL_S:
-                _publish(client, catalog_json)
+                publish(client, catalog_json)
                 published = time.monotonic()
             # The head: the oldest request (the API pushes at the tail): first in, first out.
             popped = client.blpop([keys.INSPECT_REQUESTS], timeout=POP_TIMEOUT_S)

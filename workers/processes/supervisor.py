@@ -64,13 +64,33 @@ def device_class(device: str) -> str:
     return device.partition(":")[0]
 
 
+def gpu_indices(device: str) -> list[str] | None:
+    """The GPUs a ``--device`` of ``cuda:N`` or ``cuda:N,cuda:M,...`` names, in order; None
+    for any other device (``cuda`` alone: every GPU the worker sees). Raises ``ValueError``
+    for a list that is not of that form."""
+    if not device.startswith("cuda:"):
+        return None
+    parts = device.split(",")
+    indices = [p.removeprefix("cuda:") for p in parts]
+    if not all(p.startswith("cuda:") and i.isdigit() for p, i in zip(parts, indices, strict=True)):
+        raise ValueError(
+            f"--device {device!r}: give cuda (every GPU), cuda:N, or GPUs as cuda:0,cuda:1"
+        )
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"--device {device!r} names a GPU twice; name each once")
+    return indices
+
+
 def worker_commands(device: str) -> list[tuple[str, list[str], dict[str, str]]]:
     """(name, argv, extra environment) of each child. ``cuda:N`` pins the RQ worker to GPU N
-    through CUDA_VISIBLE_DEVICES (one worker per GPU); the inspector never uses a GPU."""
+    through CUDA_VISIBLE_DEVICES, ``cuda:N,cuda:M`` to those GPUs, ``cuda`` serves every GPU
+    the machine shows: a job runs on the first, a train job with ``processes`` P on the first
+    P (docs/distributed.md). The inspector never uses a GPU."""
     worker_env: dict[str, str] = {}
     worker_device = device
-    if device.startswith("cuda:"):
-        worker_env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+    indices = gpu_indices(device)
+    if indices is not None:
+        worker_env["CUDA_VISIBLE_DEVICES"] = ",".join(indices)
         worker_device = "cuda"
     worker_env[WORKER_DEVICE_ENV] = worker_device
     python = sys.executable
@@ -159,9 +179,14 @@ def main() -> None:
     parser.add_argument(
         "--device",
         default="auto",
-        help="auto (CUDA when present), cpu, or cuda:N (one worker per GPU)",
+        help="auto (CUDA when present), cpu, cuda (every GPU), cuda:N (one GPU) or "
+        "cuda:0,cuda:1 (those GPUs)",
     )
     args = parser.parse_args()
+    try:
+        gpu_indices(args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
     configure_logging("supervisor", get_settings().log_format)
     stop = threading.Event()
 

@@ -34,6 +34,7 @@ from api_schemas.reports import (
     EpochLog,
     PredictionDiagnostics,
     Report,
+    StepTimings,
     TensorChange,
     Timings,
     TrainAttempt,
@@ -123,6 +124,10 @@ class ChangeResult:
     attempts: list[TrainAttempt] = field(default_factory=list)
     best_epoch: int | None = None
     resumed_from_job: str | None = None
+    # A change run by several ranks (workers/running/ranks.py): their count and each one's
+    # step timings, in rank order; the report's `steps` is then rank 0's.
+    world_size: int = 1
+    rank_steps: list[StepTimings] = field(default_factory=list)
 
 
 class ModelChange(ABC):
@@ -239,7 +244,9 @@ def compute(
         preprocessing=payload.dataset.preprocessing,
         diagnostics=found_diagnostics,
         auto=result.auto,
-        steps=None if clock is None or clock.steps == 0 else clock.timings(),
+        steps=_steps(clock, result),
+        world_size=result.world_size,
+        rank_steps=result.rank_steps,
         checkpoint=checkpoint_summary(job.checkpointed, params.checkpoint.preset),
         frozen_norms=frozen_norm_names(model),
         affine=[
@@ -257,6 +264,13 @@ def compute(
         batchnorm_layers=batchnorm_layers(model),
         input_shape=list(arch.input_shape(kwargs)),
     )
+
+
+def _steps(clock: StepClock | None, result: ChangeResult) -> StepTimings | None:
+    """The report's ``steps``: rank 0's when ranks ran the change, else this process's."""
+    if result.rank_steps:
+        return result.rank_steps[0]
+    return None if clock is None or clock.steps == 0 else clock.timings()
 
 
 def checkpoint_summary(outcome: CheckpointOutcome | None, preset: str) -> CheckpointSummary | None:

@@ -28,7 +28,7 @@ from service.settings import Settings, get_settings
 from service.store import open_store
 from service.store.base import Store
 from workers import import_path
-from workers.errors import JobCanceled
+from workers.errors import JobCanceled, JobInterrupted
 from workers.estimators.dispatch import load_runner
 from workers.faults import delay_start
 from workers.running.capacity import hold_job_to
@@ -100,6 +100,12 @@ def _run_started(
         # Nobody asked: the job ended elsewhere (kept), or this process lost Redis for longer
         # than BNADAPT_REDIS_OUTAGE_S: an interruption, retried (NOTE [ Job attempts ]).
         status = records.interrupt(job.job_id, (JobStatus.RUNNING,), _LOST_REDIS, _rq_id(job))
+        return {"job_id": job.job_id, "status": str(status)}
+    except JobInterrupted as exc:
+        # A process of the job killed from outside (a rank: workers/running/ranks.py): an
+        # interruption, as the job's own process killed would be (NOTE [ Job attempts ]).
+        log.warning("job %s interrupted: %s", job.job_id, exc)
+        status = records.interrupt(job.job_id, (JobStatus.RUNNING,), str(exc), _rq_id(job))
         return {"job_id": job.job_id, "status": str(status)}
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # Redis stayed away past the retries of every write: not the job's fault. If Redis is

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - torch's own convention
 
-from api_schemas.jobs.train import Augmentation
+from api_schemas.jobs.train import Augmentation, TrainParams
 from workers.errors import DataError, JobCanceled, TrainError
 from workers.models.modules import training_flags
 from workers.passes.data import Data
@@ -51,6 +52,7 @@ __all__ = [
     "Checkpointing",
     "EpochLog",
     "Optimizer",
+    "RankSlice",
     "Recipe",
     "TrainStats",
     "batch_bounds",
@@ -78,6 +80,23 @@ class Recipe:
     keep_best: bool = False
     augmentation: Augmentation | None = None
     loader_workers: int = 0  # DataLoader processes reading the training batches
+
+    @classmethod
+    def of(cls, params: TrainParams) -> Recipe:
+        """A train job's recipe."""
+        return cls(
+            lr_schedule=params.lr_schedule,
+            warmup_steps=params.warmup_steps,
+            lr_step_epochs=params.lr_step_epochs or 1,
+            lr_gamma=params.lr_gamma,
+            label_smoothing=params.label_smoothing,
+            clip_grad_norm=params.clip_grad_norm,
+            accumulate_steps=params.accumulate_steps,
+            precision=params.precision,
+            keep_best=params.keep_best,
+            augmentation=params.augmentation,
+            loader_workers=params.loader_workers,
+        )
 
 
 @dataclass(frozen=True)
@@ -124,6 +143,41 @@ def batch_bounds(num_samples: int, batch_size: int) -> list[tuple[int, int]]:
     if batch_size > 1 and len(bounds) > 1 and num_samples % batch_size == 1:
         bounds.pop()
     return bounds
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """The part of each global batch this process trains on, one of ``world_size`` ranks of a
+    data-parallel job (NOTE [ Ranks' batches ] in workers/running/ranks.py); the default is the
+    whole batch."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def take(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's indices of a global batch's (B,): every ``world_size``-th from the
+        ``rank``-th, as DistributedSampler deals them, once a short last batch is cut to a
+        multiple of ``world_size``."""
+        usable = batch.numel() - batch.numel() % self.world_size
+        return batch[:usable][self.rank :: self.world_size]  # (usable / world_size,)
+
+    def global_size(self, start: int, stop: int) -> int:
+        """The samples all ranks train on of the global batch ``[start, stop)``."""
+        return (stop - start) - (stop - start) % self.world_size
+
+    def keep(self, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``bounds`` less a short last batch that leaves a rank fewer than 2 samples, which
+        BatchNorm cannot train on (as :func:`batch_bounds` drops a one-sample batch)."""
+        if self.world_size == 1:
+            return bounds
+        return [(a, b) for a, b in bounds if (b - a) // self.world_size >= 2]
+
+    def average(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` over the ranks (all ranks call it together)."""
+        if self.world_size > 1:
+            dist.all_reduce(value)
+            value /= self.world_size
+        return value
 
 
 def _make_optimizer(
@@ -193,6 +247,7 @@ def train_model(
     on_epoch: Callable[[EpochLog], None] | None = None,
     forward: Forward | None = None,
     clock: StepClock | None = None,
+    ranks: RankSlice | None = None,
 ) -> TrainStats:
     """Train ``model`` in place on ``x`` (N, ...) and ``y`` (N,) class labels or (N, ...)
     targets; the model is moved to ``device``, the data goes there batch by batch.
@@ -207,8 +262,13 @@ def train_model(
     ``forward`` runs the train steps' forward passes (default ``model``; a compiled
     ``model``, workers/passes/steps.py); validation runs ``model`` itself, in float32.
     ``clock`` times each optimizer step, from reading its first batch to the update.
+
+    ``ranks``: this process is one rank of a data-parallel job (workers/running/ranks.py):
+    each micro-batch trains on its slice of the global micro-batch, ``forward`` is the DDP
+    model, and only rank 0 validates. The epochs' train loss is averaged over the ranks.
     """
     recipe = recipe or Recipe()
+    ranks = ranks or RankSlice()
     if epochs < 1 or batch_size < 1:
         raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
     if not 0 <= validation_fraction < 1:
@@ -227,7 +287,12 @@ def train_model(
         )
     if recipe.keep_best and not val_idx.numel():
         raise TrainError("keep_best needs a validation split; set validation_fraction above 0")
-    bounds = batch_bounds(train_idx.numel(), batch_size)
+    bounds = ranks.keep(batch_bounds(train_idx.numel(), batch_size))
+    if not bounds:
+        raise TrainError(
+            f"{train_idx.numel()} training samples over {ranks.world_size} processes leave "
+            "no rank 2 samples a step; upload more data or use fewer processes"
+        )
     steps_per_epoch = -(-len(bounds) // recipe.accumulate_steps)
     total_steps = epochs * steps_per_epoch
     schedule = Schedule(
@@ -325,13 +390,16 @@ def train_model(
                 seed=seed,
                 epoch=epoch,
                 workers=recipe.loader_workers,
+                take=ranks.take,
             )
             # Closed however the epoch ends: a cancel stops the loader processes too.
             with contextlib.closing(batches_of_epoch) as reader:
                 for group in _groups(len(bounds), recipe.accumulate_steps):
                     if group.start < skipped:
                         continue
-                    group_samples = sum(bounds[i][1] - bounds[i][0] for i in group)
+                    # Samples of the global micro-batches (all ranks), NOTE [ Micro-batches
+                    # and steps ]: each rank weighs its slice's loss by its global batch's share.
+                    group_samples = sum(ranks.global_size(*bounds[i]) for i in group)
                     if clock is not None:
                         clock.start()
                     opt.zero_grad(set_to_none=True)
@@ -341,7 +409,7 @@ def train_model(
                                 f"training canceled after {steps} of {total_steps} steps"
                             )
                         start, stop = bounds[i]
-                        idx = order[start:stop]
+                        idx = ranks.take(order[start:stop])  # (B,), this rank's slice
                         xb, yb = next(reader).to(target), y[idx].to(target)  # (B, ...), (B, ...)
                         with _autocast(target, recipe.precision):
                             outputs = (forward or model)(xb)  # (B, num_classes) or (B, ...)
@@ -353,11 +421,12 @@ def train_model(
                         scaled = (
                             batch_loss
                             if len(group) == 1
-                            else batch_loss * ((stop - start) / group_samples)
+                            else batch_loss * (ranks.global_size(start, stop) / group_samples)
                         )
                         torch.autograd.backward(scaled if scaler is None else scaler.scale(scaled))
-                        loss_sum += batch_loss.detach().double() * (stop - start)
-                        epoch_samples += stop - start
+                        trained = ranks.global_size(start, stop)  # the global batch's, all ranks
+                        loss_sum += batch_loss.detach().double() * trained
+                        epoch_samples += trained
                         batches += 1
                     for param_group in opt.param_groups:
                         param_group["lr"] = schedule.at(steps)
@@ -372,7 +441,7 @@ def train_model(
                             nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
                         opt.step()
                     if clock is not None:
-                        clock.stop(group_samples)
+                        clock.stop(group_samples // ranks.world_size)  # this rank's
                     steps += 1
                     if progress is not None:
                         progress(steps, total_steps)
@@ -388,14 +457,16 @@ def train_model(
                         )
                         saved_at = time.monotonic()
             samples += epoch_samples
-            train_loss = loss_sum.item() / epoch_samples  # one device sync per epoch
+            # One device sync per epoch; averaged over the ranks into a copy: a checkpoint keeps
+            # this rank's own sum.
+            train_loss = ranks.average(loss_sum.clone()).item() / epoch_samples
             if not math.isfinite(train_loss):
                 raise TrainError(
                     f"the training loss became {train_loss} in epoch {epoch}; lower lr "
                     f"(now {lr}) or check the data for extreme values"
                 )
             val = None
-            if val_idx.numel():
+            if val_idx.numel() and ranks.rank == 0:
                 val = evaluate_sums(
                     model, x_val, y_val, batch_size=batch_size, loss=loss, device=target
                 ).metrics()

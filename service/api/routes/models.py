@@ -10,8 +10,9 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import ModelCreate, ModelPublic, Page, new_id, utc_now
-from api_schemas.inspection import InspectRequest
+from api_schemas.inspection import InspectRequest, InspectSuccess
 from service.api.deps import (
+    AsyncRecordsDep,
     HeavyWorkDep,
     ModelDep,
     RecordsDep,
@@ -71,6 +72,7 @@ async def create_model(
     store: StoreDep,
     settings: SettingsDep,
     heavy: HeavyWorkDep,
+    async_records: AsyncRecordsDep,
     response: Response,
     meta: Annotated[str, Form(description="ModelCreate as JSON")],
     weights: UploadFile | None = None,
@@ -78,11 +80,23 @@ async def create_model(
     """Register a model: an architecture, its kwargs and safetensors weights that load into it
     with strict=True; without weights, it is initialized with ``seed``."""
     create = _parse_meta(meta)
-    records.check_stored_bytes(tenant, 1, settings.tenant_max_stored_bytes)
+    await run_in_threadpool(records.check_stored_bytes, tenant, 1, settings.tenant_max_stored_bytes)
     sha256: str | None = None
     if weights is not None:
         sha256 = await heavy.run(_store_weights, store, weights, settings)
-    return await run_in_threadpool(_register, tenant, records, settings, response, create, sha256)
+    # A worker's inspector checks the model; the wait holds no thread.
+    request = InspectRequest(
+        request_id=new_request_id(),
+        architecture=create.architecture,
+        kwargs=create.kwargs,
+        weights_sha256=sha256,
+        seed=create.seed,
+    )
+    found = await inspect_model(async_records.client, request, settings.inspect_timeout_s)
+    uploaded = sha256 is not None
+    return await run_in_threadpool(
+        _register, tenant, records, settings, response, create, found, uploaded
+    )
 
 
 def _register(
@@ -91,17 +105,10 @@ def _register(
     settings: Settings,
     response: Response,
     create: ModelCreate,
-    sha256: str | None,
+    found: InspectSuccess,
+    uploaded: bool,
 ) -> ModelPublic:
-    """Has a worker's inspector check the model, then registers it."""
-    request = InspectRequest(
-        request_id=new_request_id(),
-        architecture=create.architecture,
-        kwargs=create.kwargs,
-        weights_sha256=sha256,
-        seed=create.seed,
-    )
-    found = inspect_model(records.client, request, settings.inspect_timeout_s)
+    """Registers the model the inspector found."""
     model = ModelPublic(
         id=new_id("mdl"),
         architecture=create.architecture,
@@ -112,7 +119,7 @@ def _register(
         batchnorm_layers=found.batchnorm_layers,
         input_shape=found.input_shape,
         parent=None,
-        source="upload" if sha256 is not None else "init",
+        source="upload" if uploaded else "init",
         created_at=utc_now(),
         activations=found.activations,
         preprocessing=found.preprocessing,

@@ -1,0 +1,294 @@
+"""Noisy neighbour: what one tenant's flood does to another tenant on a shared service.
+
+    python bench/noisy_neighbour_bench.py                  # 20 uploads of 64 MiB, 30 s phases
+    python bench/noisy_neighbour_bench.py --upload-mib 4 --seconds 5   # a quick look
+
+The whole service runs as processes (tests/stack.py: Redis, one worker, the API), with the
+default quotas (BNADAPT_TENANT_RATE_PER_S 50 with a burst of 100, 10 event streams, 20 open
+uploads, 100 active jobs). Tenant B reads its job's status 20 times a second (within its own rate
+limit) for ``--seconds``: once alone (quiet), once while tenant A
+
+- submits adapt jobs as fast as one client can (the rate limit and the active-jobs quota
+  answer 429 past theirs; the client does not wait out ``Retry-After``),
+- holds its maximum of event streams open on its jobs, and
+- uploads ``--uploads`` files of ``--upload-mib`` each, all at once, through the resumable
+  upload route (parts hashed by the API as they arrive, each upload committed by a copy in
+  the API's copy pool).
+
+Targets (issue 27): B's status-read p99 within 2x of the quiet run, and B's job, submitted
+once A has a backlog of queued jobs, starts within one job slot: at most one of A's jobs
+(the one the worker was running) starts between B's submission and B's job's start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from api_schemas import JobPublic  # noqa: E402
+from service.client import ApiClientError, Client  # noqa: E402
+from tests.stack import npz_bytes, running_stack  # noqa: E402
+
+MIB = 1024 * 1024
+
+
+# Each job a short adapt pass: a worker's slot turns over every second or so.
+ADAPT: dict[str, Any] = {"batch_size": 16, "estimator": "cumulative", "device": "cpu"}
+
+
+# B polls at 20 reads a second, within its own rate limit (50 a second by default).
+READ_INTERVAL_S = 0.05
+
+
+def status_reads(client: Client, job_id: str, seconds: float) -> list[float]:
+    """Latencies (s) of status reads of ``job_id``, one every READ_INTERVAL_S (or as soon as
+    the last answered, when that took longer), for ``seconds``."""
+    latencies: list[float] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        response = client.request("GET", f"/v1/jobs/{job_id}")
+        took = time.perf_counter() - start
+        latencies.append(took)
+        assert response.status_code == 200, response.text
+        time.sleep(max(0.0, READ_INTERVAL_S - took))
+    return latencies
+
+
+def percentiles(latencies: list[float]) -> dict[str, float]:
+    ordered = sorted(latencies)
+    return {
+        "reads": len(ordered),
+        "p50_ms": 1000 * statistics.median(ordered),
+        "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+    }
+
+
+class Flood:
+    """Tenant A's load, each part on its own threads until :meth:`stop`."""
+
+    def __init__(
+        self, client: Client, url: str, key: str, model: str, data: str, files: list[Path]
+    ) -> None:
+        self.client, self.url, self.key = client, url, key
+        self.model, self.data, self.files = model, data, files
+        self.stopping = threading.Event()
+        self.jobs: list[str] = []
+        self.accepted = self.refused = 0
+        self.streams_open = 0
+        self.uploaded_bytes = 0
+        self.uploads_done = 0
+        self.errors: list[str] = []
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def start(self, streams: int) -> None:
+        self._spawn(self._submit)
+        for path in self.files:
+            self._spawn(self._upload, path)
+        # The streams follow jobs A submitted: wait for the first.
+        deadline = time.monotonic() + 30
+        while not self.jobs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for i in range(streams):
+            self._spawn(self._stream, i)
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _submit(self) -> None:
+        body = {
+            "kind": "adapt",
+            "model_id": self.model,
+            "dataset_id": self.data,
+            "params": ADAPT,
+        }
+        http = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60
+        )
+        while not self.stopping.is_set():
+            response = http.post("/v1/jobs", json=body)
+            with self.lock:
+                if response.status_code == 202:
+                    self.accepted += 1
+                    self.jobs.append(response.json()["id"])
+                elif response.status_code == 429:
+                    self.refused += 1
+                else:
+                    self.errors.append(f"submit {response.status_code}: {response.text[:200]}")
+        http.close()
+
+    def _stream(self, index: int) -> None:
+        job_id = self.jobs[index % len(self.jobs)]
+        headers = {"Authorization": f"Bearer {self.key}"}
+        try:
+            with httpx.stream(
+                "GET", f"{self.url}/v1/jobs/{job_id}/events", headers=headers, timeout=None
+            ) as response:
+                if response.status_code != 200:
+                    with self.lock:
+                        self.errors.append(f"stream {response.status_code}")
+                    return
+                with self.lock:
+                    self.streams_open += 1
+                for _ in response.iter_lines():
+                    if self.stopping.is_set():
+                        break
+        except httpx.HTTPError as exc:
+            with self.lock:
+                self.errors.append(f"stream {type(exc).__name__}")
+
+    def _upload(self, path: Path) -> None:
+        try:
+            self.client.upload_dataset(path)
+        except ApiClientError as exc:
+            with self.lock:
+                self.errors.append(f"upload {exc.status}: {exc.detail[:200]}")
+            return
+        with self.lock:
+            self.uploads_done += 1
+            self.uploaded_bytes += path.stat().st_size
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(timeout=120)
+
+
+def write_upload(path: Path, mib: int, seed: int) -> None:
+    """An npz of ``mib`` MiB of random uint8 images (N, 3, 32, 32)."""
+    n = max(1, mib * MIB // (3 * 32 * 32))
+    x = np.random.default_rng(seed).integers(0, 256, size=(n, 3, 32, 32), dtype=np.uint8)
+    np.savez(path, x=x)
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    files = []
+    for i in range(args.uploads):
+        path = work / f"upload_{i}.npz"
+        write_upload(path, args.upload_mib, i)
+        files.append(path)
+    digits = np.random.default_rng(0).integers(0, 256, size=(256, 1, 8, 8), dtype=np.uint8)
+    with running_stack(work / "stack") as stack:
+        records = stack.records()
+        key_a, key_b = records.create_api_key("a").key, records.create_api_key("b").key
+        a, b = Client(stack.url, key_a, timeout_s=600), Client(stack.url, key_b, timeout_s=600)
+        model_a = a.add_model("digits_cnn", {"width": 8})
+        model_b = b.add_model("digits_cnn", {"width": 8})
+        data_a = a.add_dataset(_npz(work / "a.npz", digits))
+        data_b = b.add_dataset(_npz(work / "b.npz", digits))
+        first = b.submit("adapt", model_b.id, data_b.id, ADAPT)
+        b.wait(first.id)
+
+        quiet = percentiles(status_reads(b, first.id, args.seconds))
+        print("quiet", json.dumps(quiet), flush=True)
+
+        flood = Flood(a, stack.url, key_a, model_a.id, data_a.id, files)
+        flood.start(args.streams)
+        time.sleep(args.backlog_s)  # A's backlog builds up
+        noisy_reads: list[float] = []
+        reader = threading.Thread(
+            target=lambda: noisy_reads.extend(status_reads(b, first.id, args.seconds))
+        )
+        reader.start()
+        submitted = time.time()
+        job_b = b.submit("adapt", model_b.id, data_b.id, ADAPT)
+        ended_b = b.wait(job_b.id)
+        reader.join()
+        flood.stop()
+        noisy = percentiles(noisy_reads)
+        print("noisy", json.dumps(noisy), flush=True)
+        assert ended_b.started_at is not None
+        b_started = ended_b.started_at.timestamp()
+        a_started_between = 0
+        a_queued_at_b = 0
+        for job in all_jobs(a):
+            if job.created_at.timestamp() <= submitted and (
+                job.started_at is None or job.started_at.timestamp() > submitted
+            ):
+                a_queued_at_b += 1
+            if job.started_at is not None and submitted < job.started_at.timestamp() < b_started:
+                a_started_between += 1
+        result = {
+            "quiet": quiet,
+            "noisy": noisy,
+            "p99_ratio": noisy["p99_ms"] / quiet["p99_ms"],
+            "a_accepted": flood.accepted,
+            "a_refused_429": flood.refused,
+            "a_streams_open": flood.streams_open,
+            "a_uploads_done": flood.uploads_done,
+            "a_uploaded_mib": flood.uploaded_bytes / MIB,
+            "a_errors": flood.errors[:5],
+            "a_queued_when_b_submitted": a_queued_at_b,
+            "a_jobs_started_before_b": a_started_between,
+            "b_wait_s": b_started - submitted,
+            "load_average": os.getloadavg()[0],
+        }
+        print(json.dumps(result, indent=2), flush=True)
+        return result
+
+
+def all_jobs(client: Client) -> list[JobPublic]:
+    """Every job of the client's tenant, a page of 100 at a time (within its rate limit)."""
+    jobs: list[JobPublic] = []
+    token: str | None = None
+    while True:
+        page = client.jobs(page_size=100, page_token=token)
+        jobs += page.items
+        token = page.next_page_token
+        if token is None:
+            return jobs
+        time.sleep(READ_INTERVAL_S)
+
+
+def _npz(path: Path, x: np.ndarray) -> Path:
+    path.write_bytes(npz_bytes(x=x))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--backlog-s", type=float, default=3.0)
+    parser.add_argument("--uploads", type=int, default=20)
+    parser.add_argument("--upload-mib", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=10)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="noisy_bench_", dir=args.dir))
+    try:
+        found = run(args, work)
+        print(
+            "| B's status p99 quiet / noisy (ratio; target <= 2) | A's jobs started between B's "
+            "submission and its start (target <= 1) | A: accepted / 429 / streams / uploads |\n"
+            "|---|---|---|\n"
+            f"| {found['quiet']['p99_ms']:.1f} / {found['noisy']['p99_ms']:.1f} ms "
+            f"(**{found['p99_ratio']:.2f}**) | **{found['a_jobs_started_before_b']}** "
+            f"({found['a_queued_when_b_submitted']} queued; B waited {found['b_wait_s']:.1f} s) "
+            f"| {found['a_accepted']} / {found['a_refused_429']} / {found['a_streams_open']} / "
+            f"{found['a_uploads_done']} of {found['a_uploaded_mib']:.0f} MiB |"
+        )
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

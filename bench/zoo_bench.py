@@ -1,0 +1,205 @@
+"""A zoo model's adaptation in a job against a bare loop with the library's own transform.
+
+    .venv-zoo/bin/python bench/zoo_bench.py                 # torchvision.resnet18, 256 photos
+    .venv-zoo/bin/python bench/zoo_bench.py --samples 32 --pairs 1   # a quick look
+
+Runs in the zoo environment (torchvision; scripts/install_zoo.sh), without the service: a
+local store, the payload built here, each pass in a fresh process, as bench/data_bench.py's
+``--passes`` does (its NOTE [ Comparing passes under load ] holds here too). The job's side is
+a full adapt pass through ``compute()`` (workers/kinds/changing.py) of ``torchvision.resnet18``
+(random weights: the work is the same as with trained ones) on a tar of photo-like JPEGs of
+500x375 and 375x500, with the spec ``"preprocessing": "model"`` resolves to for it (shorter
+side to 256, bilinear with antialiasing, centre crop 224, ImageNet's mean and std). The bare
+side: a ``DataLoader`` over the same JPEGs that decodes with Pillow and applies the weights'
+own ``transforms()`` (torchvision's ``ImageClassification``), the model in train mode under
+``no_grad``, with as many loader processes. The ratio is bare time over job time (>= 0.9 is the
+target), the median of ``--pairs`` interleaved pairs with its quartiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.data_bench import PASS, pass_row, run_in  # noqa: E402
+
+ARCHITECTURE = "torchvision.resnet18"
+SIZES = ((500, 375), (375, 500))  # (width, height)
+
+BARE_TORCHVISION = r"""
+import io, json, resource, sys, tarfile, time
+import torch, torchvision
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+torch.set_num_threads(int(sys.argv[3]))
+from api_schemas import JobPayload
+from service.store.local import LocalStore
+from workers.running.loading import load_model
+payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
+store = LocalStore(sys.argv[2])
+n, workers = int(sys.argv[4]), int(sys.argv[5])
+path = store.local_path(payload.dataset.sha256)
+with tarfile.open(path) as archive:
+    where = [(m.offset_data, m.size) for m in archive if m.name.endswith('.jpg')][:n]
+name = payload.model.architecture.partition('.')[2]
+transform = torchvision.models.get_model_weights(name).DEFAULT.transforms()
+class Images(Dataset):
+    def __len__(self): return len(where)
+    def __getitem__(self, i):
+        with open(path, 'rb') as f:
+            f.seek(where[i][0]); data = f.read(where[i][1])
+        return transform(Image.open(io.BytesIO(data)).convert('RGB'))
+def cpu():
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+model = load_model(payload, store).train()
+loader = DataLoader(Images(), batch_size=payload.params.batch_size, num_workers=workers)
+before = cpu()
+start = time.perf_counter()
+with torch.no_grad():
+    for xb in loader:
+        model(xb)
+end = time.perf_counter()
+own, children = cpu()
+print(json.dumps({'compute_s': end - start, 'samples': len(where), 'cpu_s': own - before[0],
+  'children_cpu_s': children - before[1]}))
+"""
+
+
+def write_photo_tar(path: Path, samples: int) -> None:
+    """``samples`` photo-like JPEGs (tests/zoo/photos.py), landscape and portrait in turn."""
+    from tests.zoo.photos import photo_jpeg
+
+    photos = [photo_jpeg(*SIZES[i % 2], seed=i) for i in range(8)]
+    with tarfile.open(path, "w") as archive:
+        for i in range(samples):
+            data = photos[i % len(photos)]
+            info = tarfile.TarInfo(f"{i:06d}.jpg")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import os
+
+    import safetensors.torch
+
+    from api_schemas import JobPayload
+    from service.formats.images import describe_tar
+    from service.store.local import LocalStore
+    from workers.models.architectures import build_model
+    from workers.models.eval_preprocessing import evaluation_preprocessing
+
+    store_dir = work / "store"
+    store = LocalStore(store_dir)
+    kwargs = {"num_classes": 1000}
+    net = build_model(ARCHITECTURE, kwargs)
+    weights = store.put_bytes(safetensors.torch.save(dict(net.state_dict())))
+    spec = evaluation_preprocessing(ARCHITECTURE, kwargs)
+    assert spec is not None, "torchvision's resnet18 has an evaluation transform"
+    tar_path = work / "photos.tar"
+    write_photo_tar(tar_path, args.samples)
+    facts = describe_tar(tar_path, spec, max_pixels=1 << 26, max_classes=10, max_elements=1 << 40)
+    sha = store.put_bytes(tar_path.read_bytes())
+    payload = JobPayload.model_validate(
+        {
+            "job_id": "job_bench",
+            "tenant_id": "bench",
+            "kind": "adapt",
+            "model": {
+                "id": "m_bench",
+                "architecture": ARCHITECTURE,
+                "kwargs": kwargs,
+                "weights_sha256": weights,
+            },
+            "dataset": {
+                "id": "ds_bench",
+                "sha256": sha,
+                "format": "tar",
+                "num_samples": facts.num_samples,
+                "sample_shape": list(facts.sample_shape),
+                "dtype": "uint8",
+                "has_labels": False,
+                "preprocessing": spec.model_dump(),
+            },
+            "params": {"batch_size": args.batch_size, "device": "cpu", "holdout": 0},
+        }
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), BNADAPT_WORKER_THREADS=str(args.threads))
+    results: dict[str, Any] = {"architecture": ARCHITECTURE, "image_tar": {}}
+    for loaders in args.loaders:
+        loader_env = dict(env, BNADAPT_LOADER_PROCESSES=str(loaders))
+        runs: dict[str, list[dict[str, Any]]] = {"job": [], "bare": []}
+        samples = 0
+        for pair in range(args.pairs):
+            for side in ("job", "bare") if pair % 2 == 0 else ("bare", "job"):
+                if side == "job":
+                    found = run_in(PASS, payload, store_dir, loader_env, args.threads)
+                    samples = found["samples"]
+                else:
+                    count = str(samples or args.samples)
+                    found = run_in(
+                        BARE_TORCHVISION,
+                        payload,
+                        store_dir,
+                        loader_env,
+                        args.threads,
+                        count,
+                        str(loaders),
+                    )
+                runs[side].append(found)
+        row = pass_row(samples, runs["job"], runs["bare"])
+        print(json.dumps(row), flush=True)
+        results["image_tar"][loaders] = row
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    """The markdown rows of bench/RESULTS.md."""
+    lines = [
+        "| pass | pairs | ratio, median (quartiles); target >= 0.9 | job / bare samples/s "
+        "| CPU us/sample job / bare |",
+        "|---|---|---|---|---|",
+    ]
+    for loaders, row in results["image_tar"].items():
+        low, median, high = row["ratio_quartiles"]
+        lines.append(
+            f"| {results['architecture']}, {loaders} loader processes | {row['pairs']} "
+            f"| **{median:.3f}** ({low:.3f}-{high:.3f}) "
+            f"| {row['job_samples_per_s']:.1f} / {row['bare_samples_per_s']:.1f} "
+            f"| {row['job_cpu_us_per_sample']:.0f} / {row['bare_cpu_us_per_sample']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--loaders", type=int, nargs="*", default=[0, 2])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="zoo_bench_", dir=args.dir))
+    try:
+        found = run(args, work)
+        print(json.dumps(found, indent=2))
+        print(table(found))
+    finally:
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+
+
+if __name__ == "__main__":
+    main()

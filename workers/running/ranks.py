@@ -1,0 +1,386 @@
+"""A train job in several processes on one worker: its ranks, launched by torch's elastic
+launcher (the machinery behind ``torchrun``), kept in step by DDP (docs/distributed.md).
+
+The job's own process (the RQ job process, which keeps the heartbeat, the progress and the
+cancel flag: workers/running/runtime.py) loads and measures the model as for any job; for the
+training itself it calls :func:`train_in_ranks`, which runs ``processes`` ranks through
+``elastic_launch`` and waits for them. Each rank (:func:`run_rank`, in a process of its own)
+loads the job again, wraps its model in DDP and runs :func:`train_model` on its slice of each
+global batch. Rank 0 hands back the trained state; the job's process loads it into its model,
+measures, reports and saves as for a job in one process, so only one process writes results.
+
+NOTE [ Ranks' batches ]
+
+Each epoch is one global permutation drawn from the job's seed, the same on every rank; it is
+cut into global batches of ``batch_size`` as in one process, and rank r of N trains on the
+r-th of every N samples of each global batch (``RankSlice.take`` in
+workers/running/training.py): DistributedSampler's deal, batch by batch. A short last batch is
+cut to a multiple of N (the samples over are left out of that epoch's step), and dropped when
+it leaves a rank fewer than 2 samples. DDP averages the ranks' gradients, each the gradient of
+the mean loss over its slice: with equal slices, the gradient of the global batch's mean loss
+except that each rank's BatchNorm normalises with its own slice's statistics (SyncBatchNorm,
+``sync_batchnorm``, uses the global batch's). DDP broadcasts rank 0's buffers before each
+forward, so the running statistics the job keeps are rank 0's.
+
+NOTE [ What the ranks share with the job's process ]
+
+The ranks write nothing to Redis or the store (they read the job's inputs from it). They share
+a private temporary directory with the job's process (``_Workdir``): rank 0 writes its progress
+there after each step and the trained state (safetensors) at the end; a rank that fails writes
+its error's kind and message there; the job's process creates a ``stop`` file there when the
+job is canceled or lost, which every rank checks before each step. What comes back through the
+launcher is each rank's :class:`RankOutcome` as JSON text: no pickled user data.
+
+Failures: the ranks of a job live and die together. The launcher runs with ``max_restarts``
+0; when one rank ends with an error or is killed, its agent ends the others and raises, and
+the job's attempt ends with it: a rank's own error (bad data, NaN) fails the job with its
+message, as does a rank killed for memory; a rank killed by a signal otherwise is an
+interruption (retried as one attempt, NOTE [ Job attempts ] in service/records/retries.py).
+Each rank asks the kernel for SIGKILL when the job's process dies, so a job process killed by
+RQ (stop, timeout) leaves no rank behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import tempfile
+import threading
+from dataclasses import asdict
+from pathlib import Path
+from typing import Final
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+from torch import nn
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.nn.parallel import DistributedDataParallel
+
+from api_schemas import JobPayload, TrainParams
+from api_schemas.reports import EpochLog, StepTimings
+from service.settings import get_settings
+from service.store import open_store
+from service.upkeep.parent_death import die_with_parent
+from workers import errors
+from workers.errors import JobCanceled, JobInterrupted, TrainError, WorkerError
+from workers.models.modules import named_modules
+from workers.passes.hooks import JobHooks
+from workers.passes.steps import StepClock
+from workers.running.capacity import oom_kills
+from workers.running.compute import one_sample_batch_explained
+from workers.running.evaluation import loss_for
+from workers.running.failures import out_of_memory_message
+from workers.running.loading import LoadedJob, load_job, resolve_device
+from workers.running.training import RankSlice, Recipe, train_model
+
+__all__ = ["RankOutcome", "run_rank", "train_in_ranks"]
+
+# How often the job's process reads rank 0's progress and passes a cancel on to the ranks.
+WATCH_INTERVAL_S: Final = 0.2
+# How long the ranks may take to start and meet (importing torch, once a rank a process).
+RENDEZVOUS_TIMEOUT_S: Final = 300
+# How long ranks asked to stop (one of them failed) get before SIGKILL.
+SHUTDOWN_TIMEOUT_S: Final = 10
+_STATE: Final = "state.safetensors"
+_PROGRESS: Final = "progress"
+_STOP: Final = "stop"
+
+
+class RankOutcome(BaseModel):
+    """What one rank trained, as it sends it back to the job's process."""
+
+    rank: int
+    steps: int
+    samples: int  # the global batches' samples, all ranks together
+    epochs: list[EpochLog]  # rank 0's carry the validation; others' have none
+    timings: StepTimings | None  # this rank's steps, counting its own slices
+
+
+class _Workdir:
+    """The private directory a job's process shares with its ranks (NOTE [ What the ranks
+    share with the job's process ])."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    @property
+    def state(self) -> Path:
+        return self.path / _STATE
+
+    def error(self, rank: int) -> Path:
+        return self.path / f"error-{rank}.json"
+
+    def stop_requested(self) -> bool:
+        return (self.path / _STOP).exists()
+
+    def request_stop(self) -> None:
+        (self.path / _STOP).touch()
+
+    def write_progress(self, done: int, total: int) -> None:
+        # Written whole and renamed: the job's process never reads half a line.
+        partial = self.path / f"{_PROGRESS}.partial"
+        partial.write_text(f"{done} {total}")
+        partial.replace(self.path / _PROGRESS)
+
+    def read_progress(self) -> tuple[int, int] | None:
+        try:
+            done, total = (self.path / _PROGRESS).read_text().split()
+        except (OSError, ValueError):
+            return None
+        return int(done), int(total)
+
+
+def _rank_device(requested: str, local_rank: int) -> torch.device:
+    """Rank r's device: the r-th of the worker's GPUs on CUDA (one rank a GPU), made this
+    process's current one before anything touches CUDA (else every rank would open a context
+    on the first GPU); else the CPU."""
+    device = resolve_device(requested)
+    if device.type != "cuda":
+        return device
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def run_rank(payload_json: str, workdir: str, parent_pid: int, threads: int) -> str:
+    """One rank of a train job; the launcher's entry point, run in a process of its own with
+    torch.distributed's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). Returns
+    its :class:`RankOutcome` as JSON."""
+    die_with_parent(signal.SIGKILL, parent_pid)  # no rank outlives the job's process
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    shared = _Workdir(workdir)
+    torch.set_num_threads(threads)
+    try:
+        payload = JobPayload.model_validate_json(payload_json)
+        params = payload.params
+        assert isinstance(params, TrainParams), f"{payload.kind} jobs do not train"
+        device = _rank_device(params.device, local_rank)
+        job = load_job(payload, open_store(get_settings()))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        outcome = _train_rank(params, job, device, shared, RankSlice(rank, world_size))
+        return outcome.model_dump_json()
+    except BaseException as exc:
+        kind = type(exc).__name__ if isinstance(exc, WorkerError) else "WorkerError"
+        message = str(exc) or type(exc).__name__
+        if not isinstance(exc, WorkerError):
+            message = f"rank {rank} of {world_size} failed: {type(exc).__name__}: {message}"
+        with contextlib.suppress(OSError):  # the error itself propagates either way
+            shared.error(rank).write_text(json.dumps({"kind": kind, "message": message}))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train_rank(
+    params: TrainParams,
+    job: LoadedJob,
+    device: torch.device,
+    shared: _Workdir,
+    ranks: RankSlice,
+) -> RankOutcome:
+    assert job.y is not None, "the API only accepts train jobs on labelled datasets"
+    model: nn.Module = job.model.to(device)
+    if params.sync_batchnorm:
+        # Converted after the checkpoint policy wrapped its blocks: the wrapper finds its
+        # BatchNorm layers by type when it runs, and SyncBatchNorm is one.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
+    # DDP broadcasts rank 0's parameters and buffers now and its buffers before each forward
+    # (NOTE [ Ranks' batches ]); validation and the saved state use `model` itself.
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
+    tracked_before = _batches_tracked(model)
+    clock = StepClock(device, None)
+    progress = shared.write_progress if ranks.rank == 0 else None
+    loss = params.loss or loss_for(job.y)
+    with one_sample_batch_explained(None, params.batch_size // ranks.world_size, None):
+        trained = train_model(
+            model,
+            job.x,
+            job.y,
+            epochs=params.epochs,
+            batch_size=params.batch_size,
+            optimizer=params.optimizer,
+            lr=params.lr,
+            momentum=params.momentum,
+            weight_decay=params.weight_decay,
+            loss=loss,
+            validation_fraction=params.validation_fraction,
+            seed=params.seed,
+            device=device,
+            progress=progress,
+            should_stop=shared.stop_requested,
+            recipe=Recipe.of(params),
+            forward=ddp,
+            clock=clock,
+            ranks=ranks,
+        )
+    # Micro-batches, one BatchNorm update each (NOTE [ Micro-batches and steps ]).
+    _check_one_update_a_step(model, tracked_before, trained.batches, ranks.rank)
+    if ranks.rank == 0:
+        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        partial = shared.path / f"{_STATE}.partial"
+        safetensors.torch.save_file(state, str(partial))
+        partial.replace(shared.state)
+    return RankOutcome(
+        rank=ranks.rank,
+        steps=trained.batches,  # micro-batches: the report's `batches`
+        samples=trained.samples,
+        epochs=[EpochLog(**asdict(e)) for e in trained.epochs],
+        timings=None if clock.steps == 0 else clock.timings(),
+    )
+
+
+def _batches_tracked(model: nn.Module) -> dict[str, int]:
+    """Each BatchNorm layer's ``num_batches_tracked``, by name."""
+    return {
+        name: int(module.num_batches_tracked)
+        for name, module in named_modules(model)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and module.num_batches_tracked is not None
+    }
+
+
+def _check_one_update_a_step(
+    model: nn.Module, before: dict[str, int], steps: int, rank: int
+) -> None:
+    """The checkpoint wrapper's guarantee, on this rank: each BatchNorm layer counted exactly
+    one batch a step. DDP gives every rank rank 0's buffers before each forward, so on any
+    rank the count after the last step is the count before plus the steps."""
+    for name, count in _batches_tracked(model).items():
+        if count != before[name] + steps:
+            raise TrainError(
+                f"rank {rank}: BatchNorm layer {name!r} counted {count - before[name]} batches "
+                f"in {steps} steps; its statistics were updated more than once a step. Report "
+                "this with the job's checkpoint policy; submit with checkpoint preset 'none' "
+                "meanwhile"
+            )
+
+
+def _processes_fit(processes: int, device: torch.device) -> None:
+    """On CUDA, one rank a GPU: no more ranks than the worker's GPUs."""
+    if device.type == "cuda" and processes > torch.cuda.device_count():
+        raise WorkerError(
+            f"the job asks for processes={processes}, one GPU each, but this worker serves "
+            f"{torch.cuda.device_count()} GPU(s); submit with processes <= "
+            f"{torch.cuda.device_count()}, or run a worker with more GPUs (bnadapt worker "
+            "--device cuda serves all the machine's GPUs)"
+        )
+
+
+class _Watch:
+    """A thread of the job's process that passes rank 0's progress on to the job's hooks and
+    a cancel on to the ranks."""
+
+    def __init__(self, shared: _Workdir, hooks: JobHooks, batch_size: int) -> None:
+        self._shared, self._hooks, self._batch_size = shared, hooks, batch_size
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ranks-watch", daemon=True)
+        self._total = 0
+
+    def __enter__(self) -> _Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._done.wait(WATCH_INTERVAL_S):
+            if self._hooks.should_stop():
+                self._shared.request_stop()
+            read = self._shared.read_progress()
+            if read is None:
+                continue
+            done, total = read
+            if total != self._total:
+                self._hooks.start_phase("train", total, "steps", float(self._batch_size))
+                self._total = total
+            self._hooks.report(done)
+
+
+def train_in_ranks(
+    payload: JobPayload, params: TrainParams, job: LoadedJob, hooks: JobHooks
+) -> list[RankOutcome]:
+    """Trains ``job.model`` with ``params.processes`` ranks and loads rank 0's state into it;
+    returns what each rank trained, in rank order, or raises what ended the ranks (module
+    docstring: failures)."""
+    processes = params.processes
+    _processes_fit(processes, job.device)
+    threads = max(1, torch.get_num_threads() // processes)
+    with tempfile.TemporaryDirectory(prefix="bnadapt-ranks-") as workdir:
+        shared = _Workdir(workdir)
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=processes,
+            run_id=payload.job_id,
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",  # port 0: the store takes a free port
+            rdzv_configs={"timeout": RENDEZVOUS_TIMEOUT_S},
+            max_restarts=0,  # the ranks live and die together: one failure ends the attempt
+            monitor_interval=0.1,
+            start_method="spawn",  # the job's process may hold CUDA state: never fork it
+            local_addr="127.0.0.1",
+            logs_specs=DefaultLogsSpecs(log_dir=str(shared.path / "logs")),
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
+        launch = elastic_launch(config, run_rank)
+        oom_kills_before = oom_kills()
+        try:
+            with _Watch(shared, hooks, params.batch_size):
+                results = launch(payload.model_dump_json(), workdir, os.getpid(), threads)
+        except ChildFailedError as exc:
+            raise _ranks_failure(exc, shared, hooks, oom_kills_before) from exc
+        state = safetensors.torch.load_file(str(shared.state))
+    job.model.load_state_dict(state)
+    return [RankOutcome.model_validate_json(results[r]) for r in range(processes)]
+
+
+def _ranks_failure(
+    exc: ChildFailedError, shared: _Workdir, hooks: JobHooks, oom_kills_before: int | None
+) -> WorkerError:
+    """What ended a job's ranks, as the job's error: a cancel, the job's own failure (a rank
+    killed by the out-of-memory killer, or a rank's own error with its message), or an
+    interruption (a rank killed by a signal otherwise: retried)."""
+    if hooks.should_stop():
+        return JobCanceled("training canceled while its ranks ran")
+    killed = sorted(r for r, f in exc.failures.items() if f.exitcode < 0)
+    if killed:
+        failure = exc.failures[killed[0]]
+        after = oom_kills()
+        if oom_kills_before is not None and after is not None and after > oom_kills_before:
+            # As a job process killed for memory (workers/running/capacity.py): not retried.
+            return WorkerError(
+                out_of_memory_message(
+                    f"rank {killed[0]} was killed by the kernel's out-of-memory killer"
+                )
+            )
+        return JobInterrupted(
+            f"rank {killed[0]} of the job's processes was killed ({failure.signal_name()}); "
+            "its other ranks were stopped with it"
+        )
+    # A rank's own error first (DataError, TrainError, ...): the others' are often only their
+    # collective breaking off when it ended.
+    found: list[WorkerError] = []
+    for rank in sorted(exc.failures):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            written = json.loads(shared.error(rank).read_text())
+            kind = getattr(errors, str(written["kind"]), WorkerError)
+            if isinstance(kind, type) and issubclass(kind, WorkerError):
+                found.append(kind(str(written["message"])))
+    if found:
+        return next((e for e in found if type(e) is not WorkerError), found[0])
+    rank, failure = exc.get_first_failure()
+    return WorkerError(
+        f"rank {rank} of the job's processes ended with exit code {failure.exitcode}; "
+        "see the worker's log"
+    )
