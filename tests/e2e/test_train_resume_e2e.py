@@ -214,6 +214,7 @@ BAD_RECIPES: list[tuple[dict[str, Any], list[str]]] = [
     ({"clip_grad_norm": -1}, ["clip_grad_norm"]),
     ({"augmentation": {"crop_scale": [0.5, 0.2]}}, ["0 < low <= high <= 1", "[0.08, 1.0]"]),
     ({"loader_workers": 17}, ["loader_workers"]),
+    ({"processes": 2, "save_every_steps": 5}, ["not offered with processes > 1"]),
 ]
 
 
