@@ -92,11 +92,12 @@ SPEC = {
 }
 
 
-def write_photo_tar(path: Path, size: tuple[int, int], samples: int) -> None:
-    """``samples`` photo-like JPEGs of ``size`` (width, height), eight different ones in turn."""
+def write_photo_tar(path: Path, sizes: list[tuple[int, int]], samples: int) -> None:
+    """``samples`` photo-like JPEGs (tests/zoo/photos.py) of ``sizes`` (width, height) in turn,
+    eight different ones repeated."""
     from tests.zoo.photos import photo_jpeg
 
-    photos = [photo_jpeg(*size, seed=i) for i in range(min(8, samples))]
+    photos = [photo_jpeg(*sizes[i % len(sizes)], seed=i) for i in range(min(8, samples))]
     with tarfile.open(path, "w") as archive:
         for i in range(samples):
             data = photos[i % len(photos)]
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for size, samples in (((500, 375), args.photos), ((4000, 3000), args.large_photos)):
         tar_path = work / f"photos_{size[0]}x{size[1]}.tar"
-        write_photo_tar(tar_path, size, samples)
+        write_photo_tar(tar_path, [size], samples)
         facts = describe_tar(
             tar_path, spec, max_pixels=1 << 26, max_classes=10, max_elements=1 << 40
         )

@@ -19,11 +19,9 @@ target), the median of ``--pairs`` interleaved pairs with its quartiles.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.data_bench import PASS, pass_row, run_in  # noqa: E402
+from bench.decode_bench import write_photo_tar  # noqa: E402
 
 ARCHITECTURE = "torchvision.resnet18"
 SIZES = ((500, 375), (375, 500))  # (width, height)
@@ -77,19 +76,6 @@ print(json.dumps({'compute_s': end - start, 'samples': len(where), 'cpu_s': own 
 """
 
 
-def write_photo_tar(path: Path, samples: int) -> None:
-    """``samples`` photo-like JPEGs (tests/zoo/photos.py), landscape and portrait in turn."""
-    from tests.zoo.photos import photo_jpeg
-
-    photos = [photo_jpeg(*SIZES[i % 2], seed=i) for i in range(8)]
-    with tarfile.open(path, "w") as archive:
-        for i in range(samples):
-            data = photos[i % len(photos)]
-            info = tarfile.TarInfo(f"{i:06d}.jpg")
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-
-
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import os
 
@@ -109,7 +95,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     spec = evaluation_preprocessing(ARCHITECTURE, kwargs)
     assert spec is not None, "torchvision's resnet18 has an evaluation transform"
     tar_path = work / "photos.tar"
-    write_photo_tar(tar_path, args.samples)
+    write_photo_tar(tar_path, list(SIZES), args.samples)
     facts = describe_tar(tar_path, spec, max_pixels=1 << 26, max_classes=10, max_elements=1 << 40)
     sha = store.put_bytes(tar_path.read_bytes())
     payload = JobPayload.model_validate(
