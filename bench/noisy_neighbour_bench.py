@@ -212,6 +212,44 @@ def run_flood(
     )
 
 
+def _tree(root: int) -> list[int]:
+    """``root`` and its live descendants (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
+    """Processor time (user + system, s) used so far by each named process with its
+    descendants, and by this process alone (``bench_and_b``: B's reads, the bench)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for name, root in roots.items():
+        total = 0
+        for pid in _tree(root):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            # Its own time, and that of its children it has waited for (a job's process).
+            total += sum(int(value) for value in fields[11:15])
+        used[name] = total / tick
+    own = os.times()
+    used["bench_and_b"] = own.user + own.system
+    return used
+
+
 def write_upload(path: Path, mib: int, seed: int) -> None:
     """An npz of ``mib`` MiB of random uint8 images (N, 3, 32, 32)."""
     n = max(1, mib * MIB // (3 * 32 * 32))
@@ -249,6 +287,15 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             args=(stack.url, key_a, model_a.id, data_a.id, files, args, stop, figures),
         )
         flood_process.start()
+        assert stack.api is not None
+        assert stack.worker is not None
+        assert flood_process.pid is not None
+        processes = {
+            "api": stack.api.pid,
+            "worker": stack.worker.pid,
+            "a_client": flood_process.pid,
+        }
+        cpu_before = cpu_seconds(processes)
         time.sleep(args.backlog_s)  # A's backlog builds up
         noisy_reads: list[float] = []
         reader = threading.Thread(
@@ -259,6 +306,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         job_b = b.submit("adapt", model_b.id, data_b.id, ADAPT)
         ended_b = b.wait(job_b.id)
         reader.join()
+        cpu_noisy = {
+            name: round(after - cpu_before[name], 1)
+            for name, after in cpu_seconds(processes).items()
+        }
+        noisy_wall_s = time.time() - submitted + args.backlog_s
         stop.set()
         flood: dict[str, Any] = figures.get(timeout=300)
         flood_process.join(timeout=60)
@@ -289,6 +341,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "a_jobs_started_before_b": a_started_between,
             "b_wait_s": b_started - submitted,
             "load_average": os.getloadavg()[0],
+            # Where the processor went while A flooded (s, over noisy_wall_s of 2 cores).
+            "cpu_s": cpu_noisy,
+            "noisy_wall_s": round(noisy_wall_s, 1),
         }
         print(json.dumps(result, indent=2), flush=True)
         return result
