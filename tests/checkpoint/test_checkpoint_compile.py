@@ -26,7 +26,9 @@ from bnadapt.checkpoint import apply_checkpointing, checkpoint, checkpoint_wrapp
 from tests.checkpoint.checkpoint_harness import assert_same, unwrapped_name
 from tests.checkpoint.test_checkpoint import Block, Net, images, nested
 
-BACKENDS = ["eager", "aot_eager", "inductor"]
+# inductor compiles C++ for each case (a minute and more, cold): the whole suite runs it, the
+# quick tier keeps the two backends that trace the same graphs without compiling them.
+BACKENDS = ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
 
 
 def fresh(dropout: float = 0.0, device: str = "cpu") -> Net:

@@ -31,7 +31,10 @@ def full_size(data: bytes, spec: Preprocessing) -> npt.NDArray[np.int64]:
     return np.asarray(crop).transpose(2, 0, 1).astype(np.int64)
 
 
-@pytest.mark.parametrize("size", [(1600, 1200), (1200, 1600), (4000, 3000)])
+@pytest.mark.parametrize(
+    "size",
+    [(1600, 1200), (1200, 1600), pytest.param((4000, 3000), marks=pytest.mark.slow)],
+)
 def test_a_large_jpeg_decodes_reduced_within_a_few_levels(size: tuple[int, int]) -> None:
     data = photo_jpeg(*size, seed=5)
     ours = decode_image(data, "photo", SPEC, MAX_PIXELS).astype(np.int64)

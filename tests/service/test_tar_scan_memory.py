@@ -19,6 +19,9 @@ from PIL import Image
 from api_schemas.datasets import Preprocessing
 from service.formats.images import describe_tar, index_tar
 
+# 50,000 headers parsed under tracemalloc, twice: outside the quick tier.
+pytestmark = pytest.mark.slow
+
 TINY_MEMBERS = 50_000
 # What a scan may allocate. Keeping every member's header took 22 MB for this tar (TarInfo
 # objects and their names; 90 MB for 200,000 members); one at a time it is under 1 MiB.

@@ -83,6 +83,7 @@ def test_a_process_killed_by_the_oom_killer_is_its_own_failure() -> None:
     assert own is not None and "out-of-memory killer" in own
 
 
+@pytest.mark.slow  # fills a job process's memory to its limit
 def test_a_job_process_is_held_to_the_workers_memory() -> None:
     # In a process of its own, as RQ's forked job process: 64 MiB beyond what it started with.
     code = (
