@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run (about 6-8 minutes on one GPU): the GPU tests
 # (the checkpoint wrapper's CUDA paths, compiled on CUDA, SyncBatchNorm over NCCL, bf16
-# autocast, a compiled train job end to end on a CUDA worker, and, with 2 GPUs or more,
+# autocast, bnadapt's SyncBatchNorm in 2 ranks (NCCL on 2 GPUs, gloo on one) against torch's,
+# its collectives checkpointed and not counted alike, a compiled train job end to end on a
+# CUDA worker, and, with 2 GPUs or more,
 # SyncBatchNorm train jobs over 2 GPUs), then the checkpoint bench's eager, launch-bound,
 # adaptation and compiled rows on CUDA, and, with 2 GPUs or more, a train job on 1 GPU against
 # the same on N (bench/train_processes_bench.py). Run from the repository root with the
@@ -17,7 +19,7 @@ fi
 status=0
 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -o log_level=WARNING \
     tests/checkpoint/test_checkpoint_gpu.py tests/e2e/test_compile_e2e.py \
-    tests/e2e/test_processes_gpu.py || status=$?
+    tests/e2e/test_processes_gpu.py tests/checkpoint/test_sync_batchnorm.py || status=$?
 (cd bench && "$PYTHON" checkpoint_bench.py --measure train control launch adapt --pairs 100) \
     || status=$?
 (cd bench && "$PYTHON" checkpoint_bench.py --measure compiled --pairs 100) || status=$?

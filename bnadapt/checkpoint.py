@@ -48,7 +48,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -184,6 +184,7 @@ __all__ = [
 # torch's own error if the region updates buffers).
 
 _WRAPPED_NAME = "_checkpoint_wrapped_module"
+_T = TypeVar("_T")
 
 
 # torch._foreach_clone clones a list in one dispatch (a clone each from Python costs its
@@ -213,6 +214,9 @@ class _Buffers(NamedTuple):
     # Its buffers that require grad, themselves: like parameters, the recomputation must read
     # the tensors the gradient goes to, not copies.
     leaves: dict[str, torch.Tensor] | None
+    # Whether its class keeps values for the recomputation (NOTE [ Values kept for the
+    # recomputation ]).
+    keeps: bool
 
 
 # NOTE [ BatchNorm in train mode ]
@@ -229,17 +233,63 @@ class _Buffers(NamedTuple):
 # scratch: nothing reads it, and autograd keeps no version check on BatchNorm's running
 # statistics. (Two threads recomputing the same module at once would race on the swap, as
 # they would on every other part of a module's state: one module, one backward at a time.)
-# Only modules whose forward is torch's own (_BatchNorm's or SyncBatchNorm's) with exactly its
-# three buffers, none None or lazy, and no forward hooks of their own qualify; anything else is
-# recorded and copied as above. Nothing else needs checking per call: with
-# track_running_stats switched off, train mode passes no running statistics to the kernel (the
-# scratch is not even written), and a running statistic that requires grad makes torch's
-# kernel refuse the first forward, before any recomputation.
+# Only modules whose forward is torch's own (_BatchNorm's or SyncBatchNorm's), or one whose class
+# says it is like it in that respect (_checkpoint_batch_norm_forward, as bnadapt's own
+# SyncBatchNorm: in train mode its output reads no running statistic, and it reaches its buffers
+# only through _buffers), with exactly its three buffers, none None or lazy, and no forward
+# hooks of their own qualify; anything else is recorded and copied as above. Nothing else needs
+# checking per call: with track_running_stats switched off, train mode passes no running
+# statistics to the kernel (the scratch is not even written), and a running statistic that
+# requires grad makes torch's kernel refuse the first forward, before any recomputation (in
+# bnadapt's SyncBatchNorm it is only written, under no_grad, and no gradient reaches it).
 
 _BATCH_NORM_FORWARDS = frozenset(
     {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
 )
 _BATCH_NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+# The class attributes (set to True) by which a module class, as bnadapt's SyncBatchNorm,
+# declares what the wrapper may rely on: a BatchNorm forward (NOTE [ BatchNorm in train mode ]),
+# values kept for the recomputation (NOTE [ Values kept for the recomputation ]).
+_DECLARES_BATCH_NORM_FORWARD = "_checkpoint_batch_norm_forward"
+_DECLARES_KEPT_VALUES = "_checkpoint_keeps_values"
+
+
+def _is_batch_norm_forward(kind: type[nn.Module]) -> bool:
+    return kind.forward in _BATCH_NORM_FORWARDS or bool(
+        getattr(kind, _DECLARES_BATCH_NORM_FORWARD, False)
+    )
+
+
+def _keeps_values(kind: type[nn.Module]) -> bool:
+    return getattr(kind, _DECLARES_KEPT_VALUES, False) is True
+
+
+# NOTE [ Values kept for the recomputation ]
+#
+# Some values of a first forward must not be computed again by the recomputation: a
+# synchronized BatchNorm's global statistics come out of a collective that every rank joins
+# (bnadapt/sync_batchnorm.py), and a recomputation that ran it again would cost one more
+# collective per layer and step (fairscale's SyncBatchNorm saves its first forward's statistics
+# for its recomputation for the same reason). Such a module's class declares
+# `_checkpoint_keeps_values = True` and computes those values through
+# _kept_for_recomputation(module, compute):
+# - outside any checkpointed call, and under torch.compile, it returns compute();
+# - in a first forward, it returns compute() and keeps the value with every checkpointed call
+#   under way on this thread (an outer call's recomputation will need it as much as the inner
+#   call's own), in the order of the module's calls;
+# - in a recomputation, it returns the value the first forward kept for the module's k-th call
+#   of that call (counted afresh by each recomputation: retain_graph recomputes again, early
+#   stop recomputes a prefix), computing nothing: the same tensor object, so the recomputation
+#   normalises with exactly the first forward's statistics. Where calls are nested (a wrapped
+#   block inside a wrapped block), the outermost call under recomputation answers, and the
+#   inner call, which runs its first forward inside it, keeps what it answered.
+# Only calls whose recorded modules include such a class take part: the wrapper notes it when
+# it makes the module's buffer record (the class is read once per module for BatchNorm's
+# scratch, NOTE [ BatchNorm in train mode ]), and only then enters a context in the first
+# forward and marks the recomputation on this thread's stack (_KEEPING); every other call
+# costs nothing more. The kept values live as long as the call's state, that is as long as
+# its autograd graph. A module the call does not record (not registered under the wrapped
+# module) computes in the recomputation again, as before: its values are not kept.
 
 
 class _Scratch(NamedTuple):
@@ -262,7 +312,7 @@ def _new_scratch(module: nn.Module, buffers: dict[str, torch.Tensor | None]) -> 
     scratch made and cached; None for a forward other than torch's BatchNorm's, other buffers
     than its three, or one of them None or lazy. The per-call path checks only what can change
     for the same module and buffer objects (forward hooks)."""
-    if type(module).forward not in _BATCH_NORM_FORWARDS or tuple(buffers) != _BATCH_NORM_BUFFERS:
+    if not _is_batch_norm_forward(type(module)) or tuple(buffers) != _BATCH_NORM_BUFFERS:
         return None
     mean, var, count = buffers.values()
     if mean is None or var is None or count is None or any(map(is_lazy, (mean, var, count))):
@@ -274,7 +324,7 @@ def _new_scratch(module: nn.Module, buffers: dict[str, torch.Tensor | None]) -> 
     key = id(module)
     if key not in _SCRATCH:
         weakref.finalize(module, _SCRATCH.pop, key, None)
-    record = _Buffers(scratch, (), 0, None)
+    record = _Buffers(scratch, (), 0, None, _keeps_values(type(module)))
     _SCRATCH[key] = _Scratch(type(module), mean, var, count, record)
     return record
 
@@ -316,7 +366,17 @@ class _CallState:
     ones back on exit. Torch may recompute the same call more than once (backward with
     retain_graph=True), so it is a plain class, reusable, not a generator."""
 
-    __slots__ = ("_context_fn", "_root", "_saved", "records", "seen", "values")
+    __slots__ = (
+        "_context_fn",
+        "_cursors",
+        "_kept",
+        "_root",
+        "_saved",
+        "keeps",
+        "records",
+        "seen",
+        "values",
+    )
 
     def __init__(self, root: nn.Module | None = None, context_fn: ContextFn | None = None) -> None:
         # The region's root module, recorded when torch asks for the contexts (None: a plain
@@ -330,6 +390,12 @@ class _CallState:
         self.values: list[torch.Tensor] = []
         # What each recomputation entered changed, to put back on exit.
         self._saved: list[_Changes] = []
+        # NOTE [ Values kept for the recomputation ]: whether a recorded module keeps values,
+        # the values its first forward kept by module, and how many of them the recomputation
+        # under way has taken (made when it starts).
+        self.keeps = False
+        self._kept: dict[nn.Module, list[Any]] | None = None
+        self._cursors: dict[nn.Module, int] | None = None
 
     def contexts(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         """The context_fn handed to torch's checkpoint: the first forward's context and the
@@ -339,6 +405,8 @@ class _CallState:
             forward = _FirstForward(self)
         else:
             self.capture(self._root)
+            if self.keeps:
+                forward = _Keeping(self)
         recompute: AbstractContextManager[Any] = self
         if self._context_fn is not None:
             user_forward, user_recompute = self._context_fn()
@@ -388,11 +456,16 @@ class _CallState:
                         else _new_scratch(module, buffers)
                     )
                     if record is not None:
+                        if record.keeps:
+                            self.keeps = True
                         records.append((module, training, then, record))
                         continue
                 names: tuple[str, ...] = ()
                 leaves = None
                 start = first + len(tensors)
+                keeps = getattr(type(module), _DECLARES_KEPT_VALUES, False) is True
+                if keeps:
+                    self.keeps = True
                 for name, buf in buffers.items():
                     if buf is None or is_lazy(buf):
                         continue
@@ -402,7 +475,9 @@ class _CallState:
                     else:
                         names += (name,)
                         tensors.append(buf)
-                records.append((module, training, then, _Buffers(None, names, start, leaves)))
+                records.append(
+                    (module, training, then, _Buffers(None, names, start, leaves, keeps))
+                )
         except AttributeError:
             # A TorchScript module's _parameters and _buffers are views of its C++ state,
             # without the dict methods read here: say so, rather than what was missing.
@@ -462,6 +537,9 @@ class _CallState:
         except BaseException as exc:
             self.__exit__(type(exc), exc, exc.__traceback__)
             raise
+        if self.keeps:
+            self._cursors = {}
+            _KEEPING.calls.append(self)
 
     def __exit__(
         self,
@@ -469,6 +547,10 @@ class _CallState:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self.keeps:
+            calls = _KEEPING.calls
+            if calls and calls[-1] is self:
+                calls.pop()
         flags, dicts, swaps = self._saved.pop()
         for module, training in flags:
             module.training = training
@@ -477,6 +559,79 @@ class _CallState:
             real.update(contents)
         for attributes, name, value in swaps:
             attributes[name] = value
+
+    @property
+    def recomputing(self) -> bool:
+        return bool(self._saved)
+
+    def keep(self, module: nn.Module, value: Any) -> None:
+        """Keep ``value``, computed by ``module``'s next call in the first forward."""
+        if self._kept is None:
+            self._kept = {}
+        self._kept.setdefault(module, []).append(value)
+
+    def recall(self, module: nn.Module) -> Any:
+        """The value kept for ``module``'s next call in this recomputation; _NOT_KEPT where the
+        first forward kept none for it."""
+        kept = None if self._kept is None else self._kept.get(module)
+        cursors = self._cursors
+        taken = 0 if cursors is None else cursors.get(module, 0)
+        if kept is None or cursors is None or taken >= len(kept):
+            return _NOT_KEPT
+        cursors[module] = taken + 1
+        return kept[taken]
+
+
+class _KeepingCalls(threading.local):
+    """This thread's checkpointed calls under way whose modules keep values, innermost last
+    (NOTE [ Values kept for the recomputation ])."""
+
+    def __init__(self) -> None:
+        self.calls: list[_CallState] = []
+
+
+_KEEPING = _KeepingCalls()
+_NOT_KEPT: Any = object()
+
+
+class _Keeping:
+    """The first forward's context of a call whose modules keep values: the call is under way
+    on this thread while its region runs."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: _CallState) -> None:
+        self._state = state
+
+    def __enter__(self) -> None:
+        _KEEPING.calls.append(self._state)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        calls = _KEEPING.calls
+        if calls and calls[-1] is self._state:
+            calls.pop()
+
+
+def _kept_for_recomputation(module: nn.Module, compute: Callable[[], _T]) -> _T:
+    """NOTE [ Values kept for the recomputation ]: ``compute()``, in a first forward kept with
+    the checkpointed calls under way; in a recomputation, what the first forward computed for
+    this call of ``module``, without computing it again."""
+    calls = _KEEPING.calls
+    if not calls or torch.compiler.is_compiling():
+        return compute()
+    source = next((call for call in calls if call.recomputing), None)
+    value = _NOT_KEPT if source is None else source.recall(module)
+    if value is _NOT_KEPT:
+        value = compute()
+    for call in calls:
+        if not call.recomputing:
+            call.keep(module, value)
+    return cast(_T, value)
 
 
 def _refuse_torchscript(modules: Iterable[nn.Module]) -> None:
@@ -504,6 +659,8 @@ class _FirstForward:
         self._handles.append(
             nn.modules.module.register_module_forward_pre_hook(self.on_forward_pre)
         )
+        # Its modules are not known yet: whether they keep values shows as they run.
+        _KEEPING.calls.append(self._state)
 
     def on_forward_pre(self, module: nn.Module, args: Any) -> None:
         # Under torch.compile this hook is traced into the graphs of compiled modules that run
@@ -522,6 +679,9 @@ class _FirstForward:
     ) -> None:
         if self._handles:
             self._handles.pop().remove()
+        calls = _KEEPING.calls
+        if calls and calls[-1] is self._state:
+            calls.pop()
 
 
 class _Both:

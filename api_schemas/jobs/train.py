@@ -169,9 +169,9 @@ class TrainParams(RequestModel):
     )
     sync_batchnorm: bool = Field(
         default=False,
-        description="Convert BatchNorm to SyncBatchNorm: statistics over the whole global "
-        "batch, all ranks together. Needs device 'cuda' (torch's SyncBatchNorm runs on GPUs "
-        "only); with processes 1 it changes nothing.",
+        description="Synchronise BatchNorm across the ranks: statistics over the whole global "
+        "batch, all ranks together, on the CPU (gloo) as on CUDA (NCCL); with processes 1 it "
+        "changes nothing.",
     )
 
     lr_schedule: LrSchedule = Field(
@@ -297,12 +297,6 @@ class TrainParams(RequestModel):
             raise ValueError(
                 "compile is not offered with processes > 1 yet; submit with compile: false "
                 "or processes: 1"
-            )
-        if self.sync_batchnorm and not self.device.startswith("cuda"):
-            raise ValueError(
-                f"sync_batchnorm needs device 'cuda', got {self.device!r}: torch's "
-                "SyncBatchNorm runs on GPUs only, and 'auto' may run on a CPU worker; submit "
-                "with device 'cuda', or without sync_batchnorm"
             )
         if self.processes > 1 and (
             self.save_every_steps is not None

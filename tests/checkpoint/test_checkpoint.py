@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
 import bnadapt.checkpoint
+from bnadapt.sync_batchnorm import convert_sync_batchnorm
 from tests.checkpoint.checkpoint_harness import assert_same, check_equivalent, run
 from workers.checkpoint import (
     CheckpointWrapper,
@@ -342,6 +343,11 @@ def layer_cases() -> list[Any]:
             ),
             (4, 6),
             id="SyncBatchNorm_no_process_group",
+        ),
+        pytest.param(
+            lambda: convert_sync_batchnorm(seq(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))),
+            (4, 3, 6, 6),
+            id="bnadapt_SyncBatchNorm_no_process_group",
         ),
     ]
 

@@ -1,7 +1,8 @@
 """Train jobs in several processes (docs/distributed.md) through the real API, queue and
 worker, on the CPU with gloo: a 2-process job equals, to 1e-5, one process that runs the same
 per-rank slices and averages their gradients (DDP's definition), keeping rank 0's running
-statistics (DDP's buffer broadcast); what submission refuses; a rank killed mid-training
+statistics (DDP's buffer broadcast); with sync_batchnorm, a 2-process job equals, to 1e-5, the
+same job in one process on whole batches; what submission refuses; a rank killed mid-training
 ends the attempt as one interruption, retried, and a cancel ends all ranks, leaving no rank
 process behind either way."""
 
@@ -154,12 +155,55 @@ def test_processes_are_checked_at_submission(stack: Stack) -> None:
     refused({"processes": 9, "batch_size": 72}, "less than or equal to 8")
     refused({"processes": 2, "device": "cuda:1"}, "one rank a GPU", "'cuda' or 'auto'")
     refused({"processes": 2, "compile": True}, "compile", "processes: 1")
-    for device in ("cpu", "auto"):
-        refused(
-            {"processes": 2, "sync_batchnorm": True, "device": device},
-            "sync_batchnorm needs device 'cuda'",
-            "GPUs only",
-        )
+    # sync_batchnorm runs on every device (bnadapt's SyncBatchNorm): no device refuses it (a
+    # CPU job with it runs in test_sync_batchnorm_on_two_processes_equals_one_process), and it
+    # meets the rules every job with processes meets.
+    for device in ("cpu", "auto", "cuda"):
+        TrainParams(processes=2, sync_batchnorm=True, device=device)
+    refused({"processes": 3, "batch_size": 64, "sync_batchnorm": True}, "multiple of processes")
+
+
+def trained(client: Client, body: dict[str, Any], params: dict[str, Any]) -> tuple[Any, Any]:
+    """A train job's report and weights, once it succeeded."""
+    job = created(client.submit({**body, "params": params}), 202)
+    done = client.wait(job["id"], timeout_s=300)
+    assert done["status"] == "succeeded", done
+    report = client.http.get(done["result"]["report_url"]).json()
+    state = safetensors.torch.load(client.http.get(done["result"]["weights_url"]).content)
+    return {**report, "job_id": job["id"]}, state
+
+
+def test_sync_batchnorm_on_two_processes_equals_one_process(stack: Stack) -> None:
+    """On the CPU (gloo), a 2-process job with sync_batchnorm normalises each step with the
+    whole global batch's statistics, so it equals the same job in one process on whole batches
+    within 1e-5: weights, running statistics, and num_batches_tracked, one a step on every
+    rank (the ranks check it of themselves). Its blocks run checkpointed (the default policy),
+    so the statistics come from the wrapper's first forward."""
+    client = stack.client("sync-batchnorm")
+    model = created(client.add_model("mlp", {"in_features": 64, "hidden": 32}, seed=4))
+    x, y = digits(n=600)
+    dataset = created(client.add_dataset(npz_bytes(x=x.reshape(len(x), 64), y=y)))
+    body = {"kind": "train", "model_id": model["id"], "dataset_id": dataset["id"]}
+    # 540 training samples in batches of 60: every global batch whole, 30 a rank.
+    common = {"epochs": 2, "batch_size": 60, "lr": 0.05}
+    one_report, one = trained(client, body, common)
+    two_report, two = trained(client, body, {**common, "processes": 2, "sync_batchnorm": True})
+    assert two_report["world_size"] == 2 and len(two_report["rank_steps"]) == 2
+    assert two_report["batches"] == one_report["batches"] == 18
+    assert set(two) == set(one)
+    for key, value in one.items():
+        torch.testing.assert_close(two[key], value, rtol=0, atol=1e-5, msg=key)
+    for layer in two_report["batchnorm"]:
+        grown = layer["num_batches_tracked_after"] - layer["num_batches_tracked_before"]
+        assert grown == two_report["batches"]
+    # The test can tell: without sync_batchnorm (each rank normalising its own 30 samples, the
+    # computation ddp_reference repeats) the statistics are another job's.
+    unsynced = ddp_reference(stack, two_report["job_id"])
+    assert any(
+        not torch.allclose(unsynced[k], one[k], rtol=0, atol=1e-5)
+        for k in one
+        if k.endswith("running_var")
+    )
 
 
 def rank_pids(stack: Stack) -> list[int]:

@@ -18,9 +18,10 @@ workers/running/training.py): DistributedSampler's deal, batch by batch. A short
 cut to a multiple of N (the samples over are left out of that epoch's step), and dropped when
 it leaves a rank fewer than 2 samples. DDP averages the ranks' gradients, each the gradient of
 the mean loss over its slice: with equal slices, the gradient of the global batch's mean loss
-except that each rank's BatchNorm normalises with its own slice's statistics (SyncBatchNorm,
-``sync_batchnorm``, uses the global batch's). DDP broadcasts rank 0's buffers before each
-forward, so the running statistics the job keeps are rank 0's.
+except that each rank's BatchNorm normalises with its own slice's statistics
+(``sync_batchnorm`` converts it to bnadapt's SyncBatchNorm, which uses the global batch's, on
+the CPU as on CUDA). DDP broadcasts rank 0's buffers before each forward, so the running
+statistics the job keeps are rank 0's.
 
 NOTE [ What the ranks share with the job's process ]
 
@@ -64,6 +65,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from api_schemas import JobPayload, TrainParams
 from api_schemas.reports import EpochLog, StepTimings
+from bnadapt.sync_batchnorm import convert_sync_batchnorm
 from service.settings import get_settings
 from service.store import open_store
 from service.upkeep.parent_death import die_with_parent
@@ -188,9 +190,13 @@ def _train_rank(
     assert job.y is not None, "the API only accepts train jobs on labelled datasets"
     model: nn.Module = job.model.to(device)
     if params.sync_batchnorm:
-        # Converted after the checkpoint policy wrapped its blocks: the wrapper finds its
-        # BatchNorm layers by type when it runs, and SyncBatchNorm is one.
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
+        # bnadapt's own SyncBatchNorm, on gloo as on NCCL. Converted after the checkpoint policy
+        # wrapped its blocks: the wrapper reads its modules when it runs, and its recomputation
+        # reuses the first forward's global statistics (no second collective).
+        try:
+            model = convert_sync_batchnorm(model)
+        except TypeError as exc:  # a BatchNorm with a forward of its own (timm's BatchNormAct2d)
+            raise TrainError(f"sync_batchnorm: {exc}; submit without sync_batchnorm") from exc
     # DDP broadcasts rank 0's parameters and buffers now and its buffers before each forward
     # (NOTE [ Ranks' batches ]); validation and the saved state use `model` itself.
     ddp = DistributedDataParallel(
