@@ -39,10 +39,16 @@ def model_and_data(name: str) -> tuple[nn.Module, torch.Tensor]:
 
 
 def adapted(
-    model: nn.Module, x: torch.Tensor, estimator: str, precision: str, channels_last: bool
+    model: nn.Module,
+    x: torch.Tensor,
+    estimator: str,
+    precision: str,
+    channels_last: bool,
+    device: torch.device = torch.device("cpu"),  # noqa: B008 - immutable
 ) -> dict[str, torch.Tensor]:
-    """What Adaptation.run does: the estimator's runner under adaptation_numerics."""
-    model = copy.deepcopy(model)
+    """What Adaptation.run does: the estimator's runner under adaptation_numerics, on
+    ``device``; the state on the CPU."""
+    model = copy.deepcopy(model).to(device)
     params = AdaptParams.model_validate(
         {
             "estimator": estimator,
@@ -53,7 +59,6 @@ def adapted(
         }
     )
     layers = select_batchnorm(model, params.include, params.exclude)
-    device = torch.device("cpu")
     torch.manual_seed(0)
     with adaptation_numerics(model, device, precision, channels_last):
         run_estimator(
@@ -65,7 +70,7 @@ def adapted(
             reset=params.effective_reset(),
             device=device,
         )
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def statistics_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -91,6 +96,20 @@ def test_bf16_statistics_are_within_the_stated_bound_of_fp32(
     assert 0 < distance <= BF16_BOUND, distance  # > 0: the pass did run in bf16
     for key, value in half.items():
         assert value.dtype == exact[key].dtype, key  # statistics stay float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_on_cuda_bf16_statistics_are_within_the_same_bound(model_name: str, estimator: str) -> None:
+    model, x = model_and_data(model_name)
+    cuda = torch.device("cuda")
+    exact = adapted(model, x, estimator, "fp32", False, cuda)
+    half = adapted(model, x, estimator, "bf16", True, cuda)
+    distance = statistics_distance(half, exact)
+    print(f"cuda {model_name} {estimator}: {distance:.2e}")
+    assert 0 < distance <= BF16_BOUND, distance
 
 
 def test_fp32_is_the_default_and_runs_bit_for_bit_as_without_numerics() -> None:

@@ -182,3 +182,29 @@ def test_on_cuda_pinned_prefetched_batches_are_the_cpu_ones(tmp_path: Path) -> N
     arrays = list(device_batches(x, 4, None, cuda, channels_last=True))
     assert torch.equal(torch.cat(arrays).cpu(), x)
     assert os.environ["BNADAPT_DECODE"] == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_job_decoding_on_the_gpu_is_near_the_one_decoding_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ Decoding on the GPU ]: the same job, its JPEGs decoded by nvJPEG or by Pillow;
+    pixels within 2/255 give running statistics within 1e-2 of the layer's scale."""
+    from tests.workers.test_adapt_precision import statistics_distance
+    from workers.passes.gpu_decoding import gpu_decoding_available
+
+    if not gpu_decoding_available(torch.device("cuda")):
+        pytest.skip("torchvision's decode_jpeg does not decode on this GPU")
+    payload, store = photo_payload(tmp_path, device="cuda")
+    found = {}
+    for mode in ("cpu", "gpu"):
+        monkeypatch.setenv("BNADAPT_DECODE", mode)
+        monkeypatch.setenv("BNADAPT_LOADER_PROCESSES", "2")
+        get_settings.cache_clear()
+        images, _ = open_dataset(payload, store)
+        assert isinstance(images, ImageSamples) and images.gpu_decode == (mode == "gpu")
+        found[mode] = compute(payload, store, measure=False).state_dict
+    get_settings.cache_clear()
+    distance = statistics_distance(found["gpu"], found["cpu"])
+    assert 0 < distance < 1e-2, distance

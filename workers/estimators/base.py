@@ -24,7 +24,7 @@ from api_schemas import AdaptParams
 from workers.errors import AdaptError, JobCanceled
 from workers.estimators.layer_statistics import LayerStatistics
 from workers.models.modules import named_modules
-from workers.passes.data import Batches, Data, iter_batches, num_batches
+from workers.passes.data import Batches, Data, num_batches
 from workers.passes.hooks import JobHooks
 from workers.passes.steps import Forward, StepClock
 from workers.passes.transfer import device_batches
@@ -86,10 +86,6 @@ class EstimatorTask:
             self.device,
             self.params.channels_last,
         )
-
-    def views(self) -> Iterator[torch.Tensor]:
-        """The job's batches on the CPU, each read as it comes."""
-        return iter_batches(self.x, self.params.batch_size, self.params.max_batches)
 
     def sequence(self) -> Batches:
         """The job's batches on the CPU as a sequence that reads a batch when it is indexed
