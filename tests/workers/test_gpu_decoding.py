@@ -88,3 +88,26 @@ def test_which_path_a_worker_takes(tmp_path: Path) -> None:
         lanczos = Preprocessing(resize=[32, 32], interpolation="lanczos")
         assert not gpu_decodes("auto", torch.device("cuda"), lanczos)
         assert not gpu_decodes("cpu", torch.device("cuda"), spec)
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_loader_processes_hand_over_each_batchs_bytes_undecoded(
+    tmp_path: Path, processes: int
+) -> None:
+    """What the GPU decodes: each image's bytes as the file holds them, a batch at a time."""
+    import tarfile
+
+    from workers.passes.images import ImageSamples
+
+    datas = [photo_jpeg(40 + i, 30, seed=i) for i in range(5)] + [png(20, 10)]
+    path = tmp_path / "images.tar"
+    with tarfile.open(path, "w") as archive:
+        for i, data in enumerate(datas):
+            info = tarfile.TarInfo(f"{i}.{'png' if i == 5 else 'jpg'}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    spec = Preprocessing(resize=[16, 16])
+    images, _ = ImageSamples.open(path, spec, None, processes, MAX_PIXELS, gpu_decode=True)
+    batches = list(images[1:].encoded_batches(2, 3))
+    assert [len(b) for b in batches] == [2, 2, 1]
+    assert [t.numpy().tobytes() for b in batches for t in b] == datas[1:]

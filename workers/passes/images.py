@@ -134,15 +134,25 @@ class _Decoder:
         except ArrayFileError as exc:
             raise DataError(str(exc)) from exc
 
-    def read(self, rows: npt.NDArray[np.int64]) -> list[torch.Tensor]:
-        """The encoded bytes of ``rows``, each a uint8 (L,) tensor, undecoded."""
-        found = []
+    def read(self, rows: npt.NDArray[np.int64]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoded bytes of ``rows``, undecoded, end to end in one uint8 tensor (sum L,)
+        with each image's length (B,) int64: one tensor to cross from a loader process, not
+        one shared-memory segment per image."""
+        sizes = self.index.sizes[rows]
+        flat = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+        target = flat.numpy().data
+        start = 0
         with self.path.open("rb") as file:
-            for row in rows.tolist():
+            for row, size in zip(rows.tolist(), sizes.tolist(), strict=True):
                 file.seek(int(self.index.offsets[row]))
-                data = file.read(int(self.index.sizes[row]))
-                found.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        return found
+                got = file.readinto(target[start : start + size])
+                if got != size:
+                    raise DataError(
+                        f"sample {self.index.keys[row]!r} ends early in the file ({got} of "
+                        f"{size} bytes); upload the dataset again"
+                    )
+                start += size
+        return flat, torch.from_numpy(sizes.astype(np.int64))
 
     def decode(self, rows: npt.NDArray[np.int64]) -> torch.Tensor:
         out = torch.empty((len(rows), *self.shape), dtype=torch.uint8)
@@ -168,7 +178,7 @@ class _Decoder:
 
 class _BatchSet(Dataset[Any]):
     """Batch ``i`` of a pass: what a loader process makes, uint8 pixels (B, C, H, W) or, with
-    ``encoded``, the images' bytes undecoded (B tensors (L,))."""
+    ``encoded``, the images' bytes undecoded (:meth:`_Decoder.read`)."""
 
     def __init__(
         self, decoder: _Decoder, rows: npt.NDArray[np.int64], batch_size: int, encoded: bool
@@ -179,7 +189,7 @@ class _BatchSet(Dataset[Any]):
     def __len__(self) -> int:
         return -(-len(self.rows) // self.batch_size)
 
-    def __getitem__(self, i: int) -> torch.Tensor | list[torch.Tensor]:
+    def __getitem__(self, i: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         rows = self.rows[i * self.batch_size : (i + 1) * self.batch_size]
         return self.decoder.read(rows) if self.encoded else self.decoder.decode(rows)
 
@@ -276,7 +286,8 @@ class ImageSamples:
     ) -> Iterator[list[torch.Tensor]]:
         """The same batches' images undecoded: each a list of B uint8 tensors (L,) of the
         file's bytes, read by the loader processes (NOTE [ Decoding on the GPU ])."""
-        yield from self._loaded(batch_size, count, pin, encoded=True)
+        for flat, sizes in self._loaded(batch_size, count, pin, encoded=True):
+            yield list(flat.split(sizes.tolist()))  # views of one tensor, (L,) each
 
     def _loaded(self, batch_size: int, count: int, pin: bool, encoded: bool) -> Iterator[Any]:
         rows = self.rows[: count * batch_size]
