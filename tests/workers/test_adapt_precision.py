@@ -93,7 +93,7 @@ def test_bf16_statistics_are_within_the_stated_bound_of_fp32(
     half = adapted(model, x, estimator, "bf16", False)
     distance = statistics_distance(half, exact)
     print(f"{model_name} {estimator}: {distance:.2e}")  # the NOTE's table: pytest -s
-    assert 0 < distance <= BF16_BOUND, distance  # > 0: the pass did run in bf16
+    assert 1e-4 < distance <= BF16_BOUND, distance  # above float32 rounding: it ran in bf16
     for key, value in half.items():
         assert value.dtype == exact[key].dtype, key  # statistics stay float32
 
@@ -109,7 +109,7 @@ def test_on_cuda_bf16_statistics_are_within_the_same_bound(model_name: str, esti
     half = adapted(model, x, estimator, "bf16", True, cuda)
     distance = statistics_distance(half, exact)
     print(f"cuda {model_name} {estimator}: {distance:.2e}")
-    assert 0 < distance <= BF16_BOUND, distance
+    assert 1e-4 < distance <= BF16_BOUND, distance
 
 
 def test_fp32_is_the_default_and_runs_bit_for_bit_as_without_numerics() -> None:
