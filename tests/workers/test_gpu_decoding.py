@@ -25,7 +25,7 @@ MAX_PIXELS = 1 << 26
 SPECS = [
     {"resize_shorter": 256, "center_crop": [224, 224]},
     {"resize": [200, 260], "interpolation": "bicubic", "channels": "bgr"},
-    {"resize_shorter": 300, "channels": "gray"},
+    {"resize_shorter": 300, "center_crop": [280, 280], "channels": "gray"},
 ]
 
 
@@ -46,8 +46,9 @@ def png(width: int, height: int) -> bytes:
 def compare_on(device: torch.device, spec_fields: dict[str, object]) -> None:
     spec = Preprocessing.model_validate(spec_fields)
     # JPEGs whose targets are more than half their size (the CPU decodes them at full size,
-    # NOTE [ Reduced-size JPEG decoding ]), a PNG (Pillow on the CPU here too) in the middle.
-    datas = [JPEGS[(500, 375)], png(500, 375), photo_jpeg(500, 375, seed=7)]
+    # NOTE [ Reduced-size JPEG decoding ]), of two sizes (resized in two groups), a PNG
+    # (Pillow on the CPU here too) among them.
+    datas = [JPEGS[(500, 375)], png(500, 375), JPEGS[(333, 500)], photo_jpeg(500, 375, seed=7)]
     encoded = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas]
     got = decode_on_gpu(encoded, spec, MAX_PIXELS, device)  # (B, C, H, W) uint8
     assert got.dtype == torch.uint8 and got.device.type == device.type

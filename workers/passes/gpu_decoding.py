@@ -118,8 +118,15 @@ def decode_on_gpu(
                 f"a batch's JPEGs did not decode on {device} ({exc}); one is damaged or in a "
                 "form nvJPEG does not take: re-encode it, or set BNADAPT_DECODE=cpu"
             ) from exc
-        for i, image in zip(jpeg_at, decoded, strict=True):  # (C, H, W) uint8
-            out[i] = _resized(image, spec)
+        # Images of one size are resized together: one kernel launch for the group, not one
+        # per image (a batch of ImageNet-size photos shares a few sizes).
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for k, image in enumerate(decoded):  # (3, H, W) uint8
+            groups.setdefault(tuple(image.shape), []).append(k)
+        for members in groups.values():
+            resized = _resized(torch.stack([decoded[k] for k in members]), spec)
+            for k, image in zip(members, resized, strict=True):
+                out[jpeg_at[k]] = image
     for i, data in enumerate(encoded):
         if out[i] is None:  # not a JPEG: Pillow, then the device
             try:
@@ -137,29 +144,30 @@ def decode_on_gpu(
 
 
 def _luma(rgb: torch.Tensor) -> torch.Tensor:
-    """(3, H, W) -> (1, H, W) uint8 by Pillow's own integer formula for RGB to "L" (ITU-R
-    601-2 luma), so gray images match the CPU path's ``convert("L")``; a JPEG decoded to gray
-    directly gives its Y channel, a few levels away from that."""
+    """(G, 3, H, W) -> (G, 1, H, W) uint8 by Pillow's own integer formula for RGB to "L"
+    (ITU-R 601-2 luma), so gray images match the CPU path's ``convert("L")``; a JPEG decoded
+    to gray directly gives its Y channel, a few levels away from that."""
     wide = rgb.to(torch.int32)
-    luma = (wide[0] * 19595 + wide[1] * 38470 + wide[2] * 7471 + 0x8000) >> 16
-    return luma.to(torch.uint8).unsqueeze(0)
+    luma = (wide[:, 0] * 19595 + wide[:, 1] * 38470 + wide[:, 2] * 7471 + 0x8000) >> 16
+    return luma.to(torch.uint8).unsqueeze(1)
 
 
-def _resized(image: torch.Tensor, spec: Preprocessing) -> torch.Tensor:
-    """One decoded RGB image (3, H, W) uint8 in the spec's channels, resized, rounded and
-    cropped, in the order the CPU path does them."""
+def _resized(images: torch.Tensor, spec: Preprocessing) -> torch.Tensor:
+    """Decoded RGB images of one size (G, 3, H, W) uint8 in the spec's channels, resized,
+    rounded and cropped, in the order the CPU path does them: (G, C, H', W') uint8."""
     if spec.channels == "gray":
-        image = _luma(image)
-    height, width = spec.resized_size(int(image.shape[1]), int(image.shape[2]))
-    if (height, width) != tuple(image.shape[1:]):
+        images = _luma(images)
+    height, width = spec.resized_size(int(images.shape[2]), int(images.shape[3]))
+    if (height, width) != tuple(images.shape[2:]):
         mode = _TORCH_MODES[spec.interpolation]
-        floats = image.unsqueeze(0).to(torch.float32)  # (1, C, H, W)
-        floats = F.interpolate(floats, size=(height, width), mode=mode, antialias=mode != "nearest")
-        image = floats.round_().clamp_(0, 255).to(torch.uint8)[0]
+        floats = F.interpolate(
+            images.to(torch.float32), size=(height, width), mode=mode, antialias=mode != "nearest"
+        )
+        images = floats.round_().clamp_(0, 255).to(torch.uint8)
     if spec.center_crop is not None:
         top, left = crop_origin((height, width), spec.center_crop)
         crop_h, crop_w = spec.center_crop
-        image = image[:, top : top + crop_h, left : left + crop_w]
+        images = images[:, :, top : top + crop_h, left : left + crop_w]
     if spec.channels == "bgr":
-        image = image.flip(0)
-    return image
+        images = images.flip(1)
+    return images
