@@ -146,6 +146,9 @@ def test_images_cross_from_the_loader_as_uint8_and_become_floats_on_the_device(
         assert got.dtype == torch.float32 and torch.equal(got, want)
     spec = Preprocessing.model_validate(SPEC)
     assert torch.equal(pixels_to_floats(crossed[0], spec), expected[0])
+    last = list(device_batches(images, BATCH, None, torch.device("cpu"), channels_last=True))
+    assert all(b.is_contiguous(memory_format=torch.channels_last) for b in last)
+    assert all(torch.equal(a, b) for a, b in zip(last, expected, strict=True))
 
 
 def test_array_batches_and_channels_last() -> None:

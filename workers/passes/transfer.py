@@ -51,28 +51,36 @@ def device_batches(
     (B, ...) on ``device``; NOTE [ Batches to the device ]. Arguments are checked now."""
     count = len(Batches(x, batch_size, max_batches))
     cuda = device.type == "cuda"
-    memory_format = torch.channels_last if channels_last else torch.preserve_format
+
+    def formatted(batch: torch.Tensor) -> torch.Tensor:
+        # 4-D batches only: channels-last has no meaning for (B, F) features.
+        if channels_last and batch.dim() == 4:
+            return batch.contiguous(memory_format=torch.channels_last)
+        return batch
+
+    staged: Iterator[torch.Tensor]
     if isinstance(x, ImageSamples):
-        images = x
+        # Formatted as uint8, a quarter of the float bytes; the float conversion and the
+        # in-place normalisation keep the format.
+        images, spec = x, x.spec
         if cuda and images.gpu_decode:
-            encoded = images.encoded_batches(batch_size, count)
             staged = (
                 pixels_to_floats(
-                    decode_on_gpu(jpegs, images.spec, images.max_pixels, device), images.spec
+                    formatted(decode_on_gpu(jpegs, spec, images.max_pixels, device)), spec
                 )
-                for jpegs in encoded
+                for jpegs in images.encoded_batches(batch_size, count)
             )
         else:
-            pixels = images.pixel_batches(batch_size, count, pin=cuda)
             staged = (
-                pixels_to_floats(p.to(device, non_blocking=cuda), images.spec) for p in pixels
+                pixels_to_floats(formatted(p.to(device, non_blocking=cuda)), spec)
+                for p in images.pixel_batches(batch_size, count, pin=cuda)
             )
     else:
-        rows = iter_batches(x, batch_size, max_batches)
-        staged = ((b.pin_memory() if cuda else b).to(device, non_blocking=cuda) for b in rows)
-    # 4-D batches only: channels-last has no meaning for (B, F) features.
-    formatted = (b.contiguous(memory_format=memory_format) if b.dim() == 4 else b for b in staged)
-    return _ahead_on_side_stream(formatted, device) if cuda else formatted
+        staged = (
+            formatted((b.pin_memory() if cuda else b).to(device, non_blocking=cuda))
+            for b in iter_batches(x, batch_size, max_batches)
+        )
+    return _ahead_on_side_stream(staged, device) if cuda else staged
 
 
 def _ahead_on_side_stream(
