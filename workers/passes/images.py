@@ -281,12 +281,11 @@ class ImageSamples:
         when loader processes decode them."""
         yield from self._loaded(batch_size, count, pin, encoded=False)
 
-    def encoded_batches(
-        self, batch_size: int, count: int, pin: bool = False
-    ) -> Iterator[list[torch.Tensor]]:
+    def encoded_batches(self, batch_size: int, count: int) -> Iterator[list[torch.Tensor]]:
         """The same batches' images undecoded: each a list of B uint8 tensors (L,) of the
-        file's bytes, read by the loader processes (NOTE [ Decoding on the GPU ])."""
-        for flat, sizes in self._loaded(batch_size, count, pin, encoded=True):
+        file's bytes, read by the loader processes (NOTE [ Decoding on the GPU ]); on the CPU,
+        where the GPU decoder takes them."""
+        for flat, sizes in self._loaded(batch_size, count, pin=False, encoded=True):
             yield list(flat.split(sizes.tolist()))  # views of one tensor, (L,) each
 
     def _loaded(self, batch_size: int, count: int, pin: bool, encoded: bool) -> Iterator[Any]:
