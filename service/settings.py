@@ -105,6 +105,10 @@ class Settings(BaseSettings):
     # worker's cores, NOTE [ Decoding in loader processes ] in workers/passes/images.py).
     max_image_pixels: int = Field(default=DEFAULT_MAX_IMAGE_PIXELS, ge=1)
     loader_processes: int | None = Field(default=None, ge=0, le=64)
+    # Where a CUDA worker decodes a job's JPEGs: "auto" on the GPU where torchvision can, "cpu",
+    # or "gpu" (a job fails where it cannot): NOTE [ Decoding on the GPU ] in
+    # workers/passes/gpu_decoding.py.
+    decode: Literal["auto", "cpu", "gpu"] = "auto"
     # How long an Idempotency-Key stays reserved for a POST /v1/jobs that has not written its
     # job yet (NOTE [ Idempotency lease ] in service/jobs/idempotency.py).
     idempotency_lease_s: float = Field(default=10.0, gt=0)

@@ -44,6 +44,7 @@ __all__ = [
     "ESTIMATOR_NAMES",
     "AdaptJobCreate",
     "AdaptParams",
+    "AdaptPrecision",
     "EstimatorName",
     "EstimatorSpec",
     "Pooling",
@@ -56,6 +57,11 @@ AUTO_MAX_HOLDOUT: Final = 0.5
 # prior: the source statistics weigh as this many target samples at most (NOTE [ Job bounds ]
 # in api_schemas/jobs/params.py).
 MAX_PRIOR_STRENGTH: Final = 1e9
+
+# The adaptation forward's precision: "bf16" runs it under bfloat16 autocast (NOTE [ Adaptation
+# in bf16 ] in workers/passes/precision.py). No fp16: bf16 has float32's range, so a
+# forward-only pass needs no loss scaling and no overflow check.
+AdaptPrecision = Literal["fp32", "bf16"]
 
 # How the shards of a sharded job pool per-batch statistics: every element alike
 # ("elements") or every batch alike ("batches"); "prior_base" pools as the job's prior_base
@@ -77,9 +83,13 @@ class EstimatorSpec:
     # is what a user who asks for shards > 1 is told.
     sharding: Pooling | None
     sequential_reason: str = ""
-    # Runs backward passes (optimizer steps); only these accept `compile` (NOTE [ Compiled
-    # jobs ] in api_schemas/jobs/params.py).
+    # Runs backward passes (optimizer steps), timed step by step (the report's `steps`).
     backward: bool = False
+    # Its passes run through what the job gives them, so `compile: true` runs them through
+    # torch.compile (NOTE [ Compiled jobs ] in api_schemas/jobs/params.py); the reason is what a
+    # user who asks for compile with another estimator is told.
+    compiles: bool = True
+    compile_reason: str = ""
     # The runner gets all the job's samples and holds out its share itself (split_target in
     # workers/passes/predictions.py); the others get the estimation samples only.
     holds_out: bool = False
@@ -147,6 +157,9 @@ ESTIMATORS: Final[dict[str, EstimatorSpec]] = {
         sharding="elements",
         holds_out=True,
         merged_runner="workers.estimators.auto:run_merged",
+        compiles=False,
+        compile_reason="it runs and scores several candidates, each a pass of its own, on the "
+        "eager model",
     ),
 }
 ESTIMATOR_NAMES: Final[tuple[str, ...]] = tuple(ESTIMATORS)
@@ -194,10 +207,17 @@ class AdaptParams(RequestModel):
     None too. The report's ``metrics_*.num_samples`` says how many samples were measured. It
     bounds the prediction diagnostics too (at most 10,000 held-out samples in any case).
 
-    ``compile`` (``entropy``, the estimators whose row has ``backward``) runs the optimizer
-    steps through ``torch.compile`` with ``compile_backend`` (NOTE [ Compiled jobs ] in
-    api_schemas/jobs/params.py); the report's ``steps`` gives the compilation's cost and the
-    steady-state throughput.
+    ``compile`` runs the estimator's passes (``entropy``: its optimizer steps) through
+    ``torch.compile`` with ``compile_backend`` (NOTE [ Compiled jobs ] in
+    api_schemas/jobs/params.py); for ``entropy`` the report's ``steps`` gives the compilation's
+    cost and the steady-state throughput. Not for ``auto`` nor ``layerwise``.
+
+    ``precision`` ``bf16`` runs the estimator's forward passes under bfloat16 autocast, the
+    statistics still accumulated in float32 and above (NOTE [ Adaptation in bf16 ] in
+    workers/passes/precision.py gives the measured distance to fp32 per estimator); ``fp32``,
+    the default, is the exact path. ``channels_last`` runs the pass with the model's weights
+    and the batches in channels-last memory format (faster convolutions on GPUs), the weights
+    put back to the default format afterwards.
 
     ``auto`` (see workers/estimators/auto.py) holds ``holdout`` of the job's samples out of
     estimation (default 1/4, drawn with ``seed``), estimates ``precise`` on the rest, scores the
@@ -286,9 +306,20 @@ class AdaptParams(RequestModel):
     )
     # auto: may try candidates that need backward passes (entropy).
     allow_backward: bool = False
-    # NOTE [ Compiled jobs ] in api_schemas/jobs/params.py: estimators with backward passes.
+    # NOTE [ Compiled jobs ] in api_schemas/jobs/params.py.
     compile: bool = False
     compile_backend: CompileBackend = "inductor"
+    precision: AdaptPrecision = Field(
+        default="fp32",
+        description="fp32 (exact statistics); bf16: the estimator's forward passes under "
+        "bfloat16 autocast (CPU and CUDA), statistics accumulated in float32 and above, within "
+        "the tolerances the docs give per estimator.",
+    )
+    channels_last: bool = Field(
+        default=False,
+        description="Run the estimator's passes in channels-last memory format (weights and "
+        "batches of 4-D inputs); the stored weights are unchanged in layout.",
+    )
 
     def measured_samples(self, num_samples: int) -> int:
         """How many of the dataset's first samples the before/after measurement covers."""
@@ -329,13 +360,17 @@ class AdaptParams(RequestModel):
 
     @model_validator(mode="after")
     def _compile_fits_estimator(self) -> Self:
-        if self.compile and not self.spec.backward:
-            accepting = [repr(name) for name, spec in ESTIMATORS.items() if spec.backward]
+        if self.compile and not self.spec.compiles:
+            accepting = [repr(name) for name, spec in ESTIMATORS.items() if spec.compiles]
             raise ValueError(
-                f"compile is an option of estimators that run backward passes "
-                f"({', '.join(accepting)}) and of train jobs; the {self.estimator} estimator "
-                "runs each batch forward once, which cannot pay back a compilation. Drop "
-                f"compile, or use estimator {' or '.join(accepting)}"
+                f"the {self.estimator} estimator cannot run through torch.compile: "
+                f"{self.spec.compile_reason}. Drop compile, or use estimator "
+                f"{', '.join(accepting[:-1])} or {accepting[-1]}"
+            )
+        if self.compile and self.layerwise:
+            raise ValueError(
+                "layerwise runs one pass per layer, each with other layers in train mode, and "
+                "would compile the model anew for each; drop compile, or drop layerwise"
             )
         compile_backend_fits(self.compile, self.compile_backend)
         return self

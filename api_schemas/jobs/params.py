@@ -159,15 +159,19 @@ class CheckpointPolicy(RequestModel):
 
 
 # NOTE [ Compiled jobs ]
-# A train job, or an adapt job whose estimator runs backward passes (the rows of ESTIMATORS
-# with backward=True: entropy), may ask for `compile: true`: the worker runs its training
-# steps through `torch.compile` of the wrapped model (checkpoint wrappers inside, whose
-# statistics guarantee holds under compile: NOTE [ Under torch.compile ] in
-# bnadapt/checkpoint.py). Only the steps are compiled: the measurement before and after and a
-# train job's validation run the same model eagerly, so a job compiles the train-mode graphs
-# only (eval mode under no_grad would be a second set of graphs, paid for a few batches).
-# Forward-only estimators are refused: one pass over the data runs each batch once, which
-# cannot pay back a compilation that costs more than many eager passes.
+# A train job, or an adapt job whose estimator's row has `compiles` (every estimator but
+# `auto`, whose candidates are passes of their own; not with `layerwise`, one pass per layer),
+# may ask for `compile: true`: the worker runs its training steps, or the estimator's passes,
+# through `torch.compile` of the wrapped model (checkpoint wrappers inside, whose statistics
+# guarantee holds under compile: NOTE [ Under torch.compile ] in bnadapt/checkpoint.py). Only
+# those are compiled: the measurement before and after and a train job's validation run the
+# same model eagerly, so a job compiles the graphs of its own pass only (eval mode under
+# no_grad would be a second set of graphs, paid for a few batches). An estimator's pass runs
+# the selected BatchNorm layers in train mode with hooks that read their statistics (precise):
+# dynamo traces the hooks with the model, and the statistics equal the eager pass's to
+# inductor's rounding (2e-6 relative on the built-in resnet; aot_eager: bit for bit). One
+# forward pass per batch repays a compilation only on large passes on a GPU (a pass over
+# ImageNet: hundreds of batches of the same shape), which is where a job asks for it.
 # The backend is `compile_backend`, "inductor" by default: it is the backend that generates
 # fused kernels (C++ on the CPU, Triton on CUDA) and so the only one that can be faster than
 # eager; it needs a C compiler on the worker. "aot_eager" traces the same graphs (forward and

@@ -467,23 +467,23 @@ def test_layerwise_is_a_precise_option_for_one_worker() -> None:
         AdaptParams(estimator="precise", layerwise=True, shards=2)
 
 
-def test_compile_is_for_train_jobs_and_backward_estimators() -> None:
-    """NOTE [ Compiled jobs ]: compile where optimizer steps run, refused elsewhere with the
-    estimators that accept it named from the table."""
+def test_compile_is_for_train_jobs_and_the_estimators_whose_passes_compile() -> None:
+    """NOTE [ Compiled jobs ]: compile for train jobs and every estimator whose row has
+    ``compiles``; refused for the others (auto) and layerwise, naming those that accept it."""
     assert TrainParams(compile=True).compile_backend == "inductor"
     assert TrainParams(compile=True, compile_backend="aot_eager").compile
-    assert AdaptParams(estimator="entropy", compile=True).compile
-    backward = [name for name, spec in ESTIMATORS.items() if spec.backward]
-    assert backward == ["entropy"]
-    for name, spec in ESTIMATORS.items():
-        if spec.backward:
-            continue
-        with pytest.raises(
-            ValidationError,
-            match=rf"compile is an option of estimators that run backward passes \('entropy'\)"
-            rf" and of train jobs; the {name} estimator",
-        ):
-            AdaptParams.model_validate({"estimator": name, "compile": True})
+    compiling = [name for name, spec in ESTIMATORS.items() if spec.compiles]
+    assert compiling == ["ema", "ema_momentum", "cumulative", "precise", "prior", "entropy"]
+    for name in compiling:
+        assert AdaptParams.model_validate({"estimator": name, "compile": True}).compile
+    with pytest.raises(
+        ValidationError,
+        match=r"the auto estimator cannot run through torch.compile: it runs and scores "
+        r"several candidates.*use estimator 'ema', .*'prior' or 'entropy'",
+    ):
+        AdaptParams.model_validate({"estimator": "auto", "compile": True})
+    with pytest.raises(ValidationError, match="drop compile, or drop layerwise"):
+        AdaptParams(estimator="precise", layerwise=True, compile=True)
     with pytest.raises(ValidationError, match="the entropy estimator is sequential"):
         AdaptParams(estimator="entropy", compile=True, shards=2)
     for params in (TrainParams, AdaptParams):

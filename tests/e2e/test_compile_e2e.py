@@ -87,12 +87,12 @@ def test_compile_is_refused_where_it_cannot_help(stack: Stack) -> None:
     model = created(client.add_model("digits_cnn", {"width": 4}))
     dataset = created(client.add_dataset(digits_npz(n=200)))
     ids = {"model_id": model["id"], "dataset_id": dataset["id"]}
-    forward_only = {"estimator": "precise", "compile": True}
+    several_passes = {"estimator": "auto", "compile": True}
     body = problem(
-        client.submit({"kind": "adapt", **ids, "params": forward_only}),
+        client.submit({"kind": "adapt", **ids, "params": several_passes}),
         422,
-        "compile is an option of estimators that run backward passes ('entropy')",
-        "the precise estimator",
+        "the auto estimator cannot run through torch.compile",
+        "use estimator 'ema'",
     )
     assert body["status"] == 422
     sharded = {"estimator": "entropy", "compile": True, "shards": 2}

@@ -24,9 +24,10 @@ from api_schemas import AdaptParams
 from workers.errors import AdaptError, JobCanceled
 from workers.estimators.layer_statistics import LayerStatistics
 from workers.models.modules import named_modules
-from workers.passes.data import Batches, Data, iter_batches, num_batches
+from workers.passes.data import Batches, Data, num_batches
 from workers.passes.hooks import JobHooks
 from workers.passes.steps import Forward, StepClock
+from workers.passes.transfer import device_batches
 
 __all__ = [
     "NO_BATCHES",
@@ -76,12 +77,15 @@ class EstimatorTask:
         return num_batches(len(self.x), self.params.batch_size, self.params.max_batches)
 
     def batches(self) -> Iterator[torch.Tensor]:
-        """A fresh pass over the job's batches, each moved to the device as it comes."""
-        return (b.to(self.device) for b in self.views())
-
-    def views(self) -> Iterator[torch.Tensor]:
-        """The job's batches on the CPU, each read as it comes."""
-        return iter_batches(self.x, self.params.batch_size, self.params.max_batches)
+        """A fresh pass over the job's batches, each made on the device as it comes (NOTE [
+        Batches to the device ] in workers/passes/transfer.py)."""
+        return device_batches(
+            self.x,
+            self.params.batch_size,
+            self.params.max_batches,
+            self.device,
+            self.params.channels_last,
+        )
 
     def sequence(self) -> Batches:
         """The job's batches on the CPU as a sequence that reads a batch when it is indexed

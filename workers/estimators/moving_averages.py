@@ -18,7 +18,7 @@ module, so wrapped models give the same result.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -47,11 +47,13 @@ def adapt_batchnorm(
     reset: bool,
     progress: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    forward: Callable[[torch.Tensor], Any] | None = None,
 ) -> AdaptStats:
     """Update the running statistics of ``layers`` from ``batches`` (inputs on the model's
     device, ``(B, ...)``); see the module docstring. ``reset`` applies to ``ema`` only:
     ``cumulative`` always resets. ``progress(batches_done)`` after each batch; ``should_stop()``
-    before each, raising :class:`JobCanceled` when it answers True.
+    before each, raising :class:`JobCanceled` when it answers True. ``forward`` runs each
+    batch (default ``model``; a compiled job's ``torch.compile`` of it).
     """
     if estimator not in ("ema", "cumulative"):
         raise AdaptError(
@@ -74,7 +76,7 @@ def adapt_batchnorm(
                     bn.momentum = None
             for batch in checked:  # (B, ...)
                 check_stop(should_stop, done)
-                model(batch)
+                (model if forward is None else forward)(batch)
                 done += 1
                 samples += batch.shape[0]
                 if progress is not None:
@@ -105,4 +107,5 @@ def _run(task: EstimatorTask, estimator: Estimator) -> AdaptStats:
         reset=task.reset,
         progress=task.hooks.report,
         should_stop=task.hooks.should_stop,
+        forward=task.forward,
     )

@@ -94,12 +94,16 @@ def collect_statistics(
     progress: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     weighting: Weighting = "elements",
+    forward: Callable[[torch.Tensor], Any] | None = None,
 ) -> dict[str, LayerStatistics]:
     """Statistics of the inputs of ``layers`` over ``batches`` (``(B, ...)`` on the model's
     device), from one train-mode pass under ``no_grad``; the model is left unchanged. With
     ``weighting="batches"`` they also hold the per-batch sums that ``cumulative`` averages.
-    Raises :class:`AdaptError` on empty data or a layer the pass never reached."""
+    Raises :class:`AdaptError` on empty data or a layer the pass never reached. ``forward``
+    runs each batch (default ``model``; a compiled job's ``torch.compile`` of it, whose graphs
+    call the layers' hooks as the eager model does)."""
     selected = resolve_batchnorm(model, layers)
+    run_batch = model if forward is None else forward
     checked = nonempty(batches)
     found: dict[str, LayerStatistics] = {}
 
@@ -128,7 +132,7 @@ def collect_statistics(
                 bn.momentum = 1.0
             for batch in checked:  # (B, ...)
                 check_stop(should_stop, done)
-                model(batch)
+                run_batch(batch)
                 done += 1
                 if progress is not None:
                     progress(done)
@@ -183,11 +187,12 @@ def precise_batchnorm(
     layers: Sequence[str],
     progress: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    forward: Callable[[torch.Tensor], Any] | None = None,
 ) -> AdaptStats:
     """:func:`collect_statistics` then :func:`apply_statistics`."""
     counted = _Counted(batches)
     stats = collect_statistics(
-        model, counted, layers=layers, progress=progress, should_stop=should_stop
+        model, counted, layers=layers, progress=progress, should_stop=should_stop, forward=forward
     )
     apply_statistics(model, stats, layers)
     return AdaptStats(batches=counted.batches, samples=counted.samples)
@@ -302,4 +307,5 @@ def run(task: EstimatorTask) -> AdaptStats:
         layers=task.layers,
         progress=hooks.report,
         should_stop=hooks.should_stop,
+        forward=task.forward,
     )

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ def prior_batchnorm(
     base: PriorBase,
     progress: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    forward: Callable[[torch.Tensor], Any] | None = None,
 ) -> AdaptStats:
     """Estimates the target statistics with ``base`` (``precise`` or ``cumulative``), then
     mixes them with the source ones by :func:`mix_with_source`."""
@@ -60,7 +61,12 @@ def prior_batchnorm(
     def estimate() -> AdaptStats:
         if base == "precise":
             return precise_batchnorm(
-                model, batches, layers=layers, progress=progress, should_stop=should_stop
+                model,
+                batches,
+                layers=layers,
+                progress=progress,
+                should_stop=should_stop,
+                forward=forward,
             )
         return adapt_batchnorm(
             model,
@@ -70,6 +76,7 @@ def prior_batchnorm(
             reset=True,
             progress=progress,
             should_stop=should_stop,
+            forward=forward,
         )
 
     return mix_with_source(model, layers, strength, estimate)
@@ -107,4 +114,5 @@ def run(task: EstimatorTask) -> AdaptStats:
         base=task.params.prior_base,
         progress=task.hooks.report,
         should_stop=task.hooks.should_stop,
+        forward=task.forward,
     )

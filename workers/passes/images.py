@@ -6,11 +6,15 @@ Decoding a JPEG costs far more than the float work on its pixels, so a pass over
 batches (an estimator's pass, the measurement before and after) runs through a
 ``torch.utils.data.DataLoader`` whose ``BNADAPT_LOADER_PROCESSES`` processes each decode a
 whole batch to uint8 (C, H, W) pixels, while the job's process runs the model on the batch
-before. A batch crosses from a loader process as uint8, a quarter of its float bytes; scaling
-and normalising happen in the job's process, in one pass, as for uint8 arrays
-(workers/passes/data.py). With 0 processes, or for batches asked one at a time (an estimator
-that cycles, training's shuffled batches), the job's process decodes them itself. Either way
-a batch decodes only its own images, so a shard of a sharded job decodes only its range.
+before. A batch crosses from a loader process as uint8, a quarter of its float bytes, and stays
+uint8 until it is on the job's device: scaling and normalising happen there
+(:func:`pixels_to_floats`; NOTE [ Batches to the device ] in workers/passes/transfer.py). On a
+CUDA worker the loader pins the batches, and with ``BNADAPT_DECODE`` auto or gpu the loader
+processes only read each batch's JPEG bytes, which the GPU decodes (NOTE [ Decoding on the
+GPU ] in workers/passes/gpu_decoding.py). With 0 processes, or for batches asked one at a time
+(an estimator that cycles, training's shuffled batches), the job's process decodes them itself.
+Either way a batch decodes only its own images, so a shard of a sharded job decodes only its
+range.
 
 How many processes, unless ``BNADAPT_LOADER_PROCESSES`` says (:func:`auto_loader_processes`):
 on a GPU worker the CPU's only work is decoding, so all the cores the worker may run on but
@@ -36,7 +40,13 @@ from service.errors import ArrayFileError
 from service.formats.images import TarIndex, crop_origin, decode_image, index_tar
 from workers.errors import DataError
 
-__all__ = ["ImageSamples", "array_transform", "auto_loader_processes", "normalize_"]
+__all__ = [
+    "ImageSamples",
+    "array_transform",
+    "auto_loader_processes",
+    "normalize_",
+    "pixels_to_floats",
+]
 
 _MAX_AUTO_LOADERS: Final = 16
 
@@ -51,10 +61,20 @@ def auto_loader_processes(device_type: str, cores: int) -> int:
 def normalize_(batch: torch.Tensor, spec: Preprocessing) -> torch.Tensor:
     """``(batch - mean) / std`` per channel of a (B, C, H, W) float batch, in place."""
     if spec.mean is not None and spec.std is not None:
-        mean = torch.tensor(spec.mean, dtype=batch.dtype).view(1, -1, 1, 1)
-        std = torch.tensor(spec.std, dtype=batch.dtype).view(1, -1, 1, 1)
+        mean = torch.tensor(spec.mean, dtype=batch.dtype, device=batch.device).view(1, -1, 1, 1)
+        std = torch.tensor(spec.std, dtype=batch.dtype, device=batch.device).view(1, -1, 1, 1)
         batch.sub_(mean).div_(std)
     return batch
+
+
+def pixels_to_floats(pixels: torch.Tensor, spec: Preprocessing) -> torch.Tensor:
+    """A uint8 (B, C, H, W) batch as float32 on its own device: scaled by 1/255 (``spec.scale``)
+    and normalised. On the CPU bit for bit what the loader's numpy path gives (a float32
+    division is correctly rounded either way)."""
+    out = pixels.to(torch.float32)
+    if spec.scale:
+        out.div_(255)
+    return normalize_(out, spec)
 
 
 # torch's modes for the spec's interpolations on arrays (torchvision's tensor resize uses the
@@ -114,6 +134,26 @@ class _Decoder:
         except ArrayFileError as exc:
             raise DataError(str(exc)) from exc
 
+    def read(self, rows: npt.NDArray[np.int64]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoded bytes of ``rows``, undecoded, end to end in one uint8 tensor (sum L,)
+        with each image's length (B,) int64: one tensor to cross from a loader process, not
+        one shared-memory segment per image."""
+        sizes = self.index.sizes[rows]
+        flat = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+        target = flat.numpy().data
+        start = 0
+        with self.path.open("rb") as file:
+            for row, size in zip(rows.tolist(), sizes.tolist(), strict=True):
+                file.seek(int(self.index.offsets[row]))
+                got = file.readinto(target[start : start + size])
+                if got != size:
+                    raise DataError(
+                        f"sample {self.index.keys[row]!r} ends early in the file ({got} of "
+                        f"{size} bytes); upload the dataset again"
+                    )
+                start += size
+        return flat, torch.from_numpy(sizes.astype(np.int64))
+
     def decode(self, rows: npt.NDArray[np.int64]) -> torch.Tensor:
         out = torch.empty((len(rows), *self.shape), dtype=torch.uint8)
         target = out.numpy()
@@ -136,17 +176,22 @@ class _Decoder:
         return out
 
 
-class _BatchSet(Dataset[torch.Tensor]):
-    """Batch ``i`` of a pass, as uint8: what a loader process makes."""
+class _BatchSet(Dataset[Any]):
+    """Batch ``i`` of a pass: what a loader process makes, uint8 pixels (B, C, H, W) or, with
+    ``encoded``, the images' bytes undecoded (:meth:`_Decoder.read`)."""
 
-    def __init__(self, decoder: _Decoder, rows: npt.NDArray[np.int64], batch_size: int) -> None:
+    def __init__(
+        self, decoder: _Decoder, rows: npt.NDArray[np.int64], batch_size: int, encoded: bool
+    ) -> None:
         self.decoder, self.rows, self.batch_size = decoder, rows, batch_size
+        self.encoded = encoded
 
     def __len__(self) -> int:
         return -(-len(self.rows) // self.batch_size)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.decoder.decode(self.rows[i * self.batch_size : (i + 1) * self.batch_size])
+    def __getitem__(self, i: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        rows = self.rows[i * self.batch_size : (i + 1) * self.batch_size]
+        return self.decoder.read(rows) if self.encoded else self.decoder.decode(rows)
 
 
 class ImageSamples:
@@ -158,8 +203,12 @@ class ImageSamples:
         decoder: _Decoder,
         rows: npt.NDArray[np.int64],
         loader_processes: int,
+        gpu_decode: bool = False,
     ) -> None:
         self.decoder, self.rows, self.loader_processes = decoder, rows, loader_processes
+        # A pass on a CUDA device decodes the JPEGs there (NOTE [ Decoding on the GPU ] in
+        # workers/passes/gpu_decoding.py); load() and batches() always decode on the CPU.
+        self.gpu_decode = gpu_decode
 
     @classmethod
     def open(
@@ -169,6 +218,7 @@ class ImageSamples:
         sample_shape: tuple[int, ...] | None,
         loader_processes: int,
         max_pixels: int,
+        gpu_decode: bool = False,
     ) -> tuple[ImageSamples, npt.NDArray[np.int64] | None]:
         """The dataset's samples and class labels (None without labels)."""
         try:
@@ -179,7 +229,7 @@ class ImageSamples:
             sample_shape = _Decoder(path, index, spec, (), max_pixels).first_shape()
         decoder = _Decoder(path, index, spec, sample_shape, max_pixels)
         rows = np.arange(len(index.keys), dtype=np.int64)
-        return cls(decoder, rows, loader_processes), index.labels
+        return cls(decoder, rows, loader_processes, gpu_decode), index.labels
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -197,7 +247,7 @@ class ImageSamples:
         else:
             chosen = index.numpy() if isinstance(index, torch.Tensor) else np.asarray(index)
             picked = self.rows[chosen.astype(np.int64, copy=False)]
-        return ImageSamples(self.decoder, picked, self.loader_processes)
+        return ImageSamples(self.decoder, picked, self.loader_processes, self.gpu_decode)
 
     def _floats(self, pixels: torch.Tensor) -> torch.Tensor:
         out = torch.empty(pixels.shape, dtype=torch.float32)
@@ -211,19 +261,45 @@ class ImageSamples:
         """The rows decoded and preprocessed: float32 (B, C, H, W), in this process."""
         return self._floats(self.decoder.decode(self.rows))
 
+    @property
+    def spec(self) -> Preprocessing:
+        return self.decoder.spec
+
+    @property
+    def max_pixels(self) -> int:
+        return self.decoder.max_px
+
     def batches(self, batch_size: int, count: int) -> Iterator[torch.Tensor]:
         """The first ``count`` batches of ``batch_size`` rows in order, decoded by the loader
-        processes (NOTE [ Decoding in loader processes ])."""
+        processes (NOTE [ Decoding in loader processes ]), as float32 on the CPU."""
+        return (self._floats(pixels) for pixels in self.pixel_batches(batch_size, count))
+
+    def pixel_batches(
+        self, batch_size: int, count: int, pin: bool = False
+    ) -> Iterator[torch.Tensor]:
+        """:meth:`batches` before scaling: uint8 (B, C, H, W), in pinned memory with ``pin``
+        when loader processes decode them."""
+        yield from self._loaded(batch_size, count, pin, encoded=False)
+
+    def encoded_batches(self, batch_size: int, count: int) -> Iterator[list[torch.Tensor]]:
+        """The same batches' images undecoded: each a list of B uint8 tensors (L,) of the
+        file's bytes, read by the loader processes (NOTE [ Decoding on the GPU ]); on the CPU,
+        where the GPU decoder takes them."""
+        for flat, sizes in self._loaded(batch_size, count, pin=False, encoded=True):
+            yield list(flat.split(sizes.tolist()))  # views of one tensor, (L,) each
+
+    def _loaded(self, batch_size: int, count: int, pin: bool, encoded: bool) -> Iterator[Any]:
         rows = self.rows[: count * batch_size]
+        batch_set = _BatchSet(self.decoder, rows, batch_size, encoded)
         if self.loader_processes == 0 or count <= 1:
             for i in range(count):
-                yield self._floats(self.decoder.decode(rows[i * batch_size : (i + 1) * batch_size]))
+                yield batch_set[i]
             return
         loader = DataLoader(
-            _BatchSet(self.decoder, rows, batch_size),
+            batch_set,
             batch_size=None,
             num_workers=min(self.loader_processes, count),
             prefetch_factor=2,
+            pin_memory=pin,
         )
-        for pixels in loader:
-            yield self._floats(pixels)
+        yield from loader

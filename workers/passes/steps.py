@@ -1,10 +1,11 @@
 """The optimizer steps of a job: compiling the model that runs them, and timing them.
 
 NOTE [ Compiled jobs ] (api_schemas/jobs/params.py) says which jobs compile and why inductor is
-the default. :func:`step_forward` gives what a train job's or an entropy job's steps call: the
-wrapped model itself, or ``torch.compile`` of it. Everything else in the job (loading,
-measurement, validation, the report's snapshots) uses the wrapped model as it is, so state_dict
-keys and module names are the uncompiled ones, and only train-mode graphs are compiled.
+the default. :func:`step_forward` gives what a train job's steps and an adapt job's estimator
+passes call: the wrapped model itself, or ``torch.compile`` of it. Everything else in the job
+(loading, measurement, validation, the report's snapshots) uses the wrapped model as it is, so
+state_dict keys and module names are the uncompiled ones, and only the graphs of the job's own
+pass are compiled.
 
 :class:`StepClock` times the steps one by one, alike for compiled and eager jobs, so two jobs'
 ``steady_samples_per_s`` compare like for like (the report's :class:`StepTimings`).

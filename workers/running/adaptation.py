@@ -27,6 +27,7 @@ from workers.estimators.base import (
 from workers.estimators.dispatch import run_task
 from workers.models.modules import named_modules
 from workers.passes.data import Data
+from workers.passes.precision import adaptation_numerics
 from workers.passes.predictions import (
     MAX_DIAGNOSTIC_SAMPLES,
     PredictionSums,
@@ -105,7 +106,10 @@ class Adaptation(ModelChange):
             clock=task.clock,
             affine_layers=norms,
         )
-        with one_sample_batch_explained(len(given), params.batch_size, params.max_batches):
+        with (
+            one_sample_batch_explained(len(given), params.batch_size, params.max_batches),
+            adaptation_numerics(job.model, job.device, params.precision, params.channels_last),
+        ):
             stats = self.estimate(estimation)
         auto = None
         if isinstance(stats, AutoStats):  # whether statistics started anew depends on its choice

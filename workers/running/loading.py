@@ -24,6 +24,7 @@ from workers.errors import ArchitectureError, DataError, WorkerError
 from workers.models.architectures import Architecture, build_model, load_weights, registry
 from workers.models.policy import CheckpointOutcome, checkpoint_model
 from workers.passes.data import Data, Samples, labels_tensor
+from workers.passes.gpu_decoding import gpu_decodes
 from workers.passes.images import ImageSamples, array_transform, auto_loader_processes
 
 __all__ = [
@@ -111,12 +112,14 @@ def open_dataset(payload: JobPayload, store: Store) -> tuple[Data, torch.Tensor 
     if dataset.format == "tar":
         settings = get_settings()
         shape = None if dataset.sample_shape is None else tuple(dataset.sample_shape)
+        device = resolve_device(payload.params.device)
         loaders = settings.loader_processes
         if loaders is None:
-            device = resolve_device(payload.params.device)
             loaders = auto_loader_processes(device.type, len(os.sched_getaffinity(0)))
+        spec = spec or Preprocessing()
+        gpu_decode = gpu_decodes(settings.decode, device, spec)
         images, labels = ImageSamples.open(
-            path, spec or Preprocessing(), shape, loaders, settings.max_image_pixels
+            path, spec, shape, loaders, settings.max_image_pixels, gpu_decode
         )
         return images, None if labels is None else labels_tensor(labels, len(images))
     arrays = open_arrays(path, dataset.format)

@@ -29,9 +29,11 @@ from workers.estimators.dispatch import load_merged_runner
 from workers.estimators.layer_statistics import LayerStatistics, Weighting
 from workers.estimators.precise import apply_statistics, collect_statistics
 from workers.estimators.prior import mix_with_source
-from workers.passes.data import iter_batches, num_batches
+from workers.passes.data import num_batches
 from workers.passes.hooks import JobHooks, NoHooks
+from workers.passes.precision import adaptation_numerics
 from workers.passes.predictions import split_target
+from workers.passes.transfer import device_batches
 from workers.running.adaptation import Adaptation
 from workers.running.compute import JobOutcome, compute, one_sample_batch_explained
 from workers.running.evaluation import Loss, MetricSums, contract_metrics, evaluate_sums, loss_for
@@ -285,8 +287,12 @@ def collect_shard(
             f"only {len(estimation)} samples to estimate on{held}; submit the job again"
         )
     hooks.start_phase("adapt", shard.batches, "batches", float(size))
-    data = (batch.to(job.device) for batch in iter_batches(part, size))  # (B, ...)
-    with one_sample_batch_explained(len(job.x), size, params.max_batches):
+    # (B, ...) on the device: NOTE [ Batches to the device ] in workers/passes/transfer.py
+    data = device_batches(part, size, None, job.device, params.channels_last)
+    with (
+        one_sample_batch_explained(len(job.x), size, params.max_batches),
+        adaptation_numerics(job.model, job.device, params.precision, params.channels_last),
+    ):
         stats = collect_statistics(
             job.model,
             data,
