@@ -265,8 +265,8 @@ class TrainParams(RequestModel):
         default=None,
         description="A train job of yours that kept a training checkpoint (save_every_steps or "
         "save_every_s): this job continues from its latest checkpoint up to epoch `epochs`. "
-        "Same model_id, dataset_id, seed, batch_size, accumulate_steps and "
-        "validation_fraction as that job.",
+        "Same model_id, dataset_id, seed, batch_size, accumulate_steps, "
+        "validation_fraction, optimizer and processes as that job.",
     )
 
     @model_validator(mode="after")
@@ -303,15 +303,6 @@ class TrainParams(RequestModel):
                 f"sync_batchnorm needs device 'cuda', got {self.device!r}: torch's "
                 "SyncBatchNorm runs on GPUs only, and 'auto' may run on a CPU worker; submit "
                 "with device 'cuda', or without sync_batchnorm"
-            )
-        if self.processes > 1 and (
-            self.save_every_steps is not None
-            or self.save_every_s is not None
-            or self.resume_from is not None
-        ):
-            raise ValueError(
-                "training checkpoints (save_every_steps, save_every_s, resume_from) are not "
-                "offered with processes > 1 yet; submit with processes: 1, or without them"
             )
         return self
 
