@@ -97,6 +97,9 @@ def test_a_killed_rank_resumes_from_the_checkpoint_and_ends_bitwise(own_stack: S
     assert uninterrupted["attempts"] == [{"attempt": 1, "resumed_from_step": 0}]
     assert resumed["world_size"] == uninterrupted["world_size"] == 2
     assert resumed["epochs"] == uninterrupted["epochs"]
+    # Rank 0 published each epoch for the events stream, the attempts' together.
+    streamed = [data for name, data in client.api.events(job_id) if name == "epoch"]
+    assert streamed == [e | {"epochs": 6} for e in resumed["epochs"]]
     assert resumed["batches"] == uninterrupted["batches"] == 270
     for layer in resumed["batchnorm"]:
         assert layer["num_batches_tracked_after"] - layer["num_batches_tracked_before"] == 270
