@@ -54,14 +54,14 @@ class Training(ModelChange):
         assert loss is not None  # set whenever there are labels
         samples_per_step = float(params.batch_size * params.accumulate_steps)
         hooks.start_phase("train", 0, "steps", samples_per_step)
-        resume_sha256 = resume = None
+        resume_sha256 = None if self.checkpoints is None else self.checkpoints.latest_sha256()
+        if params.processes > 1:
+            return self._run_in_ranks(task, resume_sha256)
+        resume = None
         attempts: list[TrainAttempt] = []
         if self.checkpoints is not None:
-            resume_sha256 = self.checkpoints.latest_sha256()
             resume = None if resume_sha256 is None else self.checkpoints.load(resume_sha256)
             attempts = self.checkpoints.note_attempt(0 if resume is None else resume.step)
-        if params.processes > 1:
-            return self._run_in_ranks(task, resume_sha256, attempts)
         started: list[bool] = []
 
         def progress(done: int, total: int) -> None:
@@ -100,11 +100,14 @@ class Training(ModelChange):
             resumed_from_job=params.resume_from,
         )
 
-    def _run_in_ranks(
-        self, task: ChangeTask, resume_sha256: str | None, attempts: list[TrainAttempt]
-    ) -> ChangeResult:
-        """The same training in ``processes`` ranks under DDP (docs/distributed.md); rank 0
-        writes the checkpoints and publishes the epochs of a worker's run."""
+    def _run_in_ranks(self, task: ChangeTask, resume_sha256: str | None) -> ChangeResult:
+        """The same training in ``processes`` ranks under DDP (docs/distributed.md), each
+        resuming from the checkpoint ``resume_sha256`` itself; rank 0 writes the checkpoints
+        and publishes the epochs of a worker's run."""
+        attempts: list[TrainAttempt] = []
+        if self.checkpoints is not None:
+            step = 0 if resume_sha256 is None else self.checkpoints.step_of(resume_sha256)
+            attempts = self.checkpoints.note_attempt(step)
         ran = train_in_ranks(
             self.payload,
             self.params,

@@ -15,7 +15,13 @@ from service.errors import QuotaExceededError
 from service.records.sync import Records
 from service.store.base import Store
 from workers.errors import TrainError
-from workers.running.train_state import EpochLog, TrainState, load_state, state_bytes
+from workers.running.train_state import (
+    EpochLog,
+    TrainState,
+    load_state,
+    state_bytes,
+    state_position,
+)
 
 __all__ = ["StoredCheckpoints"]
 
@@ -51,6 +57,13 @@ class StoredCheckpoints:
         state = load_state(self.store.local_path(sha256))
         log.info("training resumes from step %d (epoch %d)", state.step, state.epoch)
         return state
+
+    def step_of(self, sha256: str) -> int:
+        """The optimizer step of checkpoint ``sha256``, its tensors left unread (the ranks of
+        a job in several processes read them)."""
+        step, epoch = state_position(self.store.local_path(sha256))
+        log.info("training resumes from step %d (epoch %d)", step, epoch)
+        return step
 
     def latest(self) -> TrainState | None:
         """The checkpoint :meth:`latest_sha256` names, read; None when there is none."""

@@ -60,6 +60,7 @@ __all__ = [
     "TrainState",
     "load_state",
     "state_bytes",
+    "state_position",
 ]
 
 FORMAT_VERSION: Final = 1
@@ -184,22 +185,36 @@ def state_bytes(state: TrainState) -> bytes:
     return safetensors.torch.save(tensors, metadata={_METADATA_KEY: json.dumps(meta)})
 
 
+def _metadata(f: Any) -> dict[str, Any]:
+    """The JSON document of an open checkpoint file (NOTE [ Training checkpoints ])."""
+    raw = (f.metadata() or {}).get(_METADATA_KEY)
+    if raw is None:
+        raise TrainError(
+            "the training checkpoint has no bnadapt.train_state metadata: it is not a "
+            "checkpoint a train job wrote; resume from a train job's own checkpoint"
+        )
+    meta: dict[str, Any] = json.loads(raw)
+    if meta.get("version") != FORMAT_VERSION:
+        raise TrainError(
+            f"the training checkpoint is of format {meta.get('version')}, this worker "
+            f"reads format {FORMAT_VERSION}; rerun the job from the start"
+        )
+    return meta
+
+
+def state_position(path: Path) -> tuple[int, int]:
+    """(step, epoch) of the checkpoint at ``path``, read from its metadata alone: no tensor is
+    loaded (a job's process whose ranks load the checkpoint themselves)."""
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        meta = _metadata(f)
+    return int(meta["step"]), int(meta["epoch"])
+
+
 def load_state(path: Path) -> TrainState:
     """The checkpoint in the safetensors file at ``path``; :class:`TrainError` for a file that
     is not one this version writes."""
     with safetensors.safe_open(str(path), framework="pt") as f:
-        raw = (f.metadata() or {}).get(_METADATA_KEY)
-        if raw is None:
-            raise TrainError(
-                "the training checkpoint has no bnadapt.train_state metadata: it is not a "
-                "checkpoint a train job wrote; resume from a train job's own checkpoint"
-            )
-        meta = json.loads(raw)
-        if meta.get("version") != FORMAT_VERSION:
-            raise TrainError(
-                f"the training checkpoint is of format {meta.get('version')}, this worker "
-                f"reads format {FORMAT_VERSION}; rerun the job from the start"
-            )
+        meta = _metadata(f)
         names = set(f.keys())
         model = {k: f.get_tensor(f"model.{k}") for k in meta["model_keys"]}
         best = None
