@@ -182,6 +182,8 @@ class EpochLog(_ReportModel):
     train_loss: float
     val_loss: float | None = None
     val_accuracy: float | None = Field(default=None, ge=0.0, le=1.0)
+    lr: float | None = None  # the learning rate of the epoch's last step
+    best: bool = False  # the lowest validation loss so far (the epoch keep_best would keep)
 
 
 class TrainAttempt(_ReportModel):

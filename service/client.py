@@ -385,8 +385,8 @@ class Client:
         return JobLogPage.model_validate(response.json())
 
     def events(self, job_id: str, logs: bool = False, after: int = 0) -> Iterator[JobEvent]:
-        """The job's server-sent events (``status``, ``progress``, ``log``, ``end``) until it
-        ends: NOTE [ Job events ] in service/api/routes/jobs.py."""
+        """The job's server-sent events (``status``, ``progress``, ``epoch``, ``log``,
+        ``end``) until it ends: NOTE [ Job events ] in service/api/routes/jobs.py."""
         params = {"logs": "true" if logs else "false", "after": after}
         with self.http.stream(
             "GET", f"/v1/jobs/{job_id}/events", params=params, timeout=httpx.Timeout(None)

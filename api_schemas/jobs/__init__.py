@@ -36,6 +36,7 @@ from api_schemas.jobs.params import (
     num_batches,
 )
 from api_schemas.jobs.public import (
+    EpochEvent,
     JobAttempt,
     JobPayload,
     JobPayloadDataset,
@@ -59,6 +60,7 @@ __all__ = [
     "AdaptParams",
     "AnyJobCreate",
     "CheckpointPolicy",
+    "EpochEvent",
     "EstimatorName",
     "EstimatorSpec",
     "EvaluateJobCreate",

@@ -53,6 +53,25 @@ class Progress(BaseModel):
     updated_at: UtcDatetime
 
 
+class EpochEvent(BaseModel):
+    """One epoch of a train job, validated: the data of the ``epoch`` event of
+    ``GET /v1/jobs/{id}/events``, sent once an epoch in epoch order; the same numbers as the
+    report's ``epochs`` entry."""
+
+    epoch: int = Field(ge=1, description="The epoch, from 1.")
+    epochs: int = Field(ge=1, description="The job's epochs in all.")
+    train_loss: float = Field(description="Mean training loss over the epoch's samples.")
+    val_loss: float | None = Field(description="Validation loss; null without validation.")
+    val_accuracy: float | None = Field(
+        ge=0.0, le=1.0, description="Validation accuracy; null without validation or for mse."
+    )
+    lr: float | None = Field(description="The learning rate of the epoch's last step.")
+    best: bool = Field(
+        description="The lowest validation loss so far (the epoch keep_best would keep); "
+        "false without validation."
+    )
+
+
 class JobResultLinks(BaseModel):
     """Where a succeeded job's output lives. ``adapt`` and ``train`` jobs register a new model:
     ``model_id`` and ``weights_url`` name it. ``evaluate`` jobs register none: both are

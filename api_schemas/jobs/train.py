@@ -265,8 +265,8 @@ class TrainParams(RequestModel):
         default=None,
         description="A train job of yours that kept a training checkpoint (save_every_steps or "
         "save_every_s): this job continues from its latest checkpoint up to epoch `epochs`. "
-        "Same model_id, dataset_id, seed, batch_size, accumulate_steps and "
-        "validation_fraction as that job.",
+        "Same model_id, dataset_id, seed, batch_size, accumulate_steps, "
+        "validation_fraction, optimizer and processes as that job.",
     )
 
     @model_validator(mode="after")
@@ -297,15 +297,6 @@ class TrainParams(RequestModel):
             raise ValueError(
                 "compile is not offered with processes > 1 yet; submit with compile: false "
                 "or processes: 1"
-            )
-        if self.processes > 1 and (
-            self.save_every_steps is not None
-            or self.save_every_s is not None
-            or self.resume_from is not None
-        ):
-            raise ValueError(
-                "training checkpoints (save_every_steps, save_every_s, resume_from) are not "
-                "offered with processes > 1 yet; submit with processes: 1, or without them"
             )
         return self
 

@@ -20,7 +20,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import TypeAdapter
 from rq import Queue
 
-from api_schemas import JobCreate, Problem, ProblemItem
+from api_schemas import EpochEvent, JobCreate, Problem, ProblemItem
 from service.api.edge import EdgeMiddleware
 from service.api.metrics import install_metrics
 from service.api.offload import HeavyWork
@@ -141,7 +141,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 def _add_problem_schema(app: FastAPI) -> None:
     """Puts the ``Problem`` schema that :func:`problem_responses` refers to into the document
-    (no route returns it as its model, so FastAPI would leave it out)."""
+    (no route returns it as its model, so FastAPI would leave it out), and ``EpochEvent``, the
+    data of the events stream's ``epoch`` events (NOTE [ Job events ])."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -152,6 +153,7 @@ def _add_problem_schema(app: FastAPI) -> None:
             problem.pop("$defs", None)  # ProblemItem: its own entry, next
             schemas.setdefault("Problem", problem)
             schemas.setdefault("ProblemItem", ProblemItem.model_json_schema(ref_template=_REF))
+            schemas.setdefault("EpochEvent", EpochEvent.model_json_schema(ref_template=_REF))
             # POST /v1/jobs reads its body itself (strict parsing); its schema is the kinds'
             # union, with the discriminator, for clients and generators.
             job_create = TypeAdapter(JobCreate).json_schema(ref_template=_REF)

@@ -237,6 +237,9 @@ _RESUME_SAME: Final = (
     "accumulate_steps",
     "validation_fraction",
     "optimizer",
+    # A checkpoint holds each rank's own RNG and loss sums, of its world size (NOTE [ Ranks
+    # in a checkpoint ] in workers/running/train_state.py).
+    "processes",
 )
 
 

@@ -45,6 +45,12 @@ class AsyncRecords:
         lines = await self.client.lrange(keys.job_logs(job_id), 0, -1)
         return [line.encode() if isinstance(line, str) else line for line in lines]
 
+    async def job_epochs(self, job_id: str) -> list[tuple[int, bytes]]:
+        """A train job's validated epochs as stored (JSON), by epoch number, in epoch order."""
+        fields = await self.client.hgetall(keys.job_epochs(job_id))
+        found = [(int(k), v.encode() if isinstance(v, str) else v) for k, v in fields.items()]
+        return sorted(found)
+
     async def tenant_and_job(
         self, presented: str, job_id: str
     ) -> tuple[str | None, JobPublic | None]:

@@ -23,7 +23,12 @@ from service.records import keys
 from service.records.format import job_from_fields, text
 from service.records.idempotency import IDEMPOTENCY_FIELD, IdempotencyKeys
 from service.records.paging import newest_first
-from service.records.quotas import active_job_ids, within_quota
+from service.records.quotas import (
+    CHECKPOINT_BYTES_FIELD,
+    active_job_ids,
+    ensure_stored_bytes_counted,
+    within_quota,
+)
 from service.records.resources import TenantResources
 from service.records.store_refs import release_sha_ref
 from service.records.train_checkpoints import CHECKPOINT_FIELD
@@ -172,10 +177,18 @@ class JobRecords(TenantResources):
         if not job.status.is_terminal:
             raise ValueError(f"job {job.id} is {job.status.value}; only an ended job is deleted")
         job_key = keys.record("job", job.id)
-        payload, report, checkpoint, idempotency_key = cast(
+        ensure_stored_bytes_counted(self.client, tenant_id)
+        payload, report, checkpoint, checkpoint_bytes, idempotency_key = cast(
             "list[bytes | None]",
             self.client.hmget(
-                job_key, ["payload", "report_sha256", CHECKPOINT_FIELD, IDEMPOTENCY_FIELD]
+                job_key,
+                [
+                    "payload",
+                    "report_sha256",
+                    CHECKPOINT_FIELD,
+                    CHECKPOINT_BYTES_FIELD,
+                    IDEMPOTENCY_FIELD,
+                ],
             ),
         )
         used: list[str] = []
@@ -194,6 +207,7 @@ class JobRecords(TenantResources):
             keys.job_logs(job.id),
             keys.job_log_seq(job.id),
             keys.job_cancel(job.id),
+            keys.job_epochs(job.id),
             keys.job_output(job.id),
             keys.job_shards(job.id),
             keys.job_shard_progress(job.id),
@@ -204,7 +218,12 @@ class JobRecords(TenantResources):
             release_sha_ref(pipe, sha256, job.id)
         if idempotency_key is not None:
             IdempotencyKeys.release_idempotency(pipe, tenant_id, text(idempotency_key), job.id)
-        pipe.execute()
+        released = int(text(checkpoint_bytes)) if checkpoint_bytes is not None else 0
+        if released:  # NOTE [ Tenant quotas ]: the checkpoint's bytes leave the tenant's count
+            pipe.decrby(keys.tenant_stored_bytes(tenant_id), released)
+        deleted = pipe.execute()[0]
+        if released and not deleted:  # deleted meanwhile by another request: counted out once
+            self.client.incrby(keys.tenant_stored_bytes(tenant_id), released)
 
     def jobs_finished_before(self, epoch_s: float, limit: int) -> list[tuple[str, str]]:
         """Up to ``limit`` (job id, tenant id) of jobs that ended before ``epoch_s``, oldest

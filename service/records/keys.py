@@ -29,6 +29,7 @@ __all__ = [
     "inspect_reply",
     "job_cancel",
     "job_child_result",
+    "job_epochs",
     "job_heartbeat",
     "job_log_seq",
     "job_logs",
@@ -179,6 +180,12 @@ def job_progress(job_id: str) -> str:
 def job_logs(job_id: str) -> str:
     """List: what the job's processes logged (JSON entries, the latest few hundred kept)."""
     return f"{PREFIX}:job:{job_id}:logs"
+
+
+def job_epochs(job_id: str) -> str:
+    """Hash: a train job's validated epochs, epoch number -> its ``EpochEvent`` (JSON); an
+    epoch a retried attempt does again writes the same field (NOTE [ Job events ])."""
+    return f"{PREFIX}:job:{job_id}:epochs"
 
 
 def job_log_seq(job_id: str) -> str:

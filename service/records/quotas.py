@@ -15,12 +15,17 @@ never both take the last unit:
   cycle (its Lua transitions) is left alone: an ended job simply stops counting.
 - stored bytes: ``keys.tenant_stored_bytes``, added to and taken from in the MULTI that writes
   or deletes a model's or dataset's record (``TenantResources``); a registration WATCHes it.
-  A model a job registers is counted but never refused: the job was admitted already.
+  A model a job registers is counted but never refused: the job was admitted already. A train
+  job's training checkpoint is counted too, as its tenant's, from when it is written to when
+  the job is deleted (``CHECKPOINT_BYTES_FIELD`` of the job's hash holds its size; NOTE
+  [ Train checkpoint records ] in service/records/train_checkpoints.py); a checkpoint past
+  the quota is refused, and the job fails with that error (not retried: the next attempt
+  would be refused the same).
   A tenant with no count yet (its resources came before quotas) is counted once from its
-  records before its count is first read or changed (:func:`ensure_stored_bytes_counted`):
-  every path that reads or changes the count ensures it first, and the count is set only
-  where none exists (SET NX), so a registration that raced the first count and changed it
-  after is not lost.
+  records (its jobs' checkpoints included) before its count is first read or changed
+  (:func:`ensure_stored_bytes_counted`): every path that reads or changes the count ensures
+  it first, and the count is set only where none exists (SET NX), so a registration that
+  raced the first count and changed it after is not lost.
 - open uploads: ``keys.tenant_uploads``, one member per resumable or direct upload scored by
   its expiry, added in the MULTI that writes the session and removed when it ends; an upload
   nobody ends stops counting when it expires.
@@ -52,6 +57,7 @@ from service.records.format import text
 from service.settings import Settings
 
 __all__ = [
+    "CHECKPOINT_BYTES_FIELD",
     "QUOTAS",
     "STREAM_LEASE_S",
     "AsyncTenantQuotas",
@@ -64,6 +70,9 @@ __all__ = [
     "within_quota",
 ]
 
+# The field of a job's hash that holds its training checkpoint's size, counted in its
+# tenant's stored bytes (NOTE [ Tenant quotas ]).
+CHECKPOINT_BYTES_FIELD: Final = "train_checkpoint_bytes"
 # How long an event stream's lease lasts; the stream renews it every third of that.
 STREAM_LEASE_S: Final = 30.0
 # Attempts of a WATCH/MULTI before giving up (each retry means another writer won a race).
@@ -116,9 +125,10 @@ QUOTAS: Final[Mapping[str, Quota]] = {
         ),
         Quota(
             "max_stored_bytes",
-            "bytes of models and datasets stored",
+            "bytes of models, datasets and training checkpoints stored",
             "delete models or datasets you no longer need (DELETE /v1/models/{id}, "
-            "DELETE /v1/datasets/{id})",
+            "DELETE /v1/datasets/{id}), or ended train jobs whose training checkpoints you "
+            "no longer need (DELETE /v1/jobs/{id})",
             60,
         ),
         Quota(
@@ -235,6 +245,10 @@ def ensure_stored_bytes_counted(client: redis.Redis, tenant_id: str) -> None:
             data = client.hget(keys.record(kind, resource_id), "data")
             if data is not None:
                 total += int(json.loads(data).get("size_bytes", 0))
+    for member, _ in client.zscan_iter(keys.tenant_index(tenant_id, "job")):
+        job_id = text(member).partition(":")[2]
+        checkpoint = client.hget(keys.record("job", job_id), CHECKPOINT_BYTES_FIELD)
+        total += int(text(checkpoint)) if checkpoint is not None else 0
     client.set(counted, total, nx=True)
 
 

@@ -1,12 +1,14 @@
 """What a running job's process and the rest of the service tell each other through Redis:
 the job's heartbeat (``keys.job_heartbeat``: its process lives), its progress
 (``keys.job_progress``, what ``GET /v1/jobs/{id}`` shows) and its cancel flag
-(``keys.job_cancel``, polled by the job's loop). The reaper reads the heartbeats (NOTE
-[ Heartbeat bound ] in service/upkeep/reaper.py)."""
+(``keys.job_cancel``, polled by the job's loop) and a train job's validated epochs
+(``keys.job_epochs``, the events stream's ``epoch`` events: NOTE [ Job events ] in
+service/api/routes/jobs.py). The reaper reads the heartbeats (NOTE [ Heartbeat bound ] in
+service/upkeep/reaper.py)."""
 
 from __future__ import annotations
 
-from api_schemas import Progress
+from api_schemas import EpochEvent, Progress
 from service.records import keys
 from service.records.base import RedisRecords
 
@@ -25,6 +27,9 @@ class JobSignals(RedisRecords):
 
     def write_progress(self, job_id: str, progress: Progress) -> None:
         self.client.set(keys.job_progress(job_id), progress.model_dump_json())
+
+    def publish_epoch(self, job_id: str, event: EpochEvent) -> None:
+        self.client.hset(keys.job_epochs(job_id), str(event.epoch), event.model_dump_json())
 
     def request_cancel(self, job_id: str) -> None:
         self.client.set(keys.job_cancel(job_id), "1")

@@ -8,8 +8,10 @@ the job holds a use of it in ``keys.sha_refs`` like of its inputs and report. Re
 one MULTI: the new object's use is added and the field set before the old one's use is
 released, so the collector never deletes the checkpoint a retried attempt is about to read
 (an object just written and not yet referenced is younger than the collector's grace period,
-NOTE [ Store garbage collection ] in service/store/gc.py). Deleting the job releases it with
-the job's other objects (``JobRecords.delete_finished_job``). ``train_resumes`` is a JSON list,
+NOTE [ Store garbage collection ] in service/store/gc.py). The same MULTI counts the new
+object's bytes, less the old one's, in the tenant's stored bytes, within its quota (NOTE
+[ Tenant quotas ] in service/records/quotas.py). Deleting the job releases it, and its bytes,
+with the job's other objects (``JobRecords.delete_finished_job``). ``train_resumes`` is a JSON list,
 one entry an attempt: ``{"attempt": n, "resumed_from_step": s}``; only the job's running
 attempt writes it.
 """
@@ -19,9 +21,16 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
+import redis
+
 from service.records import keys
 from service.records.base import RedisRecords
 from service.records.format import text
+from service.records.quotas import (
+    CHECKPOINT_BYTES_FIELD,
+    ensure_stored_bytes_counted,
+    within_quota,
+)
 from service.records.store_refs import release_sha_ref
 
 __all__ = ["TrainCheckpoints"]
@@ -38,17 +47,47 @@ class TrainCheckpoints(RedisRecords):
         value = self.client.hget(keys.record("job", job_id), CHECKPOINT_FIELD)
         return None if value is None else text(value)
 
-    def replace_train_checkpoint(self, job_id: str, sha256: str) -> None:
-        """Makes the stored object ``sha256`` the job's latest checkpoint (NOTE [ Train
-        checkpoint records ])."""
+    def replace_train_checkpoint(
+        self,
+        job_id: str,
+        sha256: str,
+        size_bytes: int,
+        tenant_id: str,
+        max_stored_bytes: float | None = None,
+    ) -> None:
+        """Makes the stored object ``sha256`` of ``size_bytes`` the job's latest checkpoint,
+        counted as tenant ``tenant_id``'s in place of the one before (NOTE [ Train checkpoint
+        records ]); with ``max_stored_bytes`` (the setting; the tenant's own value wins) only
+        if it fits, else :class:`~service.errors.QuotaExceededError`."""
         job_key = keys.record("job", job_id)
-        old = self.client.hget(job_key, CHECKPOINT_FIELD)
-        pipe = self.client.pipeline()
-        pipe.sadd(keys.sha_refs(sha256), job_id)
-        pipe.hset(job_key, CHECKPOINT_FIELD, sha256)
-        if old is not None and text(old) != sha256:
-            release_sha_ref(pipe, text(old), job_id)
-        pipe.execute()
+        counted = keys.tenant_stored_bytes(tenant_id)
+        ensure_stored_bytes_counted(self.client, tenant_id)
+        # Only the job's running attempt writes these fields: read once, outside the WATCH.
+        old, old_size = cast(
+            "list[bytes | None]",
+            self.client.hmget(job_key, [CHECKPOINT_FIELD, CHECKPOINT_BYTES_FIELD]),
+        )
+        adding = size_bytes - (int(text(old_size)) if old_size is not None else 0)
+
+        def write(pipe: redis.client.Pipeline) -> None:
+            pipe.sadd(keys.sha_refs(sha256), job_id)
+            pipe.hset(
+                job_key, mapping={CHECKPOINT_FIELD: sha256, CHECKPOINT_BYTES_FIELD: size_bytes}
+            )
+            pipe.incrby(counted, adding)
+            if old is not None and text(old) != sha256:
+                release_sha_ref(pipe, text(old), job_id)
+
+        within_quota(
+            self.client,
+            tenant_id,
+            "max_stored_bytes",
+            max_stored_bytes,
+            counted,
+            lambda pipe: float(pipe.get(counted) or 0),
+            adding,
+            write,
+        )
 
     def note_resume(self, job_id: str, resumed_from_step: int) -> list[dict[str, Any]]:
         """Records that the job's current attempt started at optimizer step

@@ -171,6 +171,42 @@ def test_events_stream_progress_and_end(stack: Stack) -> None:
     assert stranger.http.get(f"/v1/jobs/{job['id']}/events").status_code == 404
 
 
+def test_a_train_job_streams_each_epoch_as_an_event_of_its_own(stack: Stack) -> None:
+    client = stack.client("epoch-events")
+    model = created(client.add_model("digits_cnn", {"width": 4}, seed=1))
+    dataset = created(client.add_dataset(digits_npz(n=300)))
+    body = {
+        "kind": "train",
+        "model_id": model["id"],
+        "dataset_id": dataset["id"],
+        # A schedule that moves and a best epoch: the events carry both, as the report does.
+        "params": {"epochs": 3, "batch_size": 32, "lr_schedule": "cosine", "keep_best": True},
+    }
+    job = created(client.submit(body), 202)
+    api = ApiClient(stack.url, _key(client))
+    events = list(api.events(job["id"]))
+    names = [name for name, _ in events]
+    assert names[-1] == "end" and events[-1][1]["status"] == "succeeded", names
+    epochs = [data for name, data in events if name == "epoch"]
+    # One event an epoch, in order, before the end, with the report's numbers.
+    assert [e["epoch"] for e in epochs] == [1, 2, 3], names
+    assert names.index("epoch") < names.index("end")
+    report = client.http.get(events[-1][1]["result"]["report_url"]).json()
+    assert len(report["epochs"]) == 3
+    for event, logged in zip(epochs, report["epochs"], strict=True):
+        assert event == logged | {"epochs": 3}
+        assert event["val_loss"] is not None and event["lr"] is not None
+    assert epochs[0]["best"] is True
+    assert report["best_epoch"] == max(e["epoch"] for e in epochs if e["best"])
+    assert epochs[2]["lr"] < epochs[0]["lr"]  # cosine: down over the job's steps
+    # A stream opened after the job ended sends the epochs again, then the end.
+    again = [name for name, _ in api.events(job["id"])]
+    assert again == ["status", "progress", "epoch", "epoch", "epoch", "end"], again
+    # An adapt job has no epochs.
+    adapt = created(client.submit(_small_adapt(client)), 202)
+    assert "epoch" not in [name for name, _ in api.events(adapt["id"])]
+
+
 def test_logs_are_kept_and_tenant_scoped(stack: Stack) -> None:
     client = stack.client("logs")
     body = _small_adapt(client)

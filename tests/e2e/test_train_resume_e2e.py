@@ -19,7 +19,7 @@ import torch
 
 from service.records import keys
 from service.records.train_checkpoints import CHECKPOINT_FIELD
-from tests.e2e.test_e2e import created, digits_npz, problem
+from tests.e2e.test_e2e import created, digits_npz, problem, store_of
 from tests.servers import wait_for
 from tests.stack import Client, Stack, npz_bytes, running_stack
 
@@ -214,7 +214,6 @@ BAD_RECIPES: list[tuple[dict[str, Any], list[str]]] = [
     ({"clip_grad_norm": -1}, ["clip_grad_norm"]),
     ({"augmentation": {"crop_scale": [0.5, 0.2]}}, ["0 < low <= high <= 1", "[0.08, 1.0]"]),
     ({"loader_workers": 17}, ["loader_workers"]),
-    ({"processes": 2, "save_every_steps": 5}, ["not offered with processes > 1"]),
 ]
 
 
@@ -258,3 +257,42 @@ def test_augmentation_of_samples_that_are_not_images_is_refused(stack: Stack) ->
         "params": {"augmentation": {"horizontal_flip": True}},
     }
     problem(client.submit(body), 422, "images (C, H, W)", "[64]", "drop augmentation")
+
+
+def test_checkpoints_count_in_the_tenants_stored_bytes_until_their_job_is_deleted(
+    stack: Stack,
+) -> None:
+    client = stack.client("checkpoint-bytes")
+    records = stack.records()
+    tenant = records.find_tenant("checkpoint-bytes")
+    assert tenant is not None
+    model = created(client.add_model("digits_cnn", {"width": 4}))
+    dataset = created(client.add_dataset(digits_npz(n=300)))
+    base = {"kind": "train", "model_id": model["id"], "dataset_id": dataset["id"]}
+    params = {"epochs": 1, "batch_size": 32, "save_every_steps": 1000}
+
+    def stored() -> int:
+        return int(records.quota_usage(tenant)["max_stored_bytes"])
+
+    before = stored()
+    job = client.wait(str(created(client.submit(base | {"params": params}), 202)["id"]))
+    assert job["status"] == "succeeded", job
+    sha256 = checkpoint_of(stack, job["id"])
+    assert sha256 is not None
+    checkpoint_bytes = store_of(stack).local_path(sha256).stat().st_size
+    trained = client.http.get(f"/v1/models/{job['result']['model_id']}").json()
+    # The model the job registered and its final checkpoint, both the tenant's.
+    assert stored() == before + trained["size_bytes"] + checkpoint_bytes
+    assert client.http.delete(f"/v1/jobs/{job['id']}").status_code == 204
+    assert stored() == before + trained["size_bytes"]
+
+    # A tenant whose next checkpoint does not fit: the job fails once, naming the quota.
+    records.set_quota(tenant, "max_stored_bytes", float(stored() + checkpoint_bytes // 2))
+    full = base | {"params": params | {"save_every_steps": 2}, "max_attempts": 3}
+    refused = client.wait(str(created(client.submit(full), 202)["id"]))
+    assert refused["status"] == "failed", refused
+    assert refused["attempts"] == []  # not retried: the next attempt's would not fit either
+    for phrase in ("training checkpoint at step 2", "quota max_stored_bytes exceeded", "DELETE"):
+        assert phrase in refused["error"], refused["error"]
+    assert checkpoint_of(stack, refused["id"]) is None
+    assert stored() == before + trained["size_bytes"]

@@ -131,7 +131,8 @@ def test_regression_and_no_validation() -> None:
     assert settings["loss"] == "mse"
     # 65 = 2 * 32 + 1: the one-sample tail is dropped
     assert stats.steps == 6 and stats.samples == 3 * 64
-    assert stats.epochs[0] == EpochLog(1, stats.epochs[0].train_loss, None, None)
+    # No validation: no best epoch; a constant schedule: the job's lr throughout.
+    assert stats.epochs[0] == EpochLog(1, stats.epochs[0].train_loss, None, None, 0.05, False)
     assert nbt(model) == [6, 6]
     metrics = evaluate_sums(model, x, y, batch_size=10, loss="mse").metrics()
     assert metrics.accuracy is None and metrics.mse == metrics.loss
@@ -181,7 +182,14 @@ def test_stats_convert_with_asdict() -> None:
 
     stats = TrainStats([EpochLog(1, 0.5, 0.4, 0.9)], steps=3, samples=96)
     assert asdict(stats)["epochs"] == [
-        {"epoch": 1, "train_loss": 0.5, "val_loss": 0.4, "val_accuracy": 0.9}
+        {
+            "epoch": 1,
+            "train_loss": 0.5,
+            "val_loss": 0.4,
+            "val_accuracy": 0.9,
+            "lr": None,
+            "best": False,
+        }
     ]
     assert set(asdict(Metrics(1, 0.0, None, 0.0))) == {"num_samples", "loss", "accuracy", "mse"}
 

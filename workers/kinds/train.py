@@ -1,12 +1,12 @@
 """The ``train`` row's runner and its change to the model: every parameter trained on the
-labelled dataset with the job's recipe (workers/running/training.py), resuming from the
-latest training checkpoint (workers/running/resumption.py); then the new model is saved and
-registered."""
+labelled dataset with the job's recipe (workers/running/training.py), in one process or in
+several (workers/running/ranks.py), resuming from the latest training checkpoint
+(workers/running/resumption.py); then the new model is saved and registered."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict
+from functools import partial
 
 from api_schemas import JobPayload, TrainParams
 from api_schemas.reports import EpochLog, TrainAttempt
@@ -23,19 +23,16 @@ from workers.running.compute import (
 )
 from workers.running.ranks import train_in_ranks
 from workers.running.resumption import StoredCheckpoints
-from workers.running.train_state import EpochLog as TrainedEpoch
-from workers.running.training import Checkpointing, Recipe, train_model
+from workers.running.training import Checkpointing, train_with_params
 
 __all__ = ["Training", "change", "run"]
-
-log = logging.getLogger(__name__)
 
 
 class Training(ModelChange):
     """The job's epochs of optimizer steps on all parameters, every BatchNorm layer in train
-    mode. With ``checkpoints`` (a worker's run) it resumes from the latest training checkpoint
-    and writes new ones as the job's params ask; without (in-process runs) it starts afresh
-    and writes none."""
+    mode. With ``checkpoints`` (a worker's run) it resumes from the latest training checkpoint,
+    writes new ones as the job's params ask and publishes each epoch; without (in-process runs)
+    it starts afresh and writes none. In one process or in ``processes`` ranks alike."""
 
     def __init__(
         self,
@@ -57,8 +54,14 @@ class Training(ModelChange):
         assert loss is not None  # set whenever there are labels
         samples_per_step = float(params.batch_size * params.accumulate_steps)
         hooks.start_phase("train", 0, "steps", samples_per_step)
+        resume_sha256 = None if self.checkpoints is None else self.checkpoints.latest_sha256()
         if params.processes > 1:
-            return self._run_in_ranks(task)
+            return self._run_in_ranks(task, resume_sha256)
+        resume = None
+        attempts: list[TrainAttempt] = []
+        if self.checkpoints is not None:
+            resume = None if resume_sha256 is None else self.checkpoints.load(resume_sha256)
+            attempts = self.checkpoints.note_attempt(0 if resume is None else resume.step)
         started: list[bool] = []
 
         def progress(done: int, total: int) -> None:
@@ -67,47 +70,19 @@ class Training(ModelChange):
                 started.append(True)
             hooks.report(done)
 
-        def on_epoch(epoch: TrainedEpoch) -> None:
-            # The job's log, and so its events stream (NOTE [ Job events ]): one line an epoch.
-            log.info(
-                "epoch %d of %d: train_loss %.6g, val_loss %s, val_accuracy %s",
-                epoch.epoch,
-                params.epochs,
-                epoch.train_loss,
-                "null" if epoch.val_loss is None else f"{epoch.val_loss:.6g}",
-                "null" if epoch.val_accuracy is None else f"{epoch.val_accuracy:.6g}",
-            )
-
-        checkpointing = None
-        attempts: list[TrainAttempt] = []
+        checkpointing = on_epoch = None
         if self.checkpoints is not None:
-            resume = self.checkpoints.latest()
-            attempts = self.checkpoints.note_attempt(0 if resume is None else resume.step)
-            save = params.save_every_steps is not None or params.save_every_s is not None
-            if save or resume is not None:
-                checkpointing = Checkpointing(
-                    save=self.checkpoints.save if save else _keep_none,
-                    every_steps=params.save_every_steps,
-                    every_s=None if params.save_every_s is None else float(params.save_every_s),
-                    resume=resume,
-                )
+            checkpointing = Checkpointing.of(params, self.checkpoints.save, resume)
+            on_epoch = partial(self.checkpoints.publish_epoch, epochs=params.epochs)
 
         with one_sample_batch_explained(None, params.batch_size, None):
-            trained = train_model(
+            trained = train_with_params(
+                params,
                 job.model,
                 job.x,
                 job.y,
-                epochs=params.epochs,
-                batch_size=params.batch_size,
-                optimizer=params.optimizer,
-                lr=params.lr,
-                momentum=params.momentum,
-                weight_decay=params.weight_decay,
                 loss=loss,
-                validation_fraction=params.validation_fraction,
-                seed=params.seed,
                 device=job.device,
-                recipe=Recipe.of(params),
                 checkpointing=checkpointing,
                 progress=progress,
                 should_stop=hooks.should_stop,
@@ -125,22 +100,34 @@ class Training(ModelChange):
             resumed_from_job=params.resume_from,
         )
 
-    def _run_in_ranks(self, task: ChangeTask) -> ChangeResult:
-        """The same training in ``processes`` ranks under DDP (docs/distributed.md)."""
-        ran = train_in_ranks(self.payload, self.params, task.job, task.hooks)
+    def _run_in_ranks(self, task: ChangeTask, resume_sha256: str | None) -> ChangeResult:
+        """The same training in ``processes`` ranks under DDP (docs/distributed.md), each
+        resuming from the checkpoint ``resume_sha256`` itself; rank 0 writes the checkpoints
+        and publishes the epochs of a worker's run."""
+        attempts: list[TrainAttempt] = []
+        if self.checkpoints is not None:
+            step = 0 if resume_sha256 is None else self.checkpoints.step_of(resume_sha256)
+            attempts = self.checkpoints.note_attempt(step)
+        ran = train_in_ranks(
+            self.payload,
+            self.params,
+            task.job,
+            task.hooks,
+            resume_sha256=resume_sha256,
+            keep_checkpoints=self.checkpoints is not None,
+        )
         first = ran[0]  # rank 0: its validation, its statistics in the model
         return ChangeResult(
             batches=first.steps,
             samples=first.samples,
             changed=batchnorm_names(task.job.model),
             epochs=first.epochs,
+            attempts=attempts,
+            best_epoch=first.best_epoch,
+            resumed_from_job=self.params.resume_from,
             world_size=len(ran),
             rank_steps=[r.timings for r in ran if r.timings is not None],
         )
-
-
-def _keep_none(state: object) -> None:
-    """A resumed job that asks for no checkpoints of its own writes none."""
 
 
 def change(payload: JobPayload) -> Training:
@@ -153,5 +140,5 @@ def change(payload: JobPayload) -> Training:
 def run(job: JobPayload, records: Records, store: Store, settings: Settings) -> dict[str, str]:
     """Trains, saves weights and report, registers the new model and marks the job succeeded;
     returns the RQ job's result."""
-    checkpoints = StoredCheckpoints(records, store, job.job_id, job.resume_sha256)
+    checkpoints = StoredCheckpoints(records, store, job, settings.tenant_max_stored_bytes)
     return run_change(job, records, store, settings, Training(change(job).params, job, checkpoints))

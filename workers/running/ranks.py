@@ -25,8 +25,13 @@ statistics the job keeps are rank 0's.
 
 NOTE [ What the ranks share with the job's process ]
 
-The ranks write nothing to Redis or the store (they read the job's inputs from it). They share
-a private temporary directory with the job's process (``_Workdir``): rank 0 writes its progress
+The ranks read the job's inputs from the store, and the training checkpoint to resume from
+that the job's process chose (the job's latest, NOTE [ Ranks in a checkpoint ] in
+workers/running/train_state.py). Rank 0 alone writes to the store and Redis, through its own
+client, what one process would write while it trains: the job's training checkpoints
+(every rank takes part in gathering each, at the same step) and its epochs for the events
+stream (workers/running/resumption.py). They share a private temporary directory with the
+job's process (``_Workdir``): rank 0 writes its progress
 there after each step and the trained state (safetensors) at the end; a rank that fails writes
 its error's kind and message there; the job's process creates a ``stop`` file there when the
 job is canceled or lost, which every rank checks before each step. What comes back through the
@@ -50,6 +55,7 @@ import signal
 import tempfile
 import threading
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -66,6 +72,8 @@ from torch.nn.parallel import DistributedDataParallel
 from api_schemas import JobPayload, TrainParams
 from api_schemas.reports import EpochLog, StepTimings
 from bnadapt.sync_batchnorm import convert_sync_batchnorm
+from service.records.connection import redis_client
+from service.records.sync import Records
 from service.settings import get_settings
 from service.store import open_store
 from service.upkeep.parent_death import die_with_parent
@@ -79,7 +87,9 @@ from workers.running.compute import one_sample_batch_explained
 from workers.running.evaluation import loss_for
 from workers.running.failures import out_of_memory_message
 from workers.running.loading import LoadedJob, load_job, resolve_device
-from workers.running.training import RankSlice, Recipe, train_model
+from workers.running.resumption import StoredCheckpoints
+from workers.running.train_state import TrainState, load_state
+from workers.running.training import Checkpointing, RankSlice, train_with_params
 
 __all__ = ["RankOutcome", "run_rank", "train_in_ranks"]
 
@@ -101,6 +111,7 @@ class RankOutcome(BaseModel):
     steps: int
     samples: int  # the global batches' samples, all ranks together
     epochs: list[EpochLog]  # rank 0's carry the validation; others' have none
+    best_epoch: int | None = None  # keep_best: rank 0's kept epoch
     timings: StepTimings | None  # this rank's steps, counting its own slices
 
 
@@ -149,10 +160,19 @@ def _rank_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def run_rank(payload_json: str, workdir: str, parent_pid: int, threads: int) -> str:
+def run_rank(
+    payload_json: str,
+    workdir: str,
+    parent_pid: int,
+    threads: int,
+    resume_sha256: str | None,
+    keep_checkpoints: bool,
+) -> str:
     """One rank of a train job; the launcher's entry point, run in a process of its own with
-    torch.distributed's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). Returns
-    its :class:`RankOutcome` as JSON."""
+    torch.distributed's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). Resumes
+    from the stored checkpoint ``resume_sha256``; with ``keep_checkpoints`` (a worker's run)
+    rank 0 writes the job's checkpoints and epochs. Returns its :class:`RankOutcome` as
+    JSON."""
     die_with_parent(signal.SIGKILL, parent_pid)  # no rank outlives the job's process
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -163,9 +183,22 @@ def run_rank(payload_json: str, workdir: str, parent_pid: int, threads: int) -> 
         params = payload.params
         assert isinstance(params, TrainParams), f"{payload.kind} jobs do not train"
         device = _rank_device(params.device, local_rank)
-        job = load_job(payload, open_store(get_settings()))
+        settings = get_settings()
+        store = open_store(settings)
+        job = load_job(payload, store)
+        resume = None if resume_sha256 is None else load_state(store.local_path(resume_sha256))
+        stored = None
+        if keep_checkpoints and rank == 0:
+            records = Records(redis_client(settings.redis_url, outage_s=settings.redis_outage_s))
+            stored = StoredCheckpoints(records, store, payload, settings.tenant_max_stored_bytes)
+        checkpointing = None
+        if keep_checkpoints:
+            save = _written_by_rank_0 if stored is None else stored.save
+            checkpointing = Checkpointing.of(params, save, resume)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        outcome = _train_rank(params, job, device, shared, RankSlice(rank, world_size))
+        outcome = _train_rank(
+            params, job, device, shared, RankSlice(rank, world_size), checkpointing, stored
+        )
         return outcome.model_dump_json()
     except BaseException as exc:
         kind = type(exc).__name__ if isinstance(exc, WorkerError) else "WorkerError"
@@ -180,12 +213,19 @@ def run_rank(payload_json: str, workdir: str, parent_pid: int, threads: int) -> 
             dist.destroy_process_group()
 
 
+def _written_by_rank_0(state: TrainState) -> None:
+    """Ranks other than 0 take part in each checkpoint (NOTE [ Ranks in a checkpoint ] in
+    workers/running/train_state.py) and write nothing."""
+
+
 def _train_rank(
     params: TrainParams,
     job: LoadedJob,
     device: torch.device,
     shared: _Workdir,
     ranks: RankSlice,
+    checkpointing: Checkpointing | None,
+    stored: StoredCheckpoints | None,
 ) -> RankOutcome:
     assert job.y is not None, "the API only accepts train jobs on labelled datasets"
     model: nn.Module = job.model.to(device)
@@ -207,23 +247,19 @@ def _train_rank(
     progress = shared.write_progress if ranks.rank == 0 else None
     loss = params.loss or loss_for(job.y)
     with one_sample_batch_explained(None, params.batch_size // ranks.world_size, None):
-        trained = train_model(
+        trained = train_with_params(
+            params,
             model,
             job.x,
             job.y,
-            epochs=params.epochs,
-            batch_size=params.batch_size,
-            optimizer=params.optimizer,
-            lr=params.lr,
-            momentum=params.momentum,
-            weight_decay=params.weight_decay,
             loss=loss,
-            validation_fraction=params.validation_fraction,
-            seed=params.seed,
             device=device,
+            checkpointing=checkpointing,
             progress=progress,
             should_stop=shared.stop_requested,
-            recipe=Recipe.of(params),
+            on_epoch=None
+            if stored is None
+            else partial(stored.publish_epoch, epochs=params.epochs),
             forward=ddp,
             clock=clock,
             ranks=ranks,
@@ -232,14 +268,15 @@ def _train_rank(
     _check_one_update_a_step(model, tracked_before, trained.batches, ranks.rank)
     if ranks.rank == 0:
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        partial = shared.path / f"{_STATE}.partial"
-        safetensors.torch.save_file(state, str(partial))
-        partial.replace(shared.state)
+        written = shared.path / f"{_STATE}.partial"
+        safetensors.torch.save_file(state, str(written))
+        written.replace(shared.state)
     return RankOutcome(
         rank=ranks.rank,
         steps=trained.batches,  # micro-batches: the report's `batches`
         samples=trained.samples,
         epochs=[EpochLog(**asdict(e)) for e in trained.epochs],
+        best_epoch=trained.best_epoch,
         timings=None if clock.steps == 0 else clock.timings(),
     )
 
@@ -314,11 +351,19 @@ class _Watch:
 
 
 def train_in_ranks(
-    payload: JobPayload, params: TrainParams, job: LoadedJob, hooks: JobHooks
+    payload: JobPayload,
+    params: TrainParams,
+    job: LoadedJob,
+    hooks: JobHooks,
+    *,
+    resume_sha256: str | None = None,
+    keep_checkpoints: bool = False,
 ) -> list[RankOutcome]:
     """Trains ``job.model`` with ``params.processes`` ranks and loads rank 0's state into it;
     returns what each rank trained, in rank order, or raises what ended the ranks (module
-    docstring: failures)."""
+    docstring: failures). The ranks resume from the stored training checkpoint
+    ``resume_sha256``; with ``keep_checkpoints`` (a worker's run) rank 0 writes the job's
+    checkpoints and epochs (workers/running/resumption.py)."""
     processes = params.processes
     _processes_fit(processes, job.device)
     threads = max(1, torch.get_num_threads() // processes)
@@ -343,7 +388,14 @@ def train_in_ranks(
         oom_kills_before = oom_kills()
         try:
             with _Watch(shared, hooks, params.batch_size):
-                results = launch(payload.model_dump_json(), workdir, os.getpid(), threads)
+                results = launch(
+                    payload.model_dump_json(),
+                    workdir,
+                    os.getpid(),
+                    threads,
+                    resume_sha256,
+                    keep_checkpoints,
+                )
         except ChildFailedError as exc:
             raise _ranks_failure(exc, shared, hooks, oom_kills_before) from exc
         state = safetensors.torch.load_file(str(shared.state))

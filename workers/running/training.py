@@ -46,7 +46,7 @@ from workers.running.evaluation import (
     evaluate_sums,
 )
 from workers.running.schedules import Schedule
-from workers.running.train_state import EpochLog, TrainState
+from workers.running.train_state import EpochLog, RankState, TrainState
 
 __all__ = [
     "Checkpointing",
@@ -59,6 +59,7 @@ __all__ = [
     "epoch_order",
     "split_indices",
     "train_model",
+    "train_with_params",
 ]
 
 Optimizer = Literal["sgd", "adamw"]
@@ -109,6 +110,27 @@ class Checkpointing:
     every_steps: int | None = None
     every_s: float | None = None
     resume: TrainState | None = None
+
+    @classmethod
+    def of(
+        cls, params: TrainParams, save: Callable[[TrainState], None], resume: TrainState | None
+    ) -> Checkpointing | None:
+        """A train job's checkpointing: ``save`` as often as its params ask, going on from
+        ``resume``; a job that asks for none writes none (a resumed one goes on all the
+        same); None when there is neither."""
+        wanted = params.save_every_steps is not None or params.save_every_s is not None
+        if not wanted and resume is None:
+            return None
+        return cls(
+            save=save if wanted else _keep_none,
+            every_steps=params.save_every_steps,
+            every_s=None if params.save_every_s is None else float(params.save_every_s),
+            resume=resume,
+        )
+
+
+def _keep_none(state: TrainState) -> None:
+    """A resumed job that asks for no checkpoints of its own writes none."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +201,27 @@ class RankSlice:
             value /= self.world_size
         return value
 
+    def agree(self, decided: bool, device: torch.device) -> bool:
+        """Rank 0's ``decided``, on every rank (all ranks call it together): a decision taken
+        on one clock, as when to write a checkpoint by time (NOTE [ Ranks in a checkpoint ]
+        in workers/running/train_state.py)."""
+        if self.world_size == 1:
+            return decided
+        flag = torch.tensor([int(decided)], dtype=torch.int32, device=device)  # (1,)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def gather(self, value: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+        """Every rank's ``value`` (of one shape and dtype on all ranks), in rank order, on the
+        CPU (all ranks call it together)."""
+        if self.world_size == 1:
+            return [value.cpu()]
+        # A collective runs on the process group's device: the CPU for gloo, a GPU for NCCL.
+        local = value.to(device)
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local)
+        return [part.cpu() for part in parts]
+
 
 def _make_optimizer(
     model: nn.Module, name: Optimizer, lr: float, momentum: float, weight_decay: float
@@ -223,6 +266,23 @@ def _groups(num_batches: int, accumulate: int) -> Iterator[range]:
     """The micro-batch indices of each optimizer step of an epoch."""
     for first in range(0, num_batches, accumulate):
         yield range(first, min(first + accumulate, num_batches))
+
+
+def _checkpoint_due(
+    checkpointing: Checkpointing,
+    steps: int,
+    saved_at: float,
+    ranks: RankSlice,
+    device: torch.device,
+) -> bool:
+    """Whether to write a checkpoint after optimizer step ``steps``: by steps, the same count
+    on every rank; by time, rank 0's clock, agreed by all ranks after every step (NOTE [ Ranks
+    in a checkpoint ] in workers/running/train_state.py)."""
+    due = bool(checkpointing.every_steps and steps % checkpointing.every_steps == 0)
+    if checkpointing.every_s:
+        late = time.monotonic() - saved_at >= checkpointing.every_s
+        due = ranks.agree(late, device) or due  # every rank takes part, due or not
+    return due
 
 
 def train_model(
@@ -326,6 +386,7 @@ def train_model(
                 f"the training checkpoint is past epoch {resume.epoch - 1} and the job asks "
                 f"for {epochs} epochs: nothing is left to train; ask for more epochs"
             )
+        resume = resume.for_rank(ranks.rank, ranks.world_size)
         model.load_state_dict(resume.model)
         opt.load_state_dict(resume.optimizer)
         if scaler is not None and resume.scaler is not None:
@@ -334,13 +395,25 @@ def train_model(
         logs = list(resume.logs)
         steps, batches, samples = resume.step, resume.batches, resume.samples
         first_epoch, first_batch = resume.epoch, resume.batch
-        if resume.best_epoch is not None and resume.best_model is not None:
+        # Only rank 0 validates, so only it keeps a best epoch (as in an uninterrupted run).
+        if resume.best_epoch is not None and resume.best_model is not None and ranks.rank == 0:
             assert resume.best_loss is not None
             best = (resume.best_epoch, resume.best_loss, resume.best_batches, resume.best_model)
 
     def state_at(
         epoch: int, batch: int, epoch_rng: torch.Tensor, loss_sum: torch.Tensor, seen: int
     ) -> TrainState:
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(target) if target.type == "cuda" else None
+        other_ranks: list[RankState] = []
+        if ranks.world_size > 1:  # NOTE [ Ranks in a checkpoint ]: every rank's own, gathered
+            cpus = ranks.gather(cpu_rng, target)
+            cudas = None if cuda_rng is None else ranks.gather(cuda_rng, target)
+            sums = ranks.gather(loss_sum.reshape(()), target)
+            other_ranks = [
+                RankState(cpus[r], None if cudas is None else cudas[r], sums[r])
+                for r in range(1, ranks.world_size)
+            ]
         return TrainState(
             epoch=epoch,
             batch=batch,
@@ -353,13 +426,15 @@ def train_model(
             model=model.state_dict(),
             optimizer=opt.state_dict(),
             order_rng=epoch_rng,
-            cpu_rng=torch.get_rng_state(),
-            cuda_rng=torch.cuda.get_rng_state(target) if target.type == "cuda" else None,
+            cpu_rng=cpu_rng,
+            cuda_rng=cuda_rng,
             scaler=None if scaler is None else scaler.state_dict(),
             best_epoch=None if best is None else best[0],
             best_loss=None if best is None else best[1],
             best_batches=0 if best is None else best[2],
             best_model=None if best is None else best[3],
+            world_size=ranks.world_size,
+            other_ranks=other_ranks,
         )
 
     saved_at = time.monotonic()
@@ -445,12 +520,8 @@ def train_model(
                     steps += 1
                     if progress is not None:
                         progress(steps, total_steps)
-                    if checkpointing is not None and (
-                        (checkpointing.every_steps and steps % checkpointing.every_steps == 0)
-                        or (
-                            checkpointing.every_s
-                            and time.monotonic() - saved_at >= checkpointing.every_s
-                        )
+                    if checkpointing is not None and _checkpoint_due(
+                        checkpointing, steps, saved_at, ranks, target
                     ):
                         checkpointing.save(
                             state_at(epoch, group.stop, epoch_rng, loss_sum, epoch_samples)
@@ -475,6 +546,9 @@ def train_model(
                 train_loss=train_loss,
                 val_loss=None if val is None else val.loss,
                 val_accuracy=None if val is None else val.accuracy,
+                lr=schedule.at(steps - 1),
+                best=val is not None
+                and all(e.val_loss is None or val.loss < e.val_loss for e in logs),
             )
             logs.append(log)
             if on_epoch is not None:
@@ -496,4 +570,47 @@ def train_model(
         batches=batches,
         best_epoch=best_epoch,
         resumed_from_step=None if resume is None else resume.step,
+    )
+
+
+def train_with_params(
+    params: TrainParams,
+    model: nn.Module,
+    x: Data,
+    y: torch.Tensor,
+    *,
+    loss: Loss,
+    device: torch.device,
+    checkpointing: Checkpointing | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    on_epoch: Callable[[EpochLog], None] | None = None,
+    forward: Forward | None = None,
+    clock: StepClock | None = None,
+    ranks: RankSlice | None = None,
+) -> TrainStats:
+    """:func:`train_model` as a train job's ``params`` ask, in one process or as one of its
+    ranks (workers/running/ranks.py); ``loss``: the params' or the one the labels call for."""
+    return train_model(
+        model,
+        x,
+        y,
+        epochs=params.epochs,
+        batch_size=params.batch_size,
+        optimizer=params.optimizer,
+        lr=params.lr,
+        momentum=params.momentum,
+        weight_decay=params.weight_decay,
+        loss=loss,
+        validation_fraction=params.validation_fraction,
+        seed=params.seed,
+        device=device,
+        recipe=Recipe.of(params),
+        checkpointing=checkpointing,
+        progress=progress,
+        should_stop=should_stop,
+        on_epoch=on_epoch,
+        forward=forward,
+        clock=clock,
+        ranks=ranks,
     )

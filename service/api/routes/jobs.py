@@ -222,7 +222,9 @@ async def get_logs(
 # NOTE [ Job events ]
 # GET /v1/jobs/{id}/events is a server-sent event stream of one job: ``status`` (the whole job,
 # whenever its status changes, and first thing), ``progress`` (the Progress: phase, done/total,
-# rate, ETA, whenever it changes), ``log`` (each new log entry, with ?logs=true) and ``end``
+# rate, ETA, whenever it changes), ``epoch`` (a train job's EpochEvent, once an epoch is
+# validated, in epoch order: the numbers of the report's ``epochs``; a client that reconnects
+# gets the epochs so far again), ``log`` (each new log entry, with ?logs=true) and ``end``
 # (the whole job once it has ended; the stream then closes). The API polls the job's record
 # every EVENTS_POLL_S, on the event loop (redis.asyncio), so a watcher costs one Redis round
 # trip per poll and no thread; a comment line every EVENTS_KEEPALIVE_S keeps proxies from
@@ -234,8 +236,10 @@ EVENTS_POLL_S: Final = 0.25
 EVENTS_KEEPALIVE_S: Final = 15.0
 _EVENT_STREAM: Final[dict[int | str, dict[str, Any]]] = {
     200: {
-        "description": "text/event-stream: events status, progress, log and end "
-        "(NOTE [ Job events ])",
+        "description": "text/event-stream: events status (a JobPublic), progress (a "
+        "Progress), epoch (an EpochEvent: a train job's epoch, once validated, in epoch "
+        "order), log (a JobLogEntry, with logs=true) and end (a JobPublic); each event's data "
+        "is one JSON document",
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
     }
 }
@@ -289,6 +293,7 @@ async def _job_event_items(
     renewed = time.monotonic()
     last_progress: str | None = None
     last_seq = after
+    last_epoch = 0
     last_sent = time.monotonic()
     while True:
         key_tenant, job = await records.tenant_and_job(key, job_id)
@@ -306,6 +311,11 @@ async def _job_event_items(
         if progress is not None and progress != last_progress:
             sent.append(_sse("progress", progress))
             last_progress = progress
+        if job.kind == "train":
+            for epoch, body in await records.job_epochs(job_id):
+                if epoch > last_epoch:
+                    sent.append(_sse("epoch", body.decode()))
+                    last_epoch = epoch
         if logs:
             for line in await records.job_log_lines(job_id):
                 entry = JobLogEntry.model_validate_json(line)
