@@ -10,11 +10,8 @@ every completion that got that far stays there until the test lets it go. Nothin
 from __future__ import annotations
 
 import hashlib
-import sys
-import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -165,39 +162,3 @@ def test_registrations_waiting_for_the_inspector_leave_the_sync_routes_answering
         answers = [done.result() for done in registrations]
     assert [answer.status_code for answer in answers] == [201] * COMPLETIONS
     control.close()
-
-
-def _nice(native_id: int) -> int:
-    """The scheduling priority of a thread of this process (field 19 of its stat line)."""
-    stat = Path(f"/proc/self/task/{native_id}/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[16])
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="threads have priorities of their own on Linux")
-def test_upload_pieces_and_joins_run_below_the_request_path(api: InProcessApi) -> None:
-    # NOTE [ Heavy work yields the processor ]: the API (here in this process) writes an
-    # upload's pieces and joins its parts in threads that run BNADAPT_API_COPY_NICE (10 by
-    # default) below the request path's.
-    client = api.client("heavy-nice").http
-    content = dataset_file(1000)
-    upload_id = started_upload(client, content)
-    done = client.post(f"/v1/uploads/{upload_id}:complete", json={})
-    assert done.status_code == 201, done.text
-    base = _nice(threading.main_thread().native_id or 0)
-    pools = {
-        kind: [
-            _nice(thread.native_id)
-            for thread in threading.enumerate()
-            if thread.name.startswith(f"bnadapt-{kind}") and thread.native_id is not None
-        ]
-        for kind in ("heavy", "pieces")
-    }
-    assert api.settings.api_copy_nice == 10
-    assert pools["pieces"] and pools["heavy"], pools  # the upload went through both
-    assert set(pools["pieces"]) == set(pools["heavy"]) == {base + 10}, (base, pools)
-    request_path = [
-        _nice(thread.native_id)
-        for thread in threading.enumerate()
-        if thread.name.startswith("AnyIO worker thread") and thread.native_id is not None
-    ]
-    assert set(request_path) <= {base}, request_path
