@@ -196,6 +196,10 @@ def run_flood(
     figures: Any,
 ) -> None:
     """Tenant A's process: the flood until ``stop`` is set, then its figures on ``figures``."""
+    if args.a_nice:
+        # A's client on a machine of its own, as it would be: on this one it then takes only
+        # the processor time the service and B leave (its uploads hash every part, twice).
+        os.nice(args.a_nice)
     flood = Flood(Client(url, key, timeout_s=600), url, key, model, data, files, args.rate)
     flood.start(args.streams)
     stop.wait()
@@ -380,6 +384,12 @@ def main() -> None:
     parser.add_argument("--uploads", type=int, default=20)
     parser.add_argument("--upload-mib", type=int, default=64)
     parser.add_argument("--streams", type=int, default=10)
+    parser.add_argument(
+        "--a-nice",
+        type=int,
+        default=0,
+        help="run A's client this much below everything else (19: as if on its own machine)",
+    )
     parser.add_argument(
         "--rate", type=float, default=50.0, help="A's submissions a second (its rate limit)"
     )
