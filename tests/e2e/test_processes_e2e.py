@@ -83,6 +83,7 @@ def ddp_reference(stack: Stack, job_id: str) -> dict[str, torch.Tensor]:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # two ranks launched, twice over
 def test_two_processes_equal_averaged_gradients(stack: Stack) -> None:
     client = stack.client("processes")
     model = created(client.add_model("digits_cnn", {"width": 8}, seed=2))
@@ -173,6 +174,7 @@ def trained(client: Client, body: dict[str, Any], params: dict[str, Any]) -> tup
     return {**report, "job_id": job["id"]}, state
 
 
+@pytest.mark.slow  # two ranks launched, twice over
 def test_sync_batchnorm_on_two_processes_equals_one_process(stack: Stack) -> None:
     """On the CPU (gloo), a 2-process job with sync_batchnorm normalises each step with the
     whole global batch's statistics, so it equals the same job in one process on whole batches
