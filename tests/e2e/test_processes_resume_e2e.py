@@ -19,12 +19,13 @@ from tests.e2e.test_e2e import created, digits_npz, problem, store_of
 from tests.e2e.test_processes_e2e import rank_pids, wait_gone
 from tests.e2e.test_train_resume_e2e import (
     assert_bitwise,
+    assert_resumed_as_uninterrupted,
     checkpoint_of,
     report,
     sha_users,
+    steps_at_first_checkpoint,
     weights,
 )
-from tests.servers import wait_for
 from tests.stack import Stack, running_stack
 from workers.running.train_state import load_state
 
@@ -61,16 +62,7 @@ def test_a_killed_rank_resumes_from_the_checkpoint_and_ends_bitwise(own_stack: S
         "max_attempts": 2,
     }
     job_id = str(created(client.submit(body), 202)["id"])
-
-    def checkpointed() -> int | None:
-        job = client.http.get(f"/v1/jobs/{job_id}").json()
-        assert job["status"] in ("queued", "running"), job
-        done = int((job.get("progress") or {}).get("done") or 0)
-        if job["status"] == "running" and checkpoint_of(stack, job_id) and done:
-            return done
-        return None
-
-    done_at_kill = wait_for(checkpointed, timeout_s=300, what="the job's first checkpoint")
+    done_at_kill = steps_at_first_checkpoint(client, stack, job_id)
     ranks = rank_pids(stack)
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGKILL)
@@ -85,24 +77,11 @@ def test_a_killed_rank_resumes_from_the_checkpoint_and_ends_bitwise(own_stack: S
     assert_bitwise(weights(client, killed), weights(client, whole))
 
     resumed, uninterrupted = report(client, killed), report(client, whole)
-    first, second = resumed["attempts"]
-    assert first == {"attempt": 1, "resumed_from_step": 0}
-    assert second["attempt"] == 2
-    step = second["resumed_from_step"]
-    # It resumed from a checkpoint and redid at most one interval: rank 0 writes a checkpoint
-    # before the progress of the steps after it, so once the progress showed done_at_kill
-    # steps, the checkpoint of done_at_kill less one interval at least was recorded.
-    assert step > 0 and step % SAVE_EVERY_STEPS == 0
-    assert step >= done_at_kill - SAVE_EVERY_STEPS
-    assert uninterrupted["attempts"] == [{"attempt": 1, "resumed_from_step": 0}]
+    assert_resumed_as_uninterrupted(resumed, uninterrupted, done_at_kill, SAVE_EVERY_STEPS, 270)
     assert resumed["world_size"] == uninterrupted["world_size"] == 2
-    assert resumed["epochs"] == uninterrupted["epochs"]
     # Rank 0 published each epoch for the events stream, the attempts' together.
     streamed = [data for name, data in client.api.events(job_id) if name == "epoch"]
     assert streamed == [e | {"epochs": 6} for e in resumed["epochs"]]
-    assert resumed["batches"] == uninterrupted["batches"] == 270
-    for layer in resumed["batchnorm"]:
-        assert layer["num_batches_tracked_after"] - layer["num_batches_tracked_before"] == 270
 
     # One checkpoint for both ranks, their own parts in it, released with the job.
     sha256 = checkpoint_of(stack, job_id)

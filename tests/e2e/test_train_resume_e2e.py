@@ -52,6 +52,47 @@ def sha_users(stack: Stack, sha256: str) -> set[str]:
     return {m.decode() for m in stack.records().client.smembers(keys.sha_refs(sha256))}
 
 
+def steps_at_first_checkpoint(client: Client, stack: Stack, job_id: str) -> int:
+    """Waits until the running job has recorded a training checkpoint and shown progress; the
+    steps done then."""
+
+    def checkpointed() -> int | None:
+        job = client.http.get(f"/v1/jobs/{job_id}").json()
+        assert job["status"] in ("queued", "running"), job
+        done = int((job.get("progress") or {}).get("done") or 0)
+        if job["status"] == "running" and checkpoint_of(stack, job_id) and done:
+            return done
+        return None
+
+    return wait_for(checkpointed, timeout_s=300, what="the job's first checkpoint")
+
+
+def assert_resumed_as_uninterrupted(
+    resumed: dict[str, Any],
+    uninterrupted: dict[str, Any],
+    done_at_kill: int,
+    interval: int,
+    batches: int,
+) -> None:
+    """The report of a job killed after ``done_at_kill`` steps against the uninterrupted job's:
+    its second attempt resumed from a checkpoint and redid at most one ``interval``, and the
+    epochs and BatchNorm updates are the uninterrupted job's."""
+    first, second = resumed["attempts"]
+    assert first == {"attempt": 1, "resumed_from_step": 0}
+    assert second["attempt"] == 2
+    step = second["resumed_from_step"]
+    # A step's progress may show before that step's checkpoint is recorded, never before the
+    # previous interval's: once the progress showed done_at_kill steps, the checkpoint of
+    # done_at_kill less one interval at least was there.
+    assert step > 0 and step % interval == 0
+    assert step >= done_at_kill - interval
+    assert uninterrupted["attempts"] == [{"attempt": 1, "resumed_from_step": 0}]
+    assert resumed["epochs"] == uninterrupted["epochs"]
+    assert resumed["batches"] == uninterrupted["batches"] == batches
+    for layer in resumed["batchnorm"]:
+        assert layer["num_batches_tracked_after"] - layer["num_batches_tracked_before"] == batches
+
+
 @pytest.fixture
 def own_stack(tmp_path: Path) -> Iterator[Stack]:
     with running_stack(tmp_path) as stack:
@@ -80,16 +121,7 @@ def test_a_killed_train_job_resumes_and_ends_bitwise_as_the_uninterrupted_one(
         },
     }
     job_id = str(created(client.submit(body), 202)["id"])
-
-    def checkpointed() -> int | None:
-        job = client.http.get(f"/v1/jobs/{job_id}").json()
-        assert job["status"] in ("queued", "running"), job
-        done = int((job.get("progress") or {}).get("done") or 0)
-        if job["status"] == "running" and checkpoint_of(stack, job_id) and done:
-            return done
-        return None
-
-    done_at_kill = wait_for(checkpointed, timeout_s=300, what="the job's first checkpoint")
+    done_at_kill = steps_at_first_checkpoint(client, stack, job_id)
     worker = stack.records().client.hget(keys.record("job", job_id), "worker")
     assert worker is not None
     os.kill(int(worker.decode().rsplit(":", 1)[1]), signal.SIGKILL)  # as the OOM killer would
@@ -102,21 +134,9 @@ def test_a_killed_train_job_resumes_and_ends_bitwise_as_the_uninterrupted_one(
     assert whole["status"] == "succeeded", whole
     assert_bitwise(weights(client, killed), weights(client, whole))
 
-    resumed, uninterrupted = report(client, killed), report(client, whole)
-    first, second = resumed["attempts"]
-    assert first == {"attempt": 1, "resumed_from_step": 0}
-    assert second["attempt"] == 2
-    step = second["resumed_from_step"]
-    # It resumed from a checkpoint, and redid at most one interval: the kill came after the
-    # progress showed done_at_kill steps, so the latest checkpoint was past done_at_kill less
-    # one interval.
-    assert step > 0 and step % SAVE_EVERY_STEPS == 0
-    assert step > done_at_kill - SAVE_EVERY_STEPS
-    assert uninterrupted["attempts"] == [{"attempt": 1, "resumed_from_step": 0}]
-    assert resumed["epochs"] == uninterrupted["epochs"]
-    assert resumed["batches"] == uninterrupted["batches"] == 306
-    for layer in resumed["batchnorm"]:
-        assert layer["num_batches_tracked_after"] - layer["num_batches_tracked_before"] == 306
+    assert_resumed_as_uninterrupted(
+        report(client, killed), report(client, whole), done_at_kill, SAVE_EVERY_STEPS, 306
+    )
 
     # The checkpoint goes with the job.
     sha256 = checkpoint_of(stack, job_id)
