@@ -548,9 +548,7 @@ class _CallState:
         tb: TracebackType | None,
     ) -> None:
         if self.keeps:
-            calls = _KEEPING.calls
-            if calls and calls[-1] is self:
-                calls.pop()
+            _stop_keeping(self)
         flags, dicts, swaps = self._saved.pop()
         for module, training in flags:
             module.training = training
@@ -612,9 +610,14 @@ class _Keeping:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        calls = _KEEPING.calls
-        if calls and calls[-1] is self._state:
-            calls.pop()
+        _stop_keeping(self._state)
+
+
+def _stop_keeping(state: _CallState) -> None:
+    """``state``'s call off this thread's stack of calls under way, if it is on top."""
+    calls = _KEEPING.calls
+    if calls and calls[-1] is state:
+        calls.pop()
 
 
 def _kept_for_recomputation(module: nn.Module, compute: Callable[[], _T]) -> _T:

@@ -122,6 +122,17 @@ def matches_batchnorm(
         assert local_differs, "the slice alone normalises as the global batch: a weak test"
 
 
+def assert_same_forward_backward(reference: nn.Module, other: nn.Module, x: torch.Tensor) -> None:
+    """The two modules' outputs on ``x`` and the gradients they send back to it, the same."""
+    outs = []
+    for module in (reference, other):
+        fresh = x.clone().requires_grad_()
+        out = module(fresh)
+        out.square().sum().backward()
+        outs.append((out, fresh.grad))
+    assert_same(outs[0], outs[1])
+
+
 def one_rank_groups_are_batchnorm(me: Rank) -> None:
     """A process group of one rank (each rank its own): nn.BatchNorm2d bitwise, and no
     collective on that group."""
@@ -134,13 +145,7 @@ def one_rank_groups_are_batchnorm(me: Rank) -> None:
     before = own._get_sequence_number_for_group()
     for _ in range(3):
         x = torch.randn(4, 3, 5, 5, generator=gen).to(me.device)
-        outs = []
-        for module in (reference, sync):
-            fresh = x.clone().requires_grad_()
-            out = module(fresh)
-            out.square().sum().backward()
-            outs.append((out, fresh.grad))
-        assert_same(outs[0], outs[1])
+        assert_same_forward_backward(reference, sync, x)
     assert own._get_sequence_number_for_group() == before
     assert_same_model(reference, sync)
 

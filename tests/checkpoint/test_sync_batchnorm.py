@@ -26,7 +26,12 @@ from torch import nn
 import bnadapt.checkpoint
 from bnadapt.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from tests.checkpoint.checkpoint_harness import assert_same, assert_same_model
-from tests.checkpoint.sync_ranks import CHECKS, CUDA_CHECKS, spawn_ranks
+from tests.checkpoint.sync_ranks import (
+    CHECKS,
+    CUDA_CHECKS,
+    assert_same_forward_backward,
+    spawn_ranks,
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +80,7 @@ def test_without_a_process_group_it_is_batchnorm_bitwise(
     for training in (True, True, False, True):
         reference.train(training)
         sync.train(training)
-        x = torch.randn(shape, generator=gen)
-        outs = []
-        for module in (reference, sync):
-            fresh = x.clone().requires_grad_()
-            out = module(fresh)
-            out.square().sum().backward()
-            outs.append((out, fresh.grad))
-        assert_same(outs[0], outs[1])
+        assert_same_forward_backward(reference, sync, torch.randn(shape, generator=gen))
     assert_same_model(reference, sync)
 
 

@@ -69,8 +69,8 @@ def normalize_(batch: torch.Tensor, spec: Preprocessing) -> torch.Tensor:
 
 def pixels_to_floats(pixels: torch.Tensor, spec: Preprocessing) -> torch.Tensor:
     """A uint8 (B, C, H, W) batch as float32 on its own device: scaled by 1/255 (``spec.scale``)
-    and normalised. On the CPU bit for bit what the loader's numpy path gives (a float32
-    division is correctly rounded either way)."""
+    and normalised: on every device the same correctly rounded float32 division, so a batch
+    is bit for bit the same wherever it is converted."""
     out = pixels.to(torch.float32)
     if spec.scale:
         out.div_(255)
@@ -249,17 +249,9 @@ class ImageSamples:
             picked = self.rows[chosen.astype(np.int64, copy=False)]
         return ImageSamples(self.decoder, picked, self.loader_processes, self.gpu_decode)
 
-    def _floats(self, pixels: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(pixels.shape, dtype=torch.float32)
-        if self.decoder.spec.scale:
-            np.divide(pixels.numpy(), np.float32(255), out=out.numpy(), dtype=np.float32)
-        else:
-            out.copy_(pixels)
-        return normalize_(out, self.decoder.spec)
-
     def load(self) -> torch.Tensor:
         """The rows decoded and preprocessed: float32 (B, C, H, W), in this process."""
-        return self._floats(self.decoder.decode(self.rows))
+        return pixels_to_floats(self.decoder.decode(self.rows), self.spec)
 
     @property
     def spec(self) -> Preprocessing:
@@ -272,7 +264,7 @@ class ImageSamples:
     def batches(self, batch_size: int, count: int) -> Iterator[torch.Tensor]:
         """The first ``count`` batches of ``batch_size`` rows in order, decoded by the loader
         processes (NOTE [ Decoding in loader processes ]), as float32 on the CPU."""
-        return (self._floats(pixels) for pixels in self.pixel_batches(batch_size, count))
+        return (pixels_to_floats(p, self.spec) for p in self.pixel_batches(batch_size, count))
 
     def pixel_batches(
         self, batch_size: int, count: int, pin: bool = False

@@ -53,7 +53,19 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["adaptation_numerics"]
+__all__ = ["adaptation_numerics", "autocast"]
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[None]:
+    """The autocast of a job's ``precision`` on ``device``: none for ``fp32``, bfloat16 or
+    float16 autocast for ``bf16`` or ``fp16`` (train and adapt jobs both)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision not in _AUTOCAST_DTYPES:
+        raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
+    return torch.autocast(device_type=device.type, dtype=_AUTOCAST_DTYPES[precision])
 
 
 def _contiguous(model: nn.Module) -> None:
@@ -71,8 +83,7 @@ def adaptation_numerics(
         if channels_last:
             model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
             stack.callback(_contiguous, model)
-        if precision == "bf16":
-            stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
-        elif precision != "fp32":
+        if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+        stack.enter_context(autocast(device, precision))
         yield

@@ -37,6 +37,7 @@ from api_schemas.jobs.train import Augmentation, TrainParams
 from workers.errors import DataError, JobCanceled, TrainError
 from workers.models.modules import training_flags
 from workers.passes.data import Data
+from workers.passes.precision import autocast
 from workers.passes.steps import Forward, StepClock
 from workers.passes.train_batches import epoch_batches
 from workers.running.evaluation import (
@@ -242,15 +243,6 @@ def epoch_order(train_idx: torch.Tensor, generator: torch.Generator) -> torch.Te
     epoch, so that a resumed run (and each process of a distributed one, slicing each global
     batch) sees the same order."""
     return train_idx[torch.randperm(train_idx.numel(), generator=generator)]
-
-
-def _autocast(
-    device: torch.device, precision: Precision
-) -> contextlib.AbstractContextManager[None]:
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _train_loss(
@@ -486,7 +478,7 @@ def train_model(
                         start, stop = bounds[i]
                         idx = ranks.take(order[start:stop])  # (B,), this rank's slice
                         xb, yb = next(reader).to(target), y[idx].to(target)  # (B, ...), (B, ...)
-                        with _autocast(target, recipe.precision):
+                        with autocast(target, recipe.precision):
                             outputs = (forward or model)(xb)  # (B, num_classes) or (B, ...)
                         if not checked:
                             check_targets(outputs, y, loss)
