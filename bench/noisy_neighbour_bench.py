@@ -75,7 +75,9 @@ def percentiles(latencies: list[float]) -> dict[str, float]:
     return {
         "reads": len(ordered),
         "p50_ms": 1000 * statistics.median(ordered),
+        "p95_ms": 1000 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
         "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "max_ms": 1000 * ordered[-1],
     }
 
 
@@ -200,6 +202,8 @@ def run_flood(
         # A's client on a machine of its own, as it would be: on this one it then takes only
         # the processor time the service and B leave (its uploads hash every part, twice).
         os.nice(args.a_nice)
+    if args.pin:
+        os.sched_setaffinity(0, {1})  # A's client beside the worker, off the API's core
     flood = Flood(Client(url, key, timeout_s=600), url, key, model, data, files, args.rate)
     flood.start(args.streams)
     stop.wait()
@@ -254,6 +258,17 @@ def cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
     return used
 
 
+def pin_machines(stack: Any) -> None:
+    """The deployment's machines on this one: the API, Redis and B on processor 0; the worker
+    (and its jobs, forked later) on processor 1, where A's client goes too (``run_flood``)."""
+    assert stack.api is not None
+    assert stack.worker is not None
+    for pid in [*_tree(stack.api.pid), stack.redis.pid, os.getpid()]:
+        os.sched_setaffinity(pid, {0})
+    for pid in _tree(stack.worker.pid):
+        os.sched_setaffinity(pid, {1})
+
+
 def write_upload(path: Path, mib: int, seed: int) -> None:
     """An npz of ``mib`` MiB of random uint8 images (N, 3, 32, 32)."""
     n = max(1, mib * MIB // (3 * 32 * 32))
@@ -268,7 +283,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         write_upload(path, args.upload_mib, i)
         files.append(path)
     digits = np.random.default_rng(0).integers(0, 256, size=(256, 1, 8, 8), dtype=np.uint8)
-    with running_stack(work / "stack") as stack:
+    with running_stack(work / "stack", api_processes=args.api_processes) as stack:
         records = stack.records()
         key_a, key_b = records.create_api_key("a").key, records.create_api_key("b").key
         a, b = Client(stack.url, key_a, timeout_s=600), Client(stack.url, key_b, timeout_s=600)
@@ -276,6 +291,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         model_b = b.add_model("digits_cnn", {"width": 8})
         data_a = a.add_dataset(_npz(work / "a.npz", digits))
         data_b = b.add_dataset(_npz(work / "b.npz", digits))
+        if args.pin:
+            pin_machines(stack)
         first = b.submit("adapt", model_b.id, data_b.id, ADAPT)
         b.wait(first.id)
 
@@ -335,6 +352,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "quiet": quiet,
             "noisy": noisy,
             "p99_ratio": noisy["p99_ms"] / quiet["p99_ms"],
+            # How many of B's reads took more than twice the quiet p99 (the p99 is the
+            # len(noisy_reads) // 100-th slowest read).
+            "reads_over_2x_quiet_p99": sum(r > 0.002 * quiet["p99_ms"] for r in noisy_reads),
             "a_accepted": flood["accepted"],
             "a_refused_429": flood["refused"],
             "a_streams_open": flood["streams_open"],
@@ -389,6 +409,13 @@ def main() -> None:
         type=int,
         default=0,
         help="run A's client this much below everything else (19: as if on its own machine)",
+    )
+    parser.add_argument("--api-processes", type=int, default=1, help="uvicorn processes of the API")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="one processor for the API, Redis and B, the other for the worker and A's client: "
+        "the API on a machine of its own, as deployed (needs 2 processors)",
     )
     parser.add_argument(
         "--rate", type=float, default=50.0, help="A's submissions a second (its rate limit)"

@@ -204,14 +204,16 @@ class Client:
         """Uploads a dataset file of any size through a resumable upload (``/v1/uploads``):
         parts the server already holds with the same digest are skipped, so passing the
         ``upload_id`` of an interrupted upload resumes it; a part whose connection drops is
-        sent again, up to ``retries`` times. ``on_progress(bytes_done, bytes_total)``; the
-        first call comes once the upload exists, with ``upload_id`` set on :attr:`last_upload_id`
-        so that a caller can tell the user how to resume."""
+        sent again, up to ``retries`` times, and so is a request refused by the tenant's
+        request rate (429 ``rate_per_s``), after the wait its Retry-After asks for.
+        ``on_progress(bytes_done, bytes_total)``; the first call comes once the upload exists,
+        with ``upload_id`` set on :attr:`last_upload_id` so that a caller can tell the user how
+        to resume."""
         total = path.stat().st_size
         if upload_id is None:
             body = {"name": name or path.name, "size_bytes": total}
             upload = UploadPublic.model_validate(
-                self._check(self.request("POST", "/v1/uploads", json=body)).json()
+                self._check(self._paced("POST", "/v1/uploads", retries, json=body)).json()
             )
         else:
             upload = self._upload(upload_id)
@@ -232,7 +234,7 @@ class Client:
                 done += len(data)
                 if on_progress is not None:
                     on_progress(done, total)
-        return self._complete(upload.id, name, whole.hexdigest(), preprocessing)
+        return self._complete(upload.id, name, whole.hexdigest(), preprocessing, retries)
 
     def upload_folder(
         self,
@@ -259,7 +261,7 @@ class Client:
         total = tar_size(plan)
         body = {"name": name or folder.resolve().name, "size_bytes": total}
         upload = UploadPublic.model_validate(
-            self._check(self.request("POST", "/v1/uploads", json=body)).json()
+            self._check(self._paced("POST", "/v1/uploads", retries, json=body)).json()
         )
         self.last_upload_id = upload.id
         size = max(1, min(part_bytes, upload.max_part_bytes))
@@ -271,17 +273,22 @@ class Client:
             done += len(data)
             if on_progress is not None:
                 on_progress(done, total)
-        return self._complete(upload.id, name, whole.hexdigest(), preprocessing)
+        return self._complete(upload.id, name, whole.hexdigest(), preprocessing, retries)
 
     def _complete(
-        self, upload_id: str, name: str | None, sha256: str, preprocessing: PreprocessingArg
+        self,
+        upload_id: str,
+        name: str | None,
+        sha256: str,
+        preprocessing: PreprocessingArg,
+        retries: int,
     ) -> DatasetPublic:
         body: dict[str, Any] = {"name": name} if name else {}
         spec = _spec(preprocessing)
         if spec is not None:
             body["preprocessing"] = spec
-        response = self.request(
-            "POST", f"/v1/uploads/{upload_id}:complete", json={**body, "sha256": sha256}
+        response = self._paced(
+            "POST", f"/v1/uploads/{upload_id}:complete", retries, json={**body, "sha256": sha256}
         )
         return DatasetPublic.model_validate(self._check(response).json())
 
@@ -308,8 +315,22 @@ class Client:
                     raise
                 time.sleep(min(2.0**attempt, 30.0))
                 continue
-            self._check(response)
-            return
+            wait = _rate_wait_s(response)
+            if wait is None or attempt == retries:
+                self._check(response)
+                return
+            time.sleep(wait)
+
+    def _paced(self, method: str, path: str, retries: int, **options: Any) -> httpx.Response:
+        """:meth:`request`, sent again after the wait a 429 of the tenant's request rate asks
+        for (its Retry-After), up to ``retries`` times; the last answer as it came."""
+        for _ in range(retries):
+            response = self.request(method, path, **options)
+            wait = _rate_wait_s(response)
+            if wait is None:
+                return response
+            time.sleep(wait)
+        return self.request(method, path, **options)
 
     def submit(
         self,
@@ -468,6 +489,28 @@ class Client:
                     file.write(chunk)
         partial.replace(path)
         return path
+
+
+# The longest Retry-After of a 429 that an upload waits out; a longer one is answered as an
+# error (a tenant's bucket that refills that slowly is a limit to raise, not to wait for).
+_MAX_RATE_WAIT_S: Final = 60
+
+
+def _rate_wait_s(response: httpx.Response) -> int | None:
+    """The seconds a 429 of the request rate (``rate_per_s``) asks to wait before sending
+    again, None for any other answer. The other quotas' 429s (open uploads, stored bytes)
+    free up only when the tenant acts: waiting would not help."""
+    retry_after = response.headers.get("retry-after", "")
+    if response.status_code != 429 or not retry_after.isdigit():
+        return None
+    if int(retry_after) > _MAX_RATE_WAIT_S:
+        return None
+    try:
+        detail = str(response.json().get("detail", ""))
+    except (ValueError, AttributeError):
+        return None
+    # Every quota's 429 names it first (QuotaSpec.exceeded in service/records/quotas.py).
+    return int(retry_after) if detail.startswith("quota rate_per_s ") else None
 
 
 def _parts(chunks: Iterator[bytes], size: int) -> Iterator[bytes]:

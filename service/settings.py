@@ -119,6 +119,9 @@ class Settings(BaseSettings):
     # a dataset file, a direct upload or import, an uploaded weights file), apart from those
     # of the request path (NOTE [ Heavy work off the request path ] in service/api/offload.py).
     api_copy_threads: int = Field(default=4, ge=1, le=64)
+    # How much lower those threads' processor priority is than the requests' (a nice value, on
+    # Linux): NOTE [ Bytes at a lower priority ] in service/api/offload.py. 0 keeps them equal.
+    api_copy_nice: int = Field(default=19, ge=0, le=19)
     # How long POST /v1/models waits for a worker to check the weights.
     inspect_timeout_s: float = Field(default=60.0, gt=0)
     # A running job whose worker has not written a heartbeat for this long is failed.

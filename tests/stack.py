@@ -60,6 +60,8 @@ class Stack:
     worker_data_dirs: list[Path] | None = None
     # The workers' --device: which queue they serve (cpu; cuda on a GPU machine).
     worker_device: str = "cpu"
+    # uvicorn processes of the API (``bnadapt up`` runs 2 by default).
+    api_processes: int = 1
     _workers_started: int = 0
 
     @property
@@ -81,7 +83,7 @@ class Stack:
         return Records(redis_client(self.redis.url))
 
     def api_argv(self) -> list[str]:
-        return api_command("127.0.0.1", self.api_port)
+        return api_command("127.0.0.1", self.api_port, self.api_processes)
 
     def start_api(self, timeout_s: float = 30) -> None:
         self.api = subprocess.Popen(self.api_argv(), env=self.env, cwd=REPO)
@@ -173,17 +175,20 @@ def running_stack(
     workers: int = 1,
     separate_machines: bool = False,
     worker_device: str = "cpu",
+    api_processes: int = 1,
 ) -> Iterator[Stack]:
     """A Redis-compatible server, ``workers`` workers and the API with all state under
     ``data_dir``; everything stopped on exit. ``separate_machines``: the API keeps its data in
     ``data_dir/api`` and each worker in ``data_dir/worker-<i>``, sharing only Redis and what
-    ``env_overrides`` name (an S3 store). ``worker_device``: the workers' --device."""
+    ``env_overrides`` name (an S3 store). ``worker_device``: the workers' --device;
+    ``api_processes``: the API's uvicorn processes."""
     redis = new_redis_server(data_dir / "redis")
     stack = Stack(
         data_dir / "api" if separate_machines else data_dir,
         redis,
         env_overrides or {},
         worker_device=worker_device,
+        api_processes=api_processes,
     )
     if separate_machines:
         stack.worker_data_dirs = [data_dir / f"worker-{i}" for i in range(workers)]

@@ -75,7 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.settings = settings
         app.state.records = records
         app.state.store = open_store(settings)
-        app.state.heavy_work = HeavyWork(settings.api_copy_threads)
+        app.state.heavy_work = HeavyWork(settings.api_copy_threads, settings.api_copy_nice)
         app.state.queue = Queue(settings.queue, connection=client, serializer="json")
         async_client = async_redis_client(settings.redis_url)
         app.state.async_records = AsyncRecords(async_client)
@@ -86,6 +86,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             housekeeping.stop()
+            app.state.heavy_work.close()
             client.close()
             await async_client.aclose()
 

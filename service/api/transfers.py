@@ -4,11 +4,12 @@ a size limit; downloads read chunk by chunk. The API never holds a whole object.
 # NOTE [ Streamed uploads ]
 An upload's body is read from the ASGI stream as it arrives (a multipart form is parsed on the
 fly by python-multipart's push parser, never spooled by Starlette), gathered into pieces of at
-most ``_PIECE_BYTES`` and written, in a worker thread, into a store writer that hashes it. A
-piece holds its thread for milliseconds, so pieces take the request path's threads: queued
-behind the long work of the API's own pool, an upload would stall mid-stream. What takes long
-once the last byte arrived (an S3 store's upload of a file whose digest was not announced) runs
-in that pool (NOTE [ Heavy work off the request path ] in service/api/offload.py). So
+most ``_PIECE_BYTES`` and written, in a thread for pieces, into a store writer that hashes it. A
+piece holds its thread for milliseconds, and long work never holds those threads: queued behind
+it, an upload would stall mid-stream. What takes long once the last byte arrived (an S3 store's
+upload of a file whose digest was not announced) runs in the threads for long work (NOTE [ Heavy
+work off the request path ] in service/api/offload.py); both at a lower priority than the
+requests (NOTE [ Bytes at a lower priority ]). So
 the API's memory during an upload is a few pieces whatever the file's size, the body limit is
 the settings' (checked against Content-Length first, then byte by byte), and a refused or
 dropped upload leaves nothing in the store (the writer discards its temp file). A client that
@@ -24,7 +25,6 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, Final
 
-import anyio.to_thread
 from python_multipart import MultipartParser
 from python_multipart.multipart import parse_options_header
 from starlette.requests import ClientDisconnect, Request
@@ -114,7 +114,7 @@ class _StoreSink:
         self.writer: ObjectWriter | None = None
 
     async def __aenter__(self) -> _StoreSink:
-        self.writer = await anyio.to_thread.run_sync(self._context.__enter__)
+        self.writer = await self._heavy.piece(self._context.__enter__)
         return self
 
     async def __aexit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
@@ -141,7 +141,7 @@ class _StoreSink:
         pieces, self._pending, self._pending_bytes = self._pending, [], 0
         assert self.writer is not None
         try:
-            await anyio.to_thread.run_sync(_write_joined, self.writer, pieces)
+            await self._heavy.piece(_write_joined, self.writer, pieces)
         except StoreTooLargeError as error:
             raise too_large(*self._limit) from error
 

@@ -9,15 +9,21 @@ every completion that got that far stays there until the test lets it go. Nothin
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
+import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import redis
 
+from service.api.offload import HeavyWork
 from service.records.connection import redis_client
 from tests.inprocess import InProcessApi, running_api
 from tests.servers import wait_for
@@ -162,3 +168,101 @@ def test_registrations_waiting_for_the_inspector_leave_the_sync_routes_answering
         answers = [done.result() for done in registrations]
     assert [answer.status_code for answer in answers] == [201] * COMPLETIONS
     control.close()
+
+
+def _thread_nice(task: Path) -> int | None:
+    """The nice value of one of this process's threads (/proc/self/task/<tid>), None if it
+    ended meanwhile."""
+    try:
+        return int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are Linux's")
+def test_an_upload_s_bytes_are_hashed_below_the_requests_priority(api: InProcessApi) -> None:
+    """NOTE [ Bytes at a lower priority ]: the in-process API's threads that hashed an upload's
+    pieces and joined its parts run at BNADAPT_API_COPY_NICE below this process."""
+    lowered = os.nice(0) + api.settings.api_copy_nice
+    assert api.settings.api_copy_nice > 0  # the default lowers them
+    client = api.client("priority").http
+    upload_id = started_upload(client, dataset_file(7))
+    done = client.post(f"/v1/uploads/{upload_id}:complete", json={})
+    assert done.status_code == 201, done.text
+    nices = [_thread_nice(task) for task in Path("/proc/self/task").iterdir()]
+    # The pieces' threads and the joining one: at least those, and never the request path.
+    assert nices.count(min(lowered, 19)) >= 2, nices
+    assert _thread_nice(Path(f"/proc/self/task/{threading.get_native_id()}")) == os.nice(0)
+
+
+def _own_nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are Linux's")
+def test_heavy_work_and_pieces_run_at_the_lowered_priority() -> None:
+    async def nices() -> tuple[int, int]:
+        heavy = HeavyWork(1, 7)
+        try:
+            return await heavy.run(_own_nice), await heavy.piece(_own_nice)
+        finally:
+            heavy.close()
+
+    base = os.nice(0)
+    assert asyncio.run(nices()) == (min(base + 7, 19), min(base + 7, 19))
+    assert _own_nice() == base  # the caller's thread kept its own
+
+
+def test_a_piece_never_waits_behind_long_work() -> None:
+    """The pieces of streamed uploads keep flowing while every thread for long work is held."""
+    release = threading.Event()
+
+    async def scenario() -> str:
+        heavy = HeavyWork(1)
+        try:
+            long = asyncio.ensure_future(heavy.run(release.wait, WAIT_S))
+            piece = await asyncio.wait_for(heavy.piece(lambda: "piece"), WAIT_S)
+            assert not long.done()
+            release.set()
+            assert await long
+            return piece
+        finally:
+            release.set()
+            heavy.close()
+
+    assert asyncio.run(scenario()) == "piece"
+
+
+def test_a_canceled_request_waits_for_its_work_to_end() -> None:
+    """A request canceled (its client gone) while its work runs waits for that work before it
+    goes on to close what the work uses: no store writer is closed under a running write."""
+    started, release = threading.Event(), threading.Event()
+    ended: list[str] = []
+
+    def work() -> None:
+        started.set()
+        release.wait(WAIT_S)
+        ended.append("work")
+
+    async def scenario() -> None:
+        heavy = HeavyWork(1)
+        try:
+            task = asyncio.ensure_future(heavy.run(work))
+            await asyncio.to_thread(started.wait, WAIT_S)
+            task.cancel()
+            await asyncio.sleep(0.05)
+            assert not task.done()  # still waiting for the work
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert ended == ["work"]
+        finally:
+            release.set()
+            heavy.close()
+
+    asyncio.run(scenario())
+
+
+def test_heavy_work_refuses_a_priority_out_of_range() -> None:
+    with pytest.raises(ValueError, match="BNADAPT_API_COPY_NICE"):
+        HeavyWork(1, 20)

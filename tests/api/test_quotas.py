@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.client import ApiClientError
 from service.errors import QuotaExceededError
 from service.local.cli import main as cli_main
 from service.local.embedded import free_port
@@ -285,6 +286,28 @@ def test_the_request_rate_is_one_bucket_for_every_api_process(
     )
     # Anonymous routes are not a tenant's.
     assert here.http.get("/healthz").status_code == 200
+
+
+def test_an_upload_waits_out_its_tenants_request_rate(small: InProcessApi, tmp_path: Path) -> None:
+    """The client's resumable upload sends a request refused by the tenant's request rate
+    again after its Retry-After; the other quotas' 429s it answers as errors at once."""
+    client = small.client("paced")
+    set_quota(small, "paced", "rate_per_s", "2")
+    set_quota(small, "paced", "rate_burst", "2")
+    path = tmp_path / "digits.npz"
+    path.write_bytes(digits_npz(n=32))
+    # One request to create, 5 parts, one to complete: 7 requests through a bucket of 2.
+    dataset = client.api.upload_dataset(path, part_bytes=path.stat().st_size // 4)
+    assert dataset.size_bytes == path.stat().st_size
+    # A 429 that waiting does not cure (open uploads) is an error at once, not 5 waits.
+    set_quota(small, "paced", "rate_per_s", "0")
+    set_quota(small, "paced", "max_open_uploads", "1")
+    opened = client.http.post("/v1/uploads", json={"size_bytes": 10})
+    assert opened.status_code == 201, opened.text
+    with pytest.raises(ApiClientError) as refusal:
+        client.api.upload_dataset(path)
+    assert refusal.value.status == 429
+    assert "max_open_uploads" in refusal.value.detail
 
 
 def test_the_cli_sets_and_shows_a_tenants_quotas(
