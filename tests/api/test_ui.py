@@ -128,8 +128,9 @@ def test_ui_sign_in_watch_a_cli_job_live_and_read_its_report(
     driver.get(f"{stack.url}/ui/#/jobs?tag=from:cli")
     link = wait_css(driver, f"a[href='#/jobs/{job_id}']")
     link.click()
-    # Live: the progress text changes while the job runs, from the event stream.
-    seen = set()
+    # Live: the progress text and the epochs' curve change while the job runs, from the event
+    # stream.
+    seen, epochs_seen = set(), set()
 
     def progressed() -> bool:
         progress = driver.find_elements(By.CSS_SELECTOR, "#progress")
@@ -137,11 +138,23 @@ def test_ui_sign_in_watch_a_cli_job_live_and_read_its_report(
         if not (progress and status):
             return False  # the page is still loading
         seen.add(progress[0].text)
+        # Read in the page, in one step: the card is redrawn at each event.
+        epoch = driver.execute_script(
+            "const e = document.querySelector('#epochs-live:not([hidden]) #epoch-text');"
+            "return e ? e.textContent : null"
+        )
+        if epoch:
+            epochs_seen.add(epoch)
         return bool(status[0].text == "succeeded")
 
     wait_for(progressed, timeout_s=240, interval_s=0.3, what="the job to succeed on its page")
     live = [t for t in seen if t.startswith("train:")]
     assert len(live) >= 2, f"no live progress seen: {seen}"
+    # Each validated epoch as it came, up to the last, with its curve.
+    assert len(epochs_seen) >= 2, f"no live epochs seen: {epochs_seen}"
+    assert all(t.startswith("epoch ") and "val loss" in t for t in epochs_seen), epochs_seen
+    assert driver.find_element(By.CSS_SELECTOR, "#epoch-text").text.startswith("epoch 25/25")
+    assert driver.find_elements(By.CSS_SELECTOR, "#plot-epochs-live polyline")
     for plot in ("#plot-epochs", "#plot-loss", "#plot-mean-shift", "#plot-var-ratio"):
         wait_css(driver, plot, timeout_s=30)
     assert driver.find_elements(By.CSS_SELECTOR, "#plot-epochs polyline")

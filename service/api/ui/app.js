@@ -196,9 +196,15 @@ async function jobPage(jobId) {
   const logBox = el("pre", { id: "logs", "aria-live": "polite" });
   const actions = el("div", { id: "actions" });
   const reportBox = el("section", { id: "report", "aria-label": "report" });
+  // A train job's validated epochs as they come (the stream's `epoch` events; a page opened
+  // late gets the epochs so far first): the curve grows while the job runs.
+  const epochs = [];
+  const epochsBox = el("section", { class: "card", id: "epochs-live", hidden: true });
   const render = () => {
     statusBox.replaceChildren(statusCell(job.status));
     progressBox.replaceChildren(progressView(job.progress));
+    epochsBox.hidden = epochs.length === 0;
+    if (epochs.length) epochsBox.replaceChildren(...epochsView(epochs));
     facts.replaceChildren(
       el("dt", {}, "kind"), el("dd", {}, job.kind),
       el("dt", {}, "model"), el("dd", {}, el("code", {}, job.model_id)),
@@ -229,6 +235,7 @@ async function jobPage(jobId) {
          el("section", { class: "card" }, el("h2", {}, "Progress"), progressBox, actions),
          el("section", { class: "card" }, el("h2", {}, "Job"), facts),
          el("section", { class: "card" }, el("h2", {}, "Parameters"), el("pre", { id: "params" }, JSON.stringify(job.params, null, 2)))),
+       epochsBox,
        el("section", { class: "card" }, el("h2", {}, "Logs"), logBox),
        reportBox);
   const loadReport = async () => {
@@ -246,10 +253,27 @@ async function jobPage(jobId) {
   followEvents(job.id, (event, data) => {
     if (event === "status" || event === "end") job = data;
     else if (event === "progress") job = { ...job, progress: data };
+    else if (event === "epoch" && !epochs.some((e) => e.epoch === data.epoch)) epochs.push(data);
     else if (event === "log") logBox.textContent += (logBox.textContent ? "\n" : "") + logLine(data);
     render();
     if (event === "end") loadReport().catch(fail);
   }, controller.signal).catch((error) => { if (error.name !== "AbortError") fail(error); });
+}
+
+function epochsView(epochs) {
+  const last = epochs[epochs.length - 1];
+  const best = epochs.filter((e) => e.best).pop();
+  const accuracy = last.val_accuracy === null ? "" : `, val accuracy ${fmt(last.val_accuracy, 3)}`;
+  const bestText = best ? `; best so far: epoch ${best.epoch} (val loss ${fmt(best.val_loss)})` : "";
+  return [
+    el("h2", {}, "Epochs"),
+    el("p", { id: "epoch-text" },
+       `epoch ${last.epoch}/${last.epochs}: train loss ${fmt(last.train_loss)}, val loss ${fmt(last.val_loss)}${accuracy}${bestText}`),
+    lineChart("Loss by epoch, so far", [
+      { name: "train loss", color: "#0b5cad", points: epochs.map((e) => [e.epoch, e.train_loss]) },
+      { name: "val loss", color: "#c0362c", points: epochs.map((e) => [e.epoch, e.val_loss]) },
+    ], { id: "plot-epochs-live" }),
+  ];
 }
 
 // A sharded job's parts (shards, merge, evaluations, finish) log to its log, labelled.
