@@ -276,10 +276,12 @@ print(json.dumps({'compute_s': hooks.end - hooks.start, 'samples': out.report.sa
   'children_cpu_s': children - hooks.cpu[1]}))
 """
 
-# The bare loops (BARE above, given a sample count, and BARE_IMAGES) run the model as the
+# The bare loops (BARE above, given a sample count, and the loops over a tar of images: these,
+# with the Images dataset of their own between IMAGES_HEAD and IMAGES_TAIL) run the model as the
 # job's pass does (train mode, no_grad) over the same number of samples (the job's report
-# says how many it adapted on).
-BARE_IMAGES = r"""
+# says how many it adapted on). argv: the payload's file, the store, torch threads, samples,
+# loader processes; ``where``: each image's (offset, size) in the tar.
+IMAGES_HEAD = r"""
 import io, json, resource, sys, tarfile, time
 import numpy as np, torch
 from PIL import Image
@@ -291,24 +293,12 @@ from workers.running.loading import load_model
 payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
 store = LocalStore(sys.argv[2])
 n, workers = int(sys.argv[4]), int(sys.argv[5])
-spec = payload.dataset.preprocessing
 path = store.local_path(payload.dataset.sha256)
 with tarfile.open(path) as archive:
     where = [(m.offset_data, m.size) for m in archive if m.name.endswith('.jpg')][:n]
-mean = torch.tensor(spec.mean).view(3, 1, 1)
-std = torch.tensor(spec.std).view(3, 1, 1)
-class Images(Dataset):
-    def __len__(self): return len(where)
-    def __getitem__(self, i):
-        with open(path, 'rb') as f:
-            f.seek(where[i][0]); data = f.read(where[i][1])
-        image = Image.open(io.BytesIO(data)).convert('RGB')
-        image = image.resize(tuple(spec.resize[::-1]), Image.Resampling.BILINEAR)
-        h, w = spec.center_crop
-        left, top = (image.width - w) // 2, (image.height - h) // 2
-        image = image.crop((left, top, left + w, top + h))
-        x = torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float().div_(255)
-        return x.sub_(mean).div_(std)
+spec = payload.dataset.preprocessing
+"""
+IMAGES_TAIL = r"""
 def cpu():
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -326,6 +316,26 @@ own, children = cpu()
 print(json.dumps({'compute_s': end - start, 'samples': len(where), 'cpu_s': own - before[0],
   'children_cpu_s': children - before[1]}))
 """
+BARE_IMAGES = (
+    IMAGES_HEAD
+    + r"""
+mean = torch.tensor(spec.mean).view(3, 1, 1)
+std = torch.tensor(spec.std).view(3, 1, 1)
+class Images(Dataset):
+    def __len__(self): return len(where)
+    def __getitem__(self, i):
+        with open(path, 'rb') as f:
+            f.seek(where[i][0]); data = f.read(where[i][1])
+        image = Image.open(io.BytesIO(data)).convert('RGB')
+        image = image.resize(tuple(spec.resize[::-1]), Image.Resampling.BILINEAR)
+        h, w = spec.center_crop
+        left, top = (image.width - w) // 2, (image.height - h) // 2
+        image = image.crop((left, top, left + w, top + h))
+        x = torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float().div_(255)
+        return x.sub_(mean).div_(std)
+"""
+    + IMAGES_TAIL
+)
 
 
 def write_image_tar(path: Path, samples: int, size: tuple[int, int] = (96, 128)) -> None:

@@ -31,24 +31,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.data_bench import PASS, pass_row, run_in  # noqa: E402
+from bench.data_bench import IMAGES_HEAD, IMAGES_TAIL, PASS, pass_row, run_in  # noqa: E402
 
-BARE_FASTEST = r"""
-import io, json, resource, sys, tarfile, time
-import numpy as np, torch
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset
-torch.set_num_threads(int(sys.argv[3]))
-from api_schemas import JobPayload
-from service.store.local import LocalStore
-from workers.running.loading import load_model
-payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
-store = LocalStore(sys.argv[2])
-n, workers = int(sys.argv[4]), int(sys.argv[5])
-spec = payload.dataset.preprocessing
-path = store.local_path(payload.dataset.sha256)
-with tarfile.open(path) as archive:
-    where = [(m.offset_data, m.size) for m in archive if m.name.endswith('.jpg')][:n]
+BARE_FASTEST = (
+    IMAGES_HEAD
+    + r"""
 mean = torch.tensor(spec.mean).view(3, 1, 1)
 std = torch.tensor(spec.std).view(3, 1, 1)
 short, (ch, cw) = spec.resize_shorter, spec.center_crop
@@ -66,22 +53,9 @@ class Images(Dataset):
         image = image.crop((left, top, left + cw, top + ch))
         x = torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float().div_(255)
         return x.sub_(mean).div_(std)
-def cpu():
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
-model = load_model(payload, store).train()
-loader = DataLoader(Images(), batch_size=payload.params.batch_size, num_workers=workers)
-before = cpu()
-start = time.perf_counter()
-with torch.no_grad():
-    for xb in loader:
-        model(xb)
-end = time.perf_counter()
-own, children = cpu()
-print(json.dumps({'compute_s': end - start, 'samples': len(where), 'cpu_s': own - before[0],
-  'children_cpu_s': children - before[1]}))
 """
+    + IMAGES_TAIL
+)
 
 SPEC = {
     "resize_shorter": 256,

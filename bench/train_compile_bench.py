@@ -26,103 +26,32 @@ Run from the repository root: ``python bench/train_compile_bench.py`` prints a m
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 # An empty inductor cache of this run's own, set before torch reads it: the cold runs compile.
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bnadapt-inductor-bench-")
 
-import numpy as np
 import torch
 import torch._dynamo
-from sklearn.datasets import load_digits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from api_schemas import JobPayload, Report, TrainParams  # noqa: E402
-from api_schemas.jobs.public import JobPayloadDataset, JobPayloadModel  # noqa: E402
+from _train_jobs import Workload, run_job, workloads  # noqa: E402
+
+from api_schemas import Report  # noqa: E402
 from service.store.local import LocalStore  # noqa: E402
-from workers.kinds.changing import compute  # noqa: E402
-from workers.models.architectures import build_model  # noqa: E402
-from workers.running.saving import weights_bytes  # noqa: E402
 
 
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    architecture: str
-    kwargs: dict[str, Any]
-    x: np.ndarray
-    y: np.ndarray
-    params: dict[str, Any]
-
-
-def workloads(quick: bool) -> list[Workload]:
-    data = load_digits()
-    x = (data.images / 16.0).astype(np.float32)[:, None]  # (1797, 1, 8, 8)
-    y = data.target.astype(np.int64)
-    digits = Workload(
-        "digits",
-        "digits_cnn",
-        {"width": 16},
-        x[:400] if quick else x,
-        y[:400] if quick else y,
-        {"epochs": 1 if quick else 3, "batch_size": 64, "lr": 0.02},
-    )
-    if quick:
-        return [digits]
-    rng = np.random.default_rng(0)
-    images = rng.random((1024, 3, 32, 32), dtype=np.float32)
-    labels = rng.integers(0, 10, 1024).astype(np.int64)
-    resnet = Workload(
-        "resnet",
-        "resnet",
-        {"depth": 4, "width": 16},
-        images,
-        labels,
-        {"epochs": 2, "batch_size": 64, "lr": 0.02},
-    )
-    return [digits, resnet]
-
-
-def npz_bytes(**arrays: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)  # type: ignore[arg-type]
-    return buffer.getvalue()
-
-
-def run_job(store: LocalStore, workload: Workload, compiled: bool) -> Report:
-    torch.manual_seed(0)
-    model = build_model(workload.architecture, workload.kwargs)
-    params = TrainParams.model_validate(
-        {**workload.params, "device": "cpu", "compile": compiled, "validation_fraction": 0.0}
-    )
-    payload = JobPayload(
-        job_id="job_bench",
-        tenant_id="tn_bench",
-        kind="train",
-        model=JobPayloadModel(
-            id="mdl_bench",
-            architecture=workload.architecture,
-            kwargs=workload.kwargs,
-            weights_sha256=store.put_bytes(weights_bytes(model.state_dict())),
-        ),
-        dataset=JobPayloadDataset(
-            id="ds_bench",
-            sha256=store.put_bytes(npz_bytes(x=workload.x, y=workload.y)),
-            format="npz",
-        ),
-        params=params,
-    )
+def run(store: LocalStore, workload: Workload, compiled: bool) -> Report:
+    """The workload's job on the CPU, eager or compiled, with dynamo's caches emptied first
+    (the inductor cache on disk stays: the warm runs read it)."""
     torch._dynamo.reset()
-    return compute(payload, store).report
+    return run_job(store, workload, device="cpu", compile=compiled)
 
 
 def row(name: str, run: str, report: Report, eager: Report) -> str:
@@ -165,12 +94,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
         store = LocalStore(Path(root))
-        for workload in workloads(args.quick):
-            eager = run_job(store, workload, compiled=False)
+        for workload in workloads(args.quick, resnet_images=1024, resnet_batch=64):
+            eager = run(store, workload, compiled=False)
             print(row(workload.name, "eager", eager, eager), flush=True)
-            cold = run_job(store, workload, compiled=True)
+            cold = run(store, workload, compiled=True)
             print(row(workload.name, "compiled, cold cache", cold, eager), flush=True)
-            warm = run_job(store, workload, compiled=True)
+            warm = run(store, workload, compiled=True)
             print(row(workload.name, "compiled, warm cache", warm, eager), flush=True)
 
 

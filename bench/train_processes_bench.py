@@ -27,98 +27,21 @@ Run from the repository root: ``python bench/train_processes_bench.py --threads 
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
-from sklearn.datasets import load_digits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from api_schemas import JobPayload, Report, TrainParams  # noqa: E402
-from api_schemas.jobs.public import JobPayloadDataset, JobPayloadModel  # noqa: E402
+from _train_jobs import run_job, workloads  # noqa: E402
+
+from api_schemas import Report  # noqa: E402
 from service.store.local import LocalStore  # noqa: E402
-from workers.kinds.changing import compute  # noqa: E402
-from workers.models.architectures import build_model  # noqa: E402
-from workers.running.saving import weights_bytes  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    architecture: str
-    kwargs: dict[str, Any]
-    x: np.ndarray
-    y: np.ndarray
-    params: dict[str, Any]
-
-
-def workloads(quick: bool) -> list[Workload]:
-    data = load_digits()
-    x = (data.images / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)  # (1797, 1, 8, 8)
-    y = data.target.astype(np.int64)
-    digits = Workload(
-        "digits",
-        "digits_cnn",
-        {"width": 16},
-        x[:400] if quick else x,
-        y[:400] if quick else y,
-        {"epochs": 1 if quick else 3, "batch_size": 64, "lr": 0.02},
-    )
-    if quick:
-        return [digits]
-    rng = np.random.default_rng(0)
-    images = rng.random((2048, 3, 32, 32), dtype=np.float32)
-    labels = rng.integers(0, 10, 2048).astype(np.int64)
-    resnet = Workload(
-        "resnet",
-        "resnet",
-        {"depth": 4, "width": 16},
-        images,
-        labels,
-        {"epochs": 2, "batch_size": 128, "lr": 0.02},
-    )
-    return [digits, resnet]
-
-
-def npz_bytes(**arrays: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)  # type: ignore[arg-type]
-    return buffer.getvalue()
-
-
-def run_job(store: LocalStore, workload: Workload, processes: int, device: str) -> Report:
-    torch.manual_seed(0)
-    model = build_model(workload.architecture, workload.kwargs)
-    params = TrainParams.model_validate(
-        {**workload.params, "device": device, "processes": processes, "validation_fraction": 0.0}
-    )
-    payload = JobPayload(
-        job_id="job_bench",
-        tenant_id="tn_bench",
-        kind="train",
-        model=JobPayloadModel(
-            id="mdl_bench",
-            architecture=workload.architecture,
-            kwargs=workload.kwargs,
-            weights_sha256=store.put_bytes(weights_bytes(model.state_dict())),
-        ),
-        dataset=JobPayloadDataset(
-            id="ds_bench",
-            sha256=store.put_bytes(npz_bytes(x=workload.x, y=workload.y)),
-            format="npz",
-        ),
-        params=params,
-    )
-    return compute(payload, store).report
 
 
 def samples_per_s(report: Report) -> float:
@@ -163,11 +86,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         store = LocalStore(Path(root))
         os.environ["BNADAPT_STORE_DIR"] = root  # where the ranks open the job's store
-        for workload in workloads(args.quick):
-            single = run_job(store, workload, 1, args.device)
+        for workload in workloads(args.quick, resnet_images=2048, resnet_batch=128):
+            single = run_job(store, workload, processes=1, device=args.device)
             print(row(workload.name, 1, single, single), flush=True)
             for processes in args.processes:
-                ranked = run_job(store, workload, processes, args.device)
+                ranked = run_job(store, workload, processes=processes, device=args.device)
                 print(row(workload.name, processes, ranked, single), flush=True)
 
 

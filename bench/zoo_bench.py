@@ -29,27 +29,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.data_bench import PASS, pass_row, run_in  # noqa: E402
+from bench.data_bench import IMAGES_HEAD, IMAGES_TAIL, PASS, pass_row, run_in  # noqa: E402
 from bench.decode_bench import write_photo_tar  # noqa: E402
 
 ARCHITECTURE = "torchvision.resnet18"
 SIZES = ((500, 375), (375, 500))  # (width, height)
 
-BARE_TORCHVISION = r"""
-import io, json, resource, sys, tarfile, time
-import torch, torchvision
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset
-torch.set_num_threads(int(sys.argv[3]))
-from api_schemas import JobPayload
-from service.store.local import LocalStore
-from workers.running.loading import load_model
-payload = JobPayload.model_validate_json(open(sys.argv[1]).read())
-store = LocalStore(sys.argv[2])
-n, workers = int(sys.argv[4]), int(sys.argv[5])
-path = store.local_path(payload.dataset.sha256)
-with tarfile.open(path) as archive:
-    where = [(m.offset_data, m.size) for m in archive if m.name.endswith('.jpg')][:n]
+BARE_TORCHVISION = (
+    IMAGES_HEAD
+    + r"""
+import torchvision
 name = payload.model.architecture.partition('.')[2]
 transform = torchvision.models.get_model_weights(name).DEFAULT.transforms()
 class Images(Dataset):
@@ -58,22 +47,9 @@ class Images(Dataset):
         with open(path, 'rb') as f:
             f.seek(where[i][0]); data = f.read(where[i][1])
         return transform(Image.open(io.BytesIO(data)).convert('RGB'))
-def cpu():
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
-model = load_model(payload, store).train()
-loader = DataLoader(Images(), batch_size=payload.params.batch_size, num_workers=workers)
-before = cpu()
-start = time.perf_counter()
-with torch.no_grad():
-    for xb in loader:
-        model(xb)
-end = time.perf_counter()
-own, children = cpu()
-print(json.dumps({'compute_s': end - start, 'samples': len(where), 'cpu_s': own - before[0],
-  'children_cpu_s': children - before[1]}))
 """
+    + IMAGES_TAIL
+)
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
