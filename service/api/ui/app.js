@@ -260,6 +260,13 @@ async function jobPage(jobId) {
   }, controller.signal).catch((error) => { if (error.name !== "AbortError") fail(error); });
 }
 
+// A train job's losses by epoch (the report's `epochs` entries, or the stream's `epoch` events:
+// the same numbers), as lineChart's series.
+const lossByEpoch = (epochs) => [
+  { name: "train loss", color: "#0b5cad", points: epochs.map((e) => [e.epoch, e.train_loss]) },
+  { name: "val loss", color: "#c0362c", points: epochs.map((e) => [e.epoch, e.val_loss]) },
+];
+
 function epochsView(epochs) {
   const last = epochs[epochs.length - 1];
   const best = epochs.filter((e) => e.best).pop();
@@ -269,10 +276,7 @@ function epochsView(epochs) {
     el("h2", {}, "Epochs"),
     el("p", { id: "epoch-text" },
        `epoch ${last.epoch}/${last.epochs}: train loss ${fmt(last.train_loss)}, val loss ${fmt(last.val_loss)}${accuracy}${bestText}`),
-    lineChart("Loss by epoch, so far", [
-      { name: "train loss", color: "#0b5cad", points: epochs.map((e) => [e.epoch, e.train_loss]) },
-      { name: "val loss", color: "#c0362c", points: epochs.map((e) => [e.epoch, e.val_loss]) },
-    ], { id: "plot-epochs-live" }),
+    lineChart("Loss by epoch, so far", lossByEpoch(epochs), { id: "plot-epochs-live" }),
   ];
 }
 
@@ -352,10 +356,7 @@ function reportView(report) {
     charts.push(barChart("BatchNorm: running_var ratio after / before", report.batchnorm.map((b) => ({ label: b.name, value: b.running_var_mean_ratio, color: "#9a6700" })), { reference: 1, id: "plot-var-ratio" }));
   }
   if (report.epochs.length) {
-    charts.push(lineChart("Loss by epoch", [
-      { name: "train loss", color: "#0b5cad", points: report.epochs.map((e) => [e.epoch, e.train_loss]) },
-      { name: "val loss", color: "#c0362c", points: report.epochs.map((e) => [e.epoch, e.val_loss]) },
-    ], { id: "plot-epochs" }));
+    charts.push(lineChart("Loss by epoch", lossByEpoch(report.epochs), { id: "plot-epochs" }));
   }
   if (report.shards.length) {
     charts.push(barChart("Shards: compute seconds", report.shards.map((s) => ({ label: `shard ${s.index} (${s.batches} batches)`, value: s.compute_s })), { id: "plot-shards" }));
