@@ -24,9 +24,10 @@ much as for the interpreter: with 20 uploads of 64 MiB at once, another tenant's
 took 190 ms at the 99th percentile where it took 7 ms alone, with the API on a processor of its
 own. So these threads run at a lower processor priority (``BNADAPT_API_COPY_NICE``, a nice
 value added to the API's; Linux sets it per thread): the kernel then runs a request's thread
-first whenever it is ready, and the bytes take the time the requests leave. The same flood then
-kept that read within 2x of its quiet figure (bench/RESULTS.md, the noisy-neighbour rows). The
-uploads are as fast when the processor has room; when it has none, they slow down, not the API.
+first whenever it is ready, and the bytes take the time the requests leave. With the same flood
+that read's p99 came to 1.1-3.7x its quiet figure, 2.4x at the median of 7 runs, where it was
+12-22x (bench/RESULTS.md, the noisy-neighbour rows). The uploads are as fast when the processor
+has room; when it has none (a worker's jobs on the same machine too), they slow down, not the API.
 """
 
 from __future__ import annotations

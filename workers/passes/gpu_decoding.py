@@ -23,8 +23,9 @@ the resize filters' rounding). Where the CPU path decodes a large JPEG reduced i
 domain (NOTE [ Reduced-size JPEG decoding ] in service/formats/images.py) the GPU decodes it
 whole: measured on the CPU's libjpeg (12 photos of 4000 x 3000, 3000 x 4000 and 1600 x 1200 to
 256 then 224), up to 6 levels apart, 0.5 to 0.8 on average. Averaging the whole decode down by
-the CPU's scale before the resize, to imitate the reduced decode, brought that to 4 levels and
-0.35 to 0.46, not within 2: it is not done.
+the CPU's scale before the resize, to imitate the reduced decode, brought that to 3 to 5 levels
+and 0.34 to 0.46 (undoing the chroma upsampling's smoothing as well: no closer; bench/RESULTS.md),
+not within 2: it is not done.
 """
 
 from __future__ import annotations
