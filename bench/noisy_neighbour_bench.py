@@ -55,12 +55,17 @@ ADAPT: dict[str, Any] = {"batch_size": 16, "estimator": "cumulative", "device": 
 READ_INTERVAL_S = 0.05
 
 
-def status_reads(client: Client, job_id: str, seconds: float) -> list[float]:
+def status_reads(
+    client: Client, job_id: str, seconds: float, started: list[float] | None = None
+) -> list[float]:
     """Latencies (s) of status reads of ``job_id``, one every READ_INTERVAL_S (or as soon as
-    the last answered, when that took longer), for ``seconds``."""
+    the last answered, when that took longer), for ``seconds``; each read's start (wall clock,
+    s) appended to ``started`` if given."""
     latencies: list[float] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+        if started is not None:
+            started.append(time.time())
         start = time.perf_counter()
         response = client.request("GET", f"/v1/jobs/{job_id}")
         took = time.perf_counter() - start
@@ -102,6 +107,7 @@ class Flood:
         self.streams_open = 0
         self.uploaded_bytes = 0
         self.uploads_done = 0
+        self.uploads_ended: list[float] = []  # wall clock (s)
         self.errors: list[str] = []
         self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()
@@ -179,6 +185,7 @@ class Flood:
             return
         with self.lock:
             self.uploads_done += 1
+            self.uploads_ended.append(time.time())
             self.uploaded_bytes += path.stat().st_size
 
     def stop(self) -> None:
@@ -215,6 +222,7 @@ def run_flood(
             "streams_open": flood.streams_open,
             "uploads_done": flood.uploads_done,
             "uploaded_bytes": flood.uploaded_bytes,
+            "uploads_ended": flood.uploads_ended,
             "errors": flood.errors,
         }
     )
@@ -307,6 +315,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             target=run_flood,
             args=(stack.url, key_a, model_a.id, data_a.id, files, args, stop, figures),
         )
+        flood_started = time.time()
         flood_process.start()
         assert stack.api is not None
         assert stack.worker is not None
@@ -319,8 +328,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         cpu_before = cpu_seconds(processes)
         time.sleep(args.backlog_s)  # A's backlog builds up
         noisy_reads: list[float] = []
+        read_at: list[float] = []
         reader = threading.Thread(
-            target=lambda: noisy_reads.extend(status_reads(b, first.id, args.seconds))
+            target=lambda: noisy_reads.extend(status_reads(b, first.id, args.seconds, read_at))
         )
         reader.start()
         submitted = time.time()
@@ -348,13 +358,26 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 a_queued_at_b += 1
             if job.started_at is not None and submitted < job.started_at.timestamp() < b_started:
                 a_started_between += 1
+        slow = 0.002 * quiet["p99_ms"]
+        ended = flood["uploads_ended"]
         result = {
             "quiet": quiet,
             "noisy": noisy,
             "p99_ratio": noisy["p99_ms"] / quiet["p99_ms"],
             # How many of B's reads took more than twice the quiet p99 (the p99 is the
             # len(noisy_reads) // 100-th slowest read).
-            "reads_over_2x_quiet_p99": sum(r > 0.002 * quiet["p99_ms"] for r in noisy_reads),
+            "reads_over_2x_quiet_p99": sum(r > slow for r in noisy_reads),
+            # When (s after A's flood began) those reads started, and when A's uploads ended:
+            # which part of the flood they met.
+            "slow_reads_at_s": [
+                round(at - flood_started, 2)
+                for at, r in zip(read_at, noisy_reads, strict=True)
+                if r > slow
+            ],
+            "uploads_ended_at_s": [
+                round(min(ended, default=flood_started) - flood_started, 1),
+                round(max(ended, default=flood_started) - flood_started, 1),
+            ],
             "a_accepted": flood["accepted"],
             "a_refused_429": flood["refused"],
             "a_streams_open": flood["streams_open"],

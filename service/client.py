@@ -98,15 +98,23 @@ def new_model_id(job: JobPublic) -> str:
 class Client:
     """One tenant's client: its API key, the API's base URL and one keep-alive connection
     (``http``). The resource methods answer parsed records and raise :class:`ApiClientError`
-    when the API answers an error; :meth:`request` is the low-level way, for callers that
-    read statuses, headers or error bodies themselves (the tests, the benches)."""
+    when the API answers an error; a request refused by the tenant's request rate (429
+    ``rate_per_s``) they send again after its Retry-After, up to ``rate_retries`` times (the
+    API refuses it before acting, so sending it again does nothing twice). :meth:`request` is
+    the low-level way, for callers that read statuses, headers or error bodies themselves (the
+    tests, the benches): it answers every response as it came."""
 
-    def __init__(self, url: str, key: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, url: str, key: str, timeout_s: float = DEFAULT_TIMEOUT_S, rate_retries: int = 3
+    ) -> None:
+        if rate_retries < 0:
+            raise ValueError(f"rate_retries must be >= 0, got {rate_retries}")
         self.http = httpx.Client(
             base_url=url.rstrip("/"),
             headers={"Authorization": f"Bearer {key}"},
             timeout=timeout_s,
         )
+        self.rate_retries = rate_retries
         self.last_upload_id: str | None = None  # of the latest upload_dataset
 
     def close(self) -> None:
@@ -132,7 +140,7 @@ class Client:
         raise ApiClientError(response.status_code, detail)
 
     def architectures(self) -> list[ArchitecturePublic]:
-        response = self._check(self.request("GET", "/v1/architectures"))
+        response = self._check(self._send("GET", "/v1/architectures"))
         return [ArchitecturePublic.model_validate(a) for a in response.json()]
 
     def add_model(
@@ -146,9 +154,9 @@ class Client:
         converted first: :func:`service.local.torch_weights.pth_to_safetensors`)."""
         meta = json.dumps({"architecture": architecture, "kwargs": kwargs or {}, "seed": seed})
         if weights is None:
-            response = self.request("POST", "/v1/models", data={"meta": meta})
+            response = self._send("POST", "/v1/models", data={"meta": meta})
         elif isinstance(weights, bytes):
-            response = self.request(
+            response = self._send(
                 "POST",
                 "/v1/models",
                 data={"meta": meta},
@@ -156,7 +164,7 @@ class Client:
             )
         else:
             with weights.open("rb") as file:
-                response = self.request(
+                response = self._send(
                     "POST",
                     "/v1/models",
                     data={"meta": meta},
@@ -168,7 +176,7 @@ class Client:
         params: dict[str, Any] = {"page_size": page_size}
         if page_token:
             params["page_token"] = page_token
-        response = self._check(self.request("GET", "/v1/models", params=params))
+        response = self._check(self._send("GET", "/v1/models", params=params))
         return Page[ModelPublic].model_validate(response.json())
 
     def add_dataset(
@@ -181,7 +189,7 @@ class Client:
         if spec is not None:
             fields["preprocessing"] = json.dumps(spec)
         with path.open("rb") as file:
-            response = self.request(
+            response = self._send(
                 "POST",
                 "/v1/datasets",
                 files={"file": (path.name, file)},
@@ -293,7 +301,7 @@ class Client:
         return DatasetPublic.model_validate(self._check(response).json())
 
     def _upload(self, upload_id: str) -> UploadPublic:
-        response = self._check(self.request("GET", f"/v1/uploads/{upload_id}"))
+        response = self._check(self._send("GET", f"/v1/uploads/{upload_id}"))
         return UploadPublic.model_validate(response.json())
 
     def _put_part(
@@ -321,15 +329,21 @@ class Client:
                 return
             time.sleep(wait)
 
+    def _send(self, method: str, path: str, **options: Any) -> httpx.Response:
+        """:meth:`request`, paced by the tenant's request rate (``rate_retries``)."""
+        return self._paced(method, path, self.rate_retries, **options)
+
     def _paced(self, method: str, path: str, retries: int, **options: Any) -> httpx.Response:
         """:meth:`request`, sent again after the wait a 429 of the tenant's request rate asks
-        for (its Retry-After), up to ``retries`` times; the last answer as it came."""
+        for (its Retry-After), up to ``retries`` times; the last answer as it came. Files in
+        ``files`` are sent from their start each time."""
         for _ in range(retries):
             response = self.request(method, path, **options)
             wait = _rate_wait_s(response)
             if wait is None:
                 return response
             time.sleep(wait)
+            _rewind(options)
         return self.request(method, path, **options)
 
     def submit(
@@ -349,13 +363,11 @@ class Client:
         if priority:
             body["priority"] = priority
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        response = self.request("POST", "/v1/jobs", json=body, headers=headers)
+        response = self._send("POST", "/v1/jobs", json=body, headers=headers)
         return JobPublic.model_validate(self._check(response).json())
 
     def job(self, job_id: str) -> JobPublic:
-        return JobPublic.model_validate(
-            self._check(self.request("GET", f"/v1/jobs/{job_id}")).json()
-        )
+        return JobPublic.model_validate(self._check(self._send("GET", f"/v1/jobs/{job_id}")).json())
 
     def jobs(
         self,
@@ -380,28 +392,28 @@ class Client:
         params |= {name: value for name, value in given.items() if value}
         if tags:
             params["tag"] = [f"{k}:{v}" for k, v in tags.items()]
-        response = self._check(self.request("GET", "/v1/jobs", params=params))
+        response = self._check(self._send("GET", "/v1/jobs", params=params))
         return Page[JobPublic].model_validate(response.json())
 
     def datasets(self, page_size: int = 50, page_token: str | None = None) -> Page[DatasetPublic]:
         params: dict[str, Any] = {"page_size": page_size}
         if page_token:
             params["page_token"] = page_token
-        response = self._check(self.request("GET", "/v1/datasets", params=params))
+        response = self._check(self._send("GET", "/v1/datasets", params=params))
         return Page[DatasetPublic].model_validate(response.json())
 
     def delete_dataset(self, dataset_id: str) -> None:
-        self._check(self.request("DELETE", f"/v1/datasets/{dataset_id}"))
+        self._check(self._send("DELETE", f"/v1/datasets/{dataset_id}"))
 
     def delete_model(self, model_id: str) -> None:
-        self._check(self.request("DELETE", f"/v1/models/{model_id}"))
+        self._check(self._send("DELETE", f"/v1/models/{model_id}"))
 
     def delete_job(self, job_id: str) -> None:
-        self._check(self.request("DELETE", f"/v1/jobs/{job_id}"))
+        self._check(self._send("DELETE", f"/v1/jobs/{job_id}"))
 
     def logs(self, job_id: str, after: int = 0) -> JobLogPage:
         response = self._check(
-            self.request("GET", f"/v1/jobs/{job_id}/logs", params={"after": after})
+            self._send("GET", f"/v1/jobs/{job_id}/logs", params={"after": after})
         )
         return JobLogPage.model_validate(response.json())
 
@@ -422,7 +434,7 @@ class Client:
                 yield JobLogEntry.model_validate(data)
 
     def cancel(self, job_id: str) -> JobPublic:
-        response = self._check(self.request("POST", f"/v1/jobs/{job_id}:cancel"))
+        response = self._check(self._send("POST", f"/v1/jobs/{job_id}:cancel"))
         return JobPublic.model_validate(response.json())
 
     def wait(
@@ -473,7 +485,7 @@ class Client:
             time.sleep(POLL_INTERVAL_S)
 
     def report(self, job_id: str) -> Report:
-        response = self._check(self.request("GET", f"/v1/jobs/{job_id}/report"))
+        response = self._check(self._send("GET", f"/v1/jobs/{job_id}/report"))
         return Report.model_validate(response.json())
 
     def download_weights(self, model_id: str, path: Path) -> Path:
@@ -511,6 +523,14 @@ def _rate_wait_s(response: httpx.Response) -> int | None:
         return None
     # Every quota's 429 names it first (QuotaSpec.exceeded in service/records/quotas.py).
     return int(retry_after) if detail.startswith("quota rate_per_s ") else None
+
+
+def _rewind(options: Mapping[str, Any]) -> None:
+    """The open files among a request's ``files`` back at their start, to be sent again."""
+    for entry in (options.get("files") or {}).values():
+        content = entry[1] if isinstance(entry, tuple) else entry
+        if hasattr(content, "seek"):
+            content.seek(0)
 
 
 def _parts(chunks: Iterator[bytes], size: int) -> Iterator[bytes]:

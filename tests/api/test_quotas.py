@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from service.client import ApiClientError
+from service.client import Client as ApiClient
 from service.errors import QuotaExceededError
 from service.local.cli import main as cli_main
 from service.local.embedded import free_port
@@ -308,6 +309,36 @@ def test_an_upload_waits_out_its_tenants_request_rate(small: InProcessApi, tmp_p
         client.api.upload_dataset(path)
     assert refusal.value.status == 429
     assert "max_open_uploads" in refusal.value.detail
+
+
+def test_the_clients_calls_wait_out_the_request_rate(small: InProcessApi) -> None:
+    """Every resource call of the Python client sends a request refused by the tenant's
+    request rate again after its Retry-After (a submission included: it was refused before
+    anything was done, so it is done once); with ``rate_retries=0`` the 429 is the error."""
+    client = small.client("paced-calls")
+    body = job_body(client)
+    set_quota(small, "paced-calls", "rate_per_s", "2")
+    set_quota(small, "paced-calls", "rate_burst", "2")
+    api = client.api
+    job = api.submit("adapt", body["model_id"], body["dataset_id"])
+    # Six calls through a bucket of 2 that refills 2 a second: some wait, none fails.
+    for _ in range(3):
+        assert api.job(job.id).id == job.id
+        assert any(item.id == job.id for item in api.jobs().items)
+    assert [item.id for item in api.jobs(page_size=100).items].count(job.id) == 1
+    key = client.http.headers["Authorization"].removeprefix("Bearer ")
+    impatient = ApiClient(small.url, key, rate_retries=0)
+
+    def reads() -> None:
+        for _ in range(4):  # past the bucket of 2 within a second
+            impatient.job(job.id)
+
+    with pytest.raises(ApiClientError) as refusal:
+        reads()
+    assert refusal.value.status == 429
+    assert "rate_per_s" in refusal.value.detail
+    with pytest.raises(ValueError, match="rate_retries"):
+        ApiClient(small.url, "bna_x", rate_retries=-1)
 
 
 def test_the_cli_sets_and_shows_a_tenants_quotas(
