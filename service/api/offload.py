@@ -25,9 +25,12 @@ took 190 ms at the 99th percentile where it took 7 ms alone, with the API on a p
 own. So these threads run at a lower processor priority (``BNADAPT_API_COPY_NICE``, a nice
 value added to the API's; Linux sets it per thread): the kernel then runs a request's thread
 first whenever it is ready, and the bytes take the time the requests leave. With the same flood
-that read's p99 came to 1.1-3.7x its quiet figure, 2.4x at the median of 7 runs, where it was
-12-22x (bench/RESULTS.md, the noisy-neighbour rows). The uploads are as fast when the processor
-has room; when it has none (a worker's jobs on the same machine too), they slow down, not the API.
+that read's p99 came to 1.1-4.6x its quiet figure (2.4x at the median of 7 runs one morning,
+3.0-4.6x in 5 runs later that day), where it was 12-22x (bench/RESULTS.md, the noisy-neighbour
+rows). Not lower, because a thread at a low priority that runs Python holds the GIL while
+the kernel runs it last: the requests then wait for it (a priority inversion, measured there).
+The uploads are as fast when the processor has room; when it has none (a worker's jobs on the
+same machine too), they slow down, not the API.
 """
 
 from __future__ import annotations
