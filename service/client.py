@@ -15,6 +15,7 @@ client.request("GET", "/readyz").status_code  # any request; the response as it 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -333,6 +334,24 @@ class Client:
         """:meth:`request`, paced by the tenant's request rate (``rate_retries``)."""
         return self._paced(method, path, self.rate_retries, **options)
 
+    @contextlib.contextmanager
+    def _stream(self, method: str, path: str, **options: Any) -> Iterator[httpx.Response]:
+        """A streamed response, once its status is a success: an error's body is read and
+        raised as :class:`ApiClientError`, and a request refused by the tenant's request rate
+        is sent again after its Retry-After, up to ``rate_retries`` times."""
+        for attempt in range(self.rate_retries + 1):
+            with self.http.stream(method, path, **options) as response:
+                if response.is_success:
+                    yield response
+                    return
+                response.read()  # the error's problem body, for its detail
+                wait = _rate_wait_s(response) if attempt < self.rate_retries else None
+                if wait is None:
+                    yield self._check(response)  # raises; a 304 would be answered as it is
+                    return
+            time.sleep(wait)
+        raise AssertionError("unreachable: the last attempt answers or raises")
+
     def _paced(self, method: str, path: str, retries: int, **options: Any) -> httpx.Response:
         """:meth:`request`, sent again after the wait a 429 of the tenant's request rate asks
         for (its Retry-After), up to ``retries`` times; the last answer as it came. Files in
@@ -421,10 +440,9 @@ class Client:
         """The job's server-sent events (``status``, ``progress``, ``epoch``, ``log``,
         ``end``) until it ends: NOTE [ Job events ] in service/api/routes/jobs.py."""
         params = {"logs": "true" if logs else "false", "after": after}
-        with self.http.stream(
+        with self._stream(
             "GET", f"/v1/jobs/{job_id}/events", params=params, timeout=httpx.Timeout(None)
         ) as response:
-            self._check(response)
             yield from _sse_events(response.iter_lines())
 
     def follow_logs(self, job_id: str, after: int = 0) -> Iterator[JobLogEntry]:
@@ -492,13 +510,14 @@ class Client:
         """Streams the weights to ``path`` (written whole or not at all)."""
         partial = path.with_name(path.name + ".part")
         # An S3 store answers 307 to a presigned URL: httpx drops our key on the way there.
-        with self.http.stream(
-            "GET", f"/v1/models/{model_id}/weights", follow_redirects=True
-        ) as response:
-            self._check(response)
-            with partial.open("wb") as file:
-                for chunk in response.iter_bytes():
-                    file.write(chunk)
+        with (
+            self._stream(
+                "GET", f"/v1/models/{model_id}/weights", follow_redirects=True
+            ) as response,
+            partial.open("wb") as file,
+        ):
+            for chunk in response.iter_bytes():
+                file.write(chunk)
         partial.replace(path)
         return path
 

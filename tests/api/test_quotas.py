@@ -341,6 +341,41 @@ def test_the_clients_calls_wait_out_the_request_rate(small: InProcessApi) -> Non
         ApiClient(small.url, "bna_x", rate_retries=-1)
 
 
+def test_the_clients_streams_wait_out_the_request_rate_and_name_their_errors(
+    small: InProcessApi, tmp_path: Path
+) -> None:
+    """A job's event stream and a weights download wait out the tenant's request rate like
+    the other calls, and a streamed call refused for another reason raises ApiClientError
+    with the API's own message (not httpx's complaint about an unread body)."""
+    client = small.client("paced-streams")
+    body = job_body(client)
+    api = client.api
+    job = api.submit("adapt", body["model_id"], body["dataset_id"])
+    assert api.cancel(job.id).status.value == "canceled"
+    set_quota(small, "paced-streams", "rate_per_s", "1")
+    set_quota(small, "paced-streams", "rate_burst", "1")
+
+    def spent() -> None:  # the bucket empty: the next request is refused for the rate
+        while client.http.get(f"/v1/jobs/{job.id}").status_code != 429:
+            pass
+
+    spent()
+    assert [name for name, _ in api.events(job.id)][-1] == "end"
+    spent()
+    path = api.download_weights(body["model_id"], tmp_path / "w.safetensors")
+    assert path.stat().st_size > 0
+    set_quota(small, "paced-streams", "rate_per_s", "default")
+    set_quota(small, "paced-streams", "rate_burst", "default")
+    with pytest.raises(ApiClientError) as missing:
+        list(api.events("job_" + "A" * 22))
+    assert missing.value.status == 404
+    assert "job_" + "A" * 22 in missing.value.detail
+    with pytest.raises(ApiClientError) as no_model:
+        api.download_weights("mdl_" + "A" * 22, tmp_path / "none.safetensors")
+    assert no_model.value.status == 404
+    assert not (tmp_path / "none.safetensors.part").exists()
+
+
 def test_the_cli_sets_and_shows_a_tenants_quotas(
     small: InProcessApi, capsys: pytest.CaptureFixture[str]
 ) -> None:
