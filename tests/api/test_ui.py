@@ -155,6 +155,15 @@ def test_ui_sign_in_watch_a_cli_job_live_and_read_its_report(
     assert all(t.startswith("epoch ") and "val loss" in t for t in epochs_seen), epochs_seen
     assert driver.find_element(By.CSS_SELECTOR, "#epoch-text").text.startswith("epoch 25/25")
     assert driver.find_elements(By.CSS_SELECTOR, "#plot-epochs-live polyline")
+    # Each line's name in the legend is drawn in that line's color.
+    legends = driver.find_elements(By.CSS_SELECTOR, "#plot-epochs-live text[fill]")
+    assert [legend.text for legend in legends] == ["train loss", "val loss"]
+    for legend in legends:
+        line = driver.find_element(
+            By.CSS_SELECTOR, f"#plot-epochs-live polyline[stroke='{legend.get_attribute('fill')}']"
+        )
+        drawn = driver.execute_script("return getComputedStyle(arguments[0]).fill", legend)
+        assert drawn == driver.execute_script("return getComputedStyle(arguments[0]).stroke", line)
     for plot in ("#plot-epochs", "#plot-loss", "#plot-mean-shift", "#plot-var-ratio"):
         wait_css(driver, plot, timeout_s=30)
     assert driver.find_elements(By.CSS_SELECTOR, "#plot-epochs polyline")

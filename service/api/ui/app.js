@@ -288,7 +288,8 @@ const logLine = (entry) =>
 
 // Horizontal bars, one per item: label, value, and a reference line (0 or 1).
 function barChart(title, items, { reference = 0, id } = {}) {
-  const rowH = 18, left = 150, right = 70, width = 560;
+  // About as wide as a card of the report's three columns: drawn near 1:1, the labels readable.
+  const rowH = 20, left = 120, right = 64, width = 380;
   const height = items.length * rowH + 30;
   const values = items.map((i) => i.value).filter((v) => Number.isFinite(v));
   const lo = Math.min(reference, ...values), hi = Math.max(reference, ...values);
@@ -299,9 +300,9 @@ function barChart(title, items, { reference = 0, id } = {}) {
   items.forEach((item, row) => {
     const y = 10 + row * rowH;
     const v = Number.isFinite(item.value) ? item.value : reference;
-    svg.append(svgEl("text", { x: left - 6, y: y + 12, "text-anchor": "end" }, item.label.length > 24 ? `…${item.label.slice(-23)}` : item.label));
-    svg.append(svgEl("rect", { x: Math.min(x(reference), x(v)), y: y + 2, width: Math.max(Math.abs(x(v) - x(reference)), 1),
-                               height: rowH - 5, fill: item.color || "#0b5cad" }));
+    svg.append(svgEl("text", { x: left - 6, y: y + 12, "text-anchor": "end" }, item.label.length > 19 ? `…${item.label.slice(-18)}` : item.label));
+    svg.append(svgEl("rect", { x: Math.min(x(reference), x(v)), y: y + 3, width: Math.max(Math.abs(x(v) - x(reference)), 1),
+                               height: rowH - 6, fill: item.color || "#0b5cad" }));
     svg.append(svgEl("text", { x: width - right + 4, y: y + 12 }, fmt(item.value)));
   });
   svg.append(svgEl("line", { x1: x(reference), x2: x(reference), y1: 6, y2: height - 16, stroke: "#57606a", "stroke-dasharray": "3 3" }));
