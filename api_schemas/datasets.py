@@ -225,6 +225,14 @@ class UploadPublic(BaseModel):
     max_part_bytes: int = Field(ge=1)
     created_at: UtcDatetime
     expires_at: UtcDatetime
+    transfer_url: str | None = Field(
+        default=None,
+        description=(
+            "Where to send this upload's parts and its completion, when the operator runs API "
+            "processes of their own for upload bytes: the same paths under this base URL, with "
+            "the same key. Null: to this API."
+        ),
+    )
 
 
 class UploadComplete(RequestModel):

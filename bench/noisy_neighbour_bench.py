@@ -15,6 +15,10 @@ limit) for ``--seconds``: once alone (quiet), once while tenant A
   upload route (parts hashed by the API as they arrive, each upload committed by a copy in
   the API's copy pool).
 
+With ``--uploads-nice N`` A's uploads go, as the Python client sends them, to an API process of
+their own at nice N (``BNADAPT_UPLOADS_URL``, ``BNADAPT_API_NICE``: what ``bnadapt up
+--uploads-nice N`` runs), on the API's processor when pinned.
+
 Targets (issue 27): B's status-read p99 within 2x of the quiet run, and B's job, submitted
 once A has a backlog of queued jobs, starts within one job slot: at most one of A's jobs
 (the one the worker was running) starts between B's submission and B's job's start.
@@ -23,10 +27,12 @@ once A has a backlog of queued jobs, starts within one job slot: at most one of 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +48,10 @@ sys.path.insert(0, str(REPO))
 
 from api_schemas import JobPublic  # noqa: E402
 from service.client import ApiClientError, Client  # noqa: E402
+from service.local.embedded import free_port  # noqa: E402
+from service.local.up import api_command  # noqa: E402
+from tests.servers import stop_process, wait_for  # noqa: E402
+from tests.stack import REPO as STACK_REPO  # noqa: E402
 from tests.stack import npz_bytes, running_stack  # noqa: E402
 
 MIB = 1024 * 1024
@@ -178,7 +188,8 @@ class Flood:
 
     def _upload(self, path: Path) -> None:
         try:
-            self.client.upload_dataset(path)
+            # A floods at its rate limit: its uploads wait their turns in the same bucket.
+            self.client.upload_dataset(path, retries=60)
         except ApiClientError as exc:
             with self.lock:
                 self.errors.append(f"upload {exc.status}: {exc.detail[:200]}")
@@ -291,7 +302,18 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         write_upload(path, args.upload_mib, i)
         files.append(path)
     digits = np.random.default_rng(0).integers(0, 256, size=(256, 1, 8, 8), dtype=np.uint8)
-    with running_stack(work / "stack", api_processes=args.api_processes) as stack:
+    overrides = {}
+    if args.uploads_nice is not None:
+        # The uploads' bytes to an API process of their own (NOTE [ Upload bytes in processes
+        # of their own ] in service/api/routes/uploads.py), started below.
+        uploads_port = free_port()
+        overrides["BNADAPT_UPLOADS_URL"] = f"http://127.0.0.1:{uploads_port}"
+    with (
+        running_stack(
+            work / "stack", env_overrides=overrides, api_processes=args.api_processes
+        ) as stack,
+        contextlib.ExitStack() as cleanup,
+    ):
         records = stack.records()
         key_a, key_b = records.create_api_key("a").key, records.create_api_key("b").key
         a, b = Client(stack.url, key_a, timeout_s=600), Client(stack.url, key_b, timeout_s=600)
@@ -299,8 +321,21 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         model_b = b.add_model("digits_cnn", {"width": 8})
         data_a = a.add_dataset(_npz(work / "a.npz", digits))
         data_b = b.add_dataset(_npz(work / "b.npz", digits))
+        uploads_api = None
+        if args.uploads_nice is not None:
+            uploads_api = subprocess.Popen(
+                api_command("127.0.0.1", uploads_port),
+                env={**stack.env, "BNADAPT_API_NICE": str(args.uploads_nice)},
+                cwd=STACK_REPO,
+            )
+            cleanup.callback(stop_process, uploads_api)
+            url = overrides["BNADAPT_UPLOADS_URL"]
+            wait_for(lambda: _answers(f"{url}/healthz"), timeout_s=60, what="the uploads' API")
         if args.pin:
             pin_machines(stack)
+            if uploads_api is not None:
+                for pid in _tree(uploads_api.pid):
+                    os.sched_setaffinity(pid, {0})
         first = b.submit("adapt", model_b.id, data_b.id, ADAPT)
         b.wait(first.id)
 
@@ -415,6 +450,13 @@ def all_jobs(client: Client) -> list[JobPublic]:
         time.sleep(READ_INTERVAL_S)
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _npz(path: Path, x: np.ndarray) -> Path:
     path.write_bytes(npz_bytes(x=x))
     return path
@@ -434,6 +476,13 @@ def main() -> None:
         help="run A's client this much below everything else (19: as if on its own machine)",
     )
     parser.add_argument("--api-processes", type=int, default=1, help="uvicorn processes of the API")
+    parser.add_argument(
+        "--uploads-nice",
+        type=int,
+        default=None,
+        help="an API process of its own for the uploads' bytes (BNADAPT_UPLOADS_URL), run at "
+        "this nice value (BNADAPT_API_NICE), as `bnadapt up --uploads-nice` runs it",
+    )
     parser.add_argument(
         "--pin",
         action="store_true",

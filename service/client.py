@@ -239,11 +239,11 @@ class Client:
                 whole.update(data)
                 digest = hashlib.sha256(data).hexdigest()
                 if part is None or part.sha256 != digest:
-                    self._put_part(upload.id, number, data, digest, retries)
+                    self._put_part(upload, number, data, digest, retries)
                 done += len(data)
                 if on_progress is not None:
                     on_progress(done, total)
-        return self._complete(upload.id, name, whole.hexdigest(), preprocessing, retries)
+        return self._complete(upload, name, whole.hexdigest(), preprocessing, retries)
 
     def upload_folder(
         self,
@@ -278,15 +278,15 @@ class Client:
         done = 0
         for number, data in enumerate(_parts(tar_stream(plan), size), start=1):
             whole.update(data)
-            self._put_part(upload.id, number, data, hashlib.sha256(data).hexdigest(), retries)
+            self._put_part(upload, number, data, hashlib.sha256(data).hexdigest(), retries)
             done += len(data)
             if on_progress is not None:
                 on_progress(done, total)
-        return self._complete(upload.id, name, whole.hexdigest(), preprocessing, retries)
+        return self._complete(upload, name, whole.hexdigest(), preprocessing, retries)
 
     def _complete(
         self,
-        upload_id: str,
+        upload: UploadPublic,
         name: str | None,
         sha256: str,
         preprocessing: PreprocessingArg,
@@ -296,9 +296,8 @@ class Client:
         spec = _spec(preprocessing)
         if spec is not None:
             body["preprocessing"] = spec
-        response = self._paced(
-            "POST", f"/v1/uploads/{upload_id}:complete", retries, json={**body, "sha256": sha256}
-        )
+        path = f"{_transfer_base(upload)}/v1/uploads/{upload.id}:complete"
+        response = self._paced("POST", path, retries, json={**body, "sha256": sha256})
         return DatasetPublic.model_validate(self._check(response).json())
 
     def _upload(self, upload_id: str) -> UploadPublic:
@@ -306,13 +305,13 @@ class Client:
         return UploadPublic.model_validate(response.json())
 
     def _put_part(
-        self, upload_id: str, number: int, data: bytes, sha256: str, retries: int
+        self, upload: UploadPublic, number: int, data: bytes, sha256: str, retries: int
     ) -> None:
         for attempt in range(retries + 1):
             try:
                 response = self.request(
                     "PUT",
-                    f"/v1/uploads/{upload_id}/parts/{number}",
+                    f"{_transfer_base(upload)}/v1/uploads/{upload.id}/parts/{number}",
                     content=data,
                     headers={
                         "Content-Type": "application/octet-stream",
@@ -542,6 +541,13 @@ def _rate_wait_s(response: httpx.Response) -> int | None:
         return None
     # Every quota's 429 names it first (QuotaSpec.exceeded in service/records/quotas.py).
     return int(retry_after) if detail.startswith("quota rate_per_s ") else None
+
+
+def _transfer_base(upload: UploadPublic) -> str:
+    """Where the upload's parts and completion go: the API processes the operator runs for
+    upload bytes, if the upload names them (NOTE [ Upload bytes in processes of their own ] in
+    service/api/routes/uploads.py), else this client's API (an empty prefix)."""
+    return "" if upload.transfer_url is None else upload.transfer_url.rstrip("/")
 
 
 def _rewind(options: Mapping[str, Any]) -> None:

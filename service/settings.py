@@ -122,6 +122,13 @@ class Settings(BaseSettings):
     # How much lower those threads' processor priority is than the requests' (a nice value, on
     # Linux): NOTE [ Bytes at a lower priority ] in service/api/offload.py. 0 keeps them equal.
     api_copy_nice: int = Field(default=19, ge=0, le=19)
+    # How much lower than it was started with an API process runs, requests and all (a nice
+    # value): for API processes of their own for upload bytes (below).
+    api_nice: int = Field(default=0, ge=0, le=19)
+    # The base URL of API processes of their own for the bytes of resumable uploads (parts and
+    # completion), run at a lower priority: NOTE [ Upload bytes in processes of their own ] in
+    # service/api/routes/uploads.py. Unset: this API takes them.
+    uploads_url: str | None = Field(default=None, pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
     # How long POST /v1/models waits for a worker to check the weights.
     inspect_timeout_s: float = Field(default=60.0, gt=0)
     # A running job whose worker has not written a heartbeat for this long is failed.

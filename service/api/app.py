@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -70,6 +71,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # A worker of `uvicorn --workers N`: when the parent dies (even by SIGKILL), shut
             # down gracefully instead of serving the port on for nobody.
             die_with_parent(signal.SIGTERM, parent.pid)
+        if settings.api_nice:
+            # Before any thread of the API starts: its threads take the main thread's priority.
+            os.nice(settings.api_nice)
         client = redis_client(settings.redis_url)
         records = Records(client)
         app.state.settings = settings

@@ -76,7 +76,12 @@ def _positive_int(text: str) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     with LocalStack(
-        Path(args.data_dir), args.host, args.port, args.device, args.api_processes
+        Path(args.data_dir),
+        args.host,
+        args.port,
+        args.device,
+        args.api_processes,
+        uploads_nice=args.uploads_nice,
     ) as stack:
         assert stack.client_config is not None
         print(f"bnadapt is up at {stack.url} (API docs: {stack.url}/docs)")
@@ -364,6 +369,15 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=DEFAULT_API_PROCESSES,
         help="uvicorn worker processes of the API",
+    )
+    up.add_argument(
+        "--uploads-nice",
+        type=int,
+        choices=range(20),
+        metavar="0..19",
+        default=None,
+        help="run an API process of its own for the bytes of uploads, at this lower priority "
+        "(a nice value, e.g. 19): other requests then keep their pace during large uploads",
     )
     up.set_defaults(func=cmd_up)
 

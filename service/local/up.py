@@ -25,7 +25,7 @@ from typing import IO, Final
 import httpx
 
 from service.errors import BnadaptError
-from service.local.embedded import RedisServer
+from service.local.embedded import RedisServer, free_port
 from service.records.connection import redis_client
 from service.records.sync import Records
 
@@ -130,12 +130,20 @@ class LocalStack:
         port: int = 8000,
         device: str = "auto",
         api_processes: int = DEFAULT_API_PROCESSES,
+        uploads_nice: int | None = None,
     ) -> None:
+        if uploads_nice is not None and not 0 <= uploads_nice <= 19:
+            raise ValueError(f"uploads_nice must be in [0, 19], got {uploads_nice}")
         self.data_dir = data_dir.resolve()
         self.host = host
         self.port = port
         self.device = device
         self.api_processes = api_processes
+        # An API process of its own for upload bytes, at this nice value (NOTE [ Upload bytes
+        # in processes of their own ] in service/api/routes/uploads.py); None: none.
+        self.uploads_nice = uploads_nice
+        self.uploads_api: subprocess.Popen[bytes] | None = None
+        self.uploads_url: str | None = None
         self.redis: RedisServer | None = None
         self.api: subprocess.Popen[bytes] | None = None
         self.worker: subprocess.Popen[bytes] | None = None
@@ -186,6 +194,16 @@ class LocalStack:
         self.worker = subprocess.Popen(  # noqa: S603
             worker_command(self.device), env=env, stdout=log, stderr=both
         )
+        if self.uploads_nice is not None:
+            uploads_port = free_port()
+            self.uploads_url = f"http://{self.host}:{uploads_port}"
+            env["BNADAPT_UPLOADS_URL"] = self.uploads_url
+            self.uploads_api = subprocess.Popen(  # noqa: S603
+                api_command(self.host, uploads_port),
+                env={**env, "BNADAPT_API_NICE": str(self.uploads_nice)},
+                stdout=log,
+                stderr=both,
+            )
         self.api = subprocess.Popen(  # noqa: S603
             api_command(self.host, self.port, self.api_processes), env=env, stdout=log, stderr=both
         )
@@ -204,9 +222,17 @@ class LocalStack:
                     f"not ready after {START_TIMEOUT_S:g} s (API: {api_ok}, worker: {worker_ok})"
                 )
             with contextlib.suppress(httpx.HTTPError):
-                api_ok = api_ok or httpx.get(f"{self.url}/healthz", timeout=1).is_success
+                api_ok = api_ok or (
+                    httpx.get(f"{self.url}/healthz", timeout=1).is_success
+                    and self._uploads_api_answers()
+                )
             worker_ok = worker_ok or bool(client.exists("bnadapt:inspectors-alive"))
             time.sleep(0.2)
+
+    def _uploads_api_answers(self) -> bool:
+        if self.uploads_url is None:
+            return True
+        return httpx.get(f"{self.uploads_url}/healthz", timeout=1).is_success
 
     def _client_config(self) -> ClientConfig:
         assert self.redis is not None
@@ -224,7 +250,8 @@ class LocalStack:
 
     def check_alive(self) -> None:
         """Raises if the API or the worker supervisor exited."""
-        for name, process in (("API", self.api), ("worker", self.worker)):
+        named = (("API", self.api), ("worker", self.worker), ("uploads API", self.uploads_api))
+        for name, process in named:
             if process is not None and process.poll() is not None:
                 hint = f"; is port {self.port} already in use? pass --port" if name == "API" else ""
                 raise StackError(
@@ -233,17 +260,18 @@ class LocalStack:
                 )
 
     def stop(self) -> None:
-        for process in (self.api, self.worker):
+        processes = (self.api, self.uploads_api, self.worker)
+        for process in processes:
             if process is not None and process.poll() is None:
                 process.terminate()
-        for process in (self.api, self.worker):
+        for process in processes:
             if process is not None:
                 try:
                     process.wait(timeout=STOP_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
-        self.api = self.worker = None
+        self.api = self.uploads_api = self.worker = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -24,7 +24,9 @@ import pytest
 import redis
 
 from service.api.offload import HeavyWork
+from service.local.embedded import free_port
 from service.records.connection import redis_client
+from service.settings import Settings
 from tests.inprocess import InProcessApi, running_api
 from tests.servers import wait_for
 from tests.stack import npz_bytes
@@ -266,3 +268,29 @@ def test_a_canceled_request_waits_for_its_work_to_end() -> None:
 def test_heavy_work_refuses_a_priority_out_of_range() -> None:
     with pytest.raises(ValueError, match="BNADAPT_API_COPY_NICE"):
         HeavyWork(1, 20)
+
+
+def test_uploads_name_the_api_for_their_bytes_and_the_client_sends_them_there(
+    tmp_path: Path,
+) -> None:
+    """With ``BNADAPT_UPLOADS_URL`` (NOTE [ Upload bytes in processes of their own ]) every
+    upload names it in ``transfer_url`` and the Python client sends the parts there: here
+    nothing listens, so the upload fails to connect, having sent this API no part. A client
+    that sends the parts to this API anyway is still served."""
+    elsewhere = f"http://127.0.0.1:{free_port()}"
+    with running_api(tmp_path / "api", uploads_url=elsewhere, tenant_rate_per_s=0) as here:
+        client = here.client("transfers")
+        path = tmp_path / "data.npz"
+        path.write_bytes(dataset_file(0))
+        with pytest.raises(httpx.ConnectError):
+            client.api.upload_dataset(path, retries=0)
+        upload_id = client.api.last_upload_id
+        upload = client.http.get(f"/v1/uploads/{upload_id}").json()
+        assert upload["transfer_url"] == elsewhere
+        assert upload["parts"] == []
+        sent = client.http.put(f"/v1/uploads/{upload_id}/parts/1", content=path.read_bytes())
+        assert sent.status_code == 200, sent.text
+        done = client.http.post(f"/v1/uploads/{upload_id}:complete", json={})
+        assert done.status_code == 201, done.text
+    with pytest.raises(ValueError, match="uploads_url"):
+        Settings(uploads_url="ftp://elsewhere/")

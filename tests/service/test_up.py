@@ -25,7 +25,7 @@ def up_args(port: int) -> list[str]:
     return ["--port", str(port), "--device", "cpu"]
 
 
-def start_up(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
+def start_up(data_dir: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
     process = subprocess.Popen(
         [
             sys.executable,
@@ -35,6 +35,7 @@ def start_up(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
             str(data_dir),
             "up",
             *up_args(port),
+            *extra,
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -129,6 +130,58 @@ def _answers(port: int) -> bool:
 
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_up_runs_an_api_of_its_own_for_upload_bytes_at_a_lower_priority(tmp_path: Path) -> None:
+    """``bnadapt up --uploads-nice 19``: every upload names a second API process, at nice 19,
+    and the CLI's resumable upload sends its parts and completion there and ends registered."""
+    data_dir = tmp_path / "data"
+    port = free_port()
+    process = start_up(data_dir, port, "--uploads-nice", "19")
+    try:
+        config = json.loads((data_dir / "client.json").read_text())
+        client = Client(config["url"], config["key"])
+        opened = client.http.post("/v1/uploads", json={"name": "probe"})
+        assert opened.status_code == 201, opened.text
+        transfer_url = opened.json()["transfer_url"]
+        match = re.fullmatch(r"http://127\.0\.0\.1:(\d+)", transfer_url)
+        assert match is not None and int(match.group(1)) != port
+        uploads_port = int(match.group(1))
+        assert _answers(uploads_port)
+        # The process listening there runs at nice 19; the main API at the user's priority.
+        niceness = {_listener_nice(p) for p in (port, uploads_port)}
+        assert niceness == {os.nice(0), min(os.nice(0) + 19, 19)}
+        x, y = digits(shifted=True, n=200)
+        (tmp_path / "shifted.npz").write_bytes(npz_bytes(x=x, y=y))
+        dataset = json.loads(cli(data_dir, "datasets", "add", str(tmp_path / "shifted.npz")))
+        assert dataset["size_bytes"] == (tmp_path / "shifted.npz").stat().st_size
+        assert client.datasets().items[0].id == dataset["id"]
+    finally:
+        stop_up(process)
+    wait_for(lambda: not _answers(uploads_port), timeout_s=10, what="the uploads' API to end")
+
+
+def _listener_nice(port: int) -> int:
+    """The nice value of the main thread of the process listening on ``port`` (Linux /proc)."""
+    inode = _listening_inode(port)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            links = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:
+            continue
+        if f"socket:[{inode}]" in links:
+            return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[16])
+    raise AssertionError(f"no process listens on port {port}")
+
+
+def _listening_inode(port: int) -> str:
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":  # LISTEN
+            return fields[9]
+    raise AssertionError(f"nothing listens on port {port}")
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,19 @@ Parts are store objects kept while the session lasts (NOTE [ Upload parts in the
 service/records/uploads.py); each is streamed like any upload (NOTE [ Streamed uploads ] in
 service/api/transfers.py). Completing joins parts 1..n in order into one store object, checks
 it like ``POST /v1/datasets`` and registers it.
+
+# NOTE [ Upload bytes in processes of their own ]
+An upload's bytes cost the API processor time (receiving, hashing, writing, joining), and in the
+API's own interpreter they slow every other request: threads at a lower priority help (NOTE
+[ Bytes at a lower priority ] in service/api/offload.py) but a low-priority thread that holds
+the GIL makes the requests wait for it, and another tenant's status reads stayed 3-4.6x slower
+during 20 large uploads. So an operator may run API processes of their own for these bytes (the
+same app, at a lower priority: ``bnadapt up --uploads-nice``, or a service of its own behind the
+proxy) and set ``BNADAPT_UPLOADS_URL`` to their base URL on the API: every upload then names it
+in ``transfer_url``, and the Python client sends the upload's parts and its completion there,
+with the same key (every API process shares Redis and the store, so either answers for any
+upload). The status reads then stayed within 1.5-1.8x (bench/RESULTS.md). Creating, reading and
+deleting an upload stay with the main API; a client that ignores ``transfer_url`` still works.
 """
 
 from __future__ import annotations
@@ -87,6 +100,7 @@ def _public(session: UploadSession, settings: Settings) -> UploadPublic:
         max_part_bytes=settings.max_upload_part_bytes,
         created_at=session.created_at,
         expires_at=session.expires_at,
+        transfer_url=settings.uploads_url,
     )
 
 
