@@ -17,7 +17,11 @@ limit) for ``--seconds``: once alone (quiet), once while tenant A
 
 With ``--uploads-nice N`` A's uploads go, as the Python client sends them, to an API process of
 their own at nice N (``BNADAPT_UPLOADS_URL``, ``BNADAPT_API_NICE``: what ``bnadapt up
---uploads-nice N`` runs), on the API's processor when pinned.
+--uploads-nice N`` runs), on the API's processor when pinned (``--uploads-processor``).
+
+Run it on a quiet machine: another program's burst of processor time shows in B's reads
+(bench/RESULTS.md names one found so). The result also carries Redis' own stalls over 10 ms
+(``redis_latency``) and when B's slow reads fell (``slow_reads_at_s``, ``slow_reads_ms``).
 
 Targets (issue 27): B's status-read p99 within 2x of the quiet run, and B's job, submitted
 once A has a backlog of queued jobs, starts within one job slot: at most one of A's jobs
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import multiprocessing
 import os
@@ -42,6 +47,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import redis
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -72,6 +78,11 @@ def status_reads(
     the last answered, when that took longer), for ``seconds``; each read's start (wall clock,
     s) appended to ``started`` if given."""
     latencies: list[float] = []
+    # What this process holds (the stack's handles, numpy, the clients) out of its garbage
+    # collections: a full collection of it took some 50 ms in a read of B's, a delay of the
+    # bench's client, not of the service.
+    gc.collect()
+    gc.freeze()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if started is not None:
@@ -277,15 +288,24 @@ def cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
     return used
 
 
+def pin(root: int, processor: int) -> None:
+    """Every thread of ``root`` and of its descendants on ``processor``: a thread's affinity is
+    its own, and threads started before this call keep theirs unless set one by one."""
+    for pid in _tree(root):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    os.sched_setaffinity(int(task.name), {processor})
+
+
 def pin_machines(stack: Any) -> None:
     """The deployment's machines on this one: the API, Redis and B on processor 0; the worker
     (and its jobs, forked later) on processor 1, where A's client goes too (``run_flood``)."""
     assert stack.api is not None
     assert stack.worker is not None
-    for pid in [*_tree(stack.api.pid), stack.redis.pid, os.getpid()]:
-        os.sched_setaffinity(pid, {0})
-    for pid in _tree(stack.worker.pid):
-        os.sched_setaffinity(pid, {1})
+    for root in (stack.api.pid, stack.redis.pid, os.getpid()):
+        pin(root, 0)
+    pin(stack.worker.pid, 1)
 
 
 def write_upload(path: Path, mib: int, seed: int) -> None:
@@ -334,8 +354,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if args.pin:
             pin_machines(stack)
             if uploads_api is not None:
-                for pid in _tree(uploads_api.pid):
-                    os.sched_setaffinity(pid, {0})
+                pin(uploads_api.pid, args.uploads_processor)
+        server = redis.Redis.from_url(stack.redis.url)
+        cleanup.callback(server.close)
+        # Redis' own stalls over 10 ms (LATENCY LATEST: its append-only file's writes and
+        # fsyncs, slow commands), to tell them from the API's.
+        server.config_set("latency-monitor-threshold", 10)
         first = b.submit("adapt", model_b.id, data_b.id, ADAPT)
         b.wait(first.id)
 
@@ -409,6 +433,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 for at, r in zip(read_at, noisy_reads, strict=True)
                 if r > slow
             ],
+            "slow_reads_ms": [round(r * 1000, 1) for r in noisy_reads if r > slow],
+            "flood_started_at": flood_started,
             "uploads_ended_at_s": [
                 round(min(ended, default=flood_started) - flood_started, 1),
                 round(max(ended, default=flood_started) - flood_started, 1),
@@ -426,6 +452,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             # Where the processor went while A flooded (s, over noisy_wall_s of 2 cores).
             "cpu_s": cpu_noisy,
             "noisy_wall_s": round(noisy_wall_s, 1),
+            # Redis: fsyncs of its append-only file it had to delay (the disk busy), and its
+            # stalls over 10 ms by kind: [kind, latest at, latest ms, most ms].
+            "redis_aof_delayed_fsync": server.info("persistence")["aof_delayed_fsync"],
+            "redis_latency": [
+                [str(kind, "ascii") if isinstance(kind, bytes) else kind, at, latest, most]
+                for kind, at, latest, most in server.execute_command("LATENCY", "LATEST")
+            ],
         }
         print(json.dumps(result, indent=2), flush=True)
         return result
@@ -482,6 +515,13 @@ def main() -> None:
         default=None,
         help="an API process of its own for the uploads' bytes (BNADAPT_UPLOADS_URL), run at "
         "this nice value (BNADAPT_API_NICE), as `bnadapt up --uploads-nice` runs it",
+    )
+    parser.add_argument(
+        "--uploads-processor",
+        type=int,
+        default=0,
+        help="with --pin and --uploads-nice: the processor of the uploads' API process (0, the "
+        "API's; 1, that of the worker and A's client: as on a machine of its own)",
     )
     parser.add_argument(
         "--pin",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,7 +23,7 @@ from rq import Queue
 from api_schemas import EpochEvent, JobCreate, Problem, ProblemItem
 from service.api.edge import EdgeMiddleware
 from service.api.metrics import install_metrics
-from service.api.offload import HeavyWork
+from service.api.offload import HeavyWork, lower_process_priority
 from service.api.problems import install_problem_handlers, problem_responses
 from service.api.routes import (
     architectures,
@@ -71,9 +70,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # A worker of `uvicorn --workers N`: when the parent dies (even by SIGKILL), shut
             # down gracefully instead of serving the port on for nobody.
             die_with_parent(signal.SIGTERM, parent.pid)
-        if settings.api_nice:
-            # Before any thread of the API starts: its threads take the main thread's priority.
-            os.nice(settings.api_nice)
+        # Before the API's own threads start (they take the priority of the thread that starts
+        # them); threads already running are lowered one by one.
+        lower_process_priority(settings.api_nice)
         client = redis_client(settings.redis_url)
         records = Records(client)
         app.state.settings = settings

@@ -26,9 +26,10 @@ own. So these threads run at a lower processor priority (``BNADAPT_API_COPY_NICE
 value added to the API's; Linux sets it per thread): the kernel then runs a request's thread
 first whenever it is ready, and the bytes take the time the requests leave. With the same flood
 that read's p99 came to 1.1-4.6x its quiet figure (2.4x at the median of 7 runs one morning,
-3.0-4.6x in 5 runs later that day), where it was 12-22x (bench/RESULTS.md, the noisy-neighbour
-rows). Not lower, because a thread at a low priority that runs Python holds the GIL while
-the kernel runs it last: the requests then wait for it (a priority inversion, measured there).
+3.0-4.6x in 5 runs later that day; 1.57-2.58x on a quiet machine with every thread pinned),
+where it was 12-22x (bench/RESULTS.md, the noisy-neighbour rows). Not lower, because a
+thread at a low priority that runs Python holds the GIL while the kernel runs it last: the
+requests then wait for it (a priority inversion, measured there).
 The uploads are as fast when the processor has room; when it has none (a worker's jobs on the
 same machine too), they slow down, not the API.
 """
@@ -45,7 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final, TypeVar, TypeVarTuple, Unpack
 
-__all__ = ["COPY_NICE_SETTING", "COPY_THREADS_SETTING", "HeavyWork"]
+__all__ = ["COPY_NICE_SETTING", "COPY_THREADS_SETTING", "HeavyWork", "lower_process_priority"]
 
 COPY_THREADS_SETTING: Final = "BNADAPT_API_COPY_THREADS"
 COPY_NICE_SETTING: Final = "BNADAPT_API_COPY_NICE"
@@ -60,6 +61,21 @@ def _lower_priority(nice: int) -> None:
     priority ]). Linux only: elsewhere a thread's id is no process id to pass here."""
     if nice and sys.platform == "linux":
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.nice(0) + nice)
+
+
+def lower_process_priority(nice: int) -> None:
+    """Lowers every thread of this process by ``nice`` (``BNADAPT_API_NICE``). Linux keeps a
+    nice value per thread and ``os.nice`` changes the caller's alone: threads started before
+    (the server's, a library's) would stay at the old priority, so each is changed here."""
+    if not nice:
+        return
+    if sys.platform != "linux":
+        os.nice(nice)
+        return
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            tid = int(task)
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
 
 
 class _Threads:

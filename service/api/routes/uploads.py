@@ -22,10 +22,10 @@ same app, at a lower priority: ``bnadapt up --uploads-nice``, or a service of it
 proxy) and set ``BNADAPT_UPLOADS_URL`` to their base URL on the API: every upload then names it
 in ``transfer_url``, and the Python client sends the upload's parts and its completion there,
 with the same key (every API process shares Redis and the store, so either answers for any
-upload). With the same flood the status reads then came to 1.4-3.4x, 2.7x at the median of 5
-runs (bench/RESULTS.md): the inversion is gone, but on 2 cores the kernel's writing of the bytes
-still takes the reads' processor. Creating, reading and deleting an upload stay with the main
-API; a client that ignores ``transfer_url`` still works.
+upload). With the same flood the status reads then came to 0.99-1.37x their quiet p99 (6 of 6
+runs, median 1.21x; 1.57-2.58x with the bytes in the main API, bench/RESULTS.md, measured on a
+quiet machine with every thread pinned). Creating, reading and deleting an upload stay with the
+main API; a client that ignores ``transfer_url`` still works.
 """
 
 from __future__ import annotations
