@@ -418,6 +418,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if job.started_at is not None and submitted < job.started_at.timestamp() < b_started:
                 a_started_between += 1
         slow = 0.002 * quiet["p99_ms"]
+        slow_reads = [(at, r) for at, r in zip(read_at, noisy_reads, strict=True) if r > slow]
         ended = flood["uploads_ended"]
         result = {
             "quiet": quiet,
@@ -425,15 +426,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "p99_ratio": noisy["p99_ms"] / quiet["p99_ms"],
             # How many of B's reads took more than twice the quiet p99 (the p99 is the
             # len(noisy_reads) // 100-th slowest read).
-            "reads_over_2x_quiet_p99": sum(r > slow for r in noisy_reads),
+            "reads_over_2x_quiet_p99": len(slow_reads),
             # When (s after A's flood began) those reads started, and when A's uploads ended:
-            # which part of the flood they met.
-            "slow_reads_at_s": [
-                round(at - flood_started, 2)
-                for at, r in zip(read_at, noisy_reads, strict=True)
-                if r > slow
-            ],
-            "slow_reads_ms": [round(r * 1000, 1) for r in noisy_reads if r > slow],
+            # which part of the flood they met; and how long each took.
+            "slow_reads_at_s": [round(at - flood_started, 2) for at, _ in slow_reads],
+            "slow_reads_ms": [round(r * 1000, 1) for _, r in slow_reads],
             "flood_started_at": flood_started,
             "uploads_ended_at_s": [
                 round(min(ended, default=flood_started) - flood_started, 1),

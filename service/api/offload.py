@@ -56,11 +56,17 @@ _T = TypeVar("_T")
 _Args = TypeVarTuple("_Args")
 
 
+def _lower_thread(tid: int, nice: int) -> None:
+    """Lowers thread ``tid``'s processor priority by ``nice`` (Linux: a nice value per thread;
+    the kernel caps it at 19)."""
+    os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+
+
 def _lower_priority(nice: int) -> None:
     """Lowers the calling thread's processor priority by ``nice`` (NOTE [ Bytes at a lower
     priority ]). Linux only: elsewhere a thread's id is no process id to pass here."""
     if nice and sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.nice(0) + nice)
+        _lower_thread(threading.get_native_id(), nice)
 
 
 def lower_process_priority(nice: int) -> None:
@@ -74,8 +80,7 @@ def lower_process_priority(nice: int) -> None:
         return
     for task in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            tid = int(task)
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+            _lower_thread(int(task), nice)
 
 
 class _Threads:
