@@ -30,6 +30,8 @@ __all__ = [
     "MAX_LOADER_WORKERS",
     "MAX_PROCESSES",
     "MAX_SAVE_EVERY_S",
+    "MIN_SAVE_EVERY_S",
+    "MIN_SAVE_EVERY_STEPS",
     "Augmentation",
     "LrSchedule",
     "Precision",
@@ -49,6 +51,15 @@ MAX_PROCESSES: Final = 8
 MAX_ACCUMULATE_STEPS: Final = 1024
 # A checkpoint at most once a day is no checkpoint.
 MAX_SAVE_EVERY_S: Final = 24 * 3600
+# The floors of the checkpoint intervals. A training checkpoint writes every weight and every
+# optimizer slot (three times the weights with Adam) as a new store object, hashed, then a
+# record, and the previous one becomes garbage for the collector: at least the memory traffic
+# of an optimizer step, plus a store round trip (a request to the bucket on S3), for a few
+# milliseconds of a small model's step. Every 10 steps keeps the writes near a tenth of a job's
+# time at worst; every 60 s at least bounds them by the clock whatever the model's size (a
+# large checkpoint takes seconds to write), and a retried attempt redoes at most that minute.
+MIN_SAVE_EVERY_STEPS: Final = 10
+MIN_SAVE_EVERY_S: Final = 60
 MAX_CLIP_GRAD_NORM: Final = 1e6
 
 # DataLoader processes decoding one job's training batches: past 16 a worker machine's cores
@@ -249,17 +260,18 @@ class TrainParams(RequestModel):
     )
     save_every_steps: int | None = Field(
         default=None,
-        ge=1,
+        ge=MIN_SAVE_EVERY_STEPS,
         le=MAX_STEPS,
         description="Write a training checkpoint every this many optimizer steps (and at the "
-        "end); a retried attempt resumes from the latest. null: none by steps.",
+        f"end), at least {MIN_SAVE_EVERY_STEPS}: each one writes the weights and the optimizer's "
+        "state to the store; a retried attempt resumes from the latest. null: none by steps.",
     )
     save_every_s: int | None = Field(
         default=None,
-        ge=1,
+        ge=MIN_SAVE_EVERY_S,
         le=MAX_SAVE_EVERY_S,
         description="Write a training checkpoint at the first optimizer step this many seconds "
-        "after the last one (and at the end). null: none by time.",
+        f"after the last one (and at the end), at least {MIN_SAVE_EVERY_S}. null: none by time.",
     )
     resume_from: ResourceId | None = Field(
         default=None,

@@ -2,7 +2,8 @@
 before it is uploaded: the service accepts safetensors only and never unpickles.
 
 The file is read with ``torch.load(weights_only=True)`` (tensors and plain containers only;
-a pickled model object or anything else that would run code is refused by torch). It may be
+a pickled model object or anything else that would run code is refused by torch), and only
+by a torch that keeps that promise (NOTE [ The torch that may unpickle ]). It may be
 a ``state_dict`` or a training checkpoint that wraps one under ``"state_dict"``, ``"model"``,
 ``"state_dict_ema"`` or ``"model_ema"`` (the first of these that holds tensors). The keys are
 sent as they are: the server renames ``module.``/``_orig_mod.`` prefixes and the libraries'
@@ -16,16 +17,51 @@ client work without it for everything else, and the API never imports this modul
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
 from service.errors import WeightsFileError
 
-__all__ = ["PTH_SUFFIXES", "pth_to_safetensors"]
+__all__ = ["MIN_SAFE_TORCH", "PTH_SUFFIXES", "check_torch_version", "pth_to_safetensors"]
 
 PTH_SUFFIXES: Final = frozenset({".pth", ".pt", ".bin", ".ckpt"})
 _WRAPPERS: Final = ("state_dict", "model", "state_dict_ema", "model_ema")
+
+# NOTE [ The torch that may unpickle ]
+# ``weights_only=True`` is torch's own restricted unpickler, and it has had holes that let a
+# crafted file run code anyway: CVE-2025-32434 (torch <= 2.5.1) and CVE-2026-24747 (torch
+# <= 2.9.1). A ``.pth`` file is a user's file from anywhere, so it is unpickled only by a torch
+# at or past the release that closed the last known one, 2.10.0 (what the ``worker`` extra
+# requires too, pyproject.toml); an older torch is refused before ``torch.load`` is called,
+# with the versions found and required. A pre-release of 2.10.0 (``2.10.0a0``, a nightly) is
+# older than 2.10.0 here. The explicit ``weights_only=True`` also keeps
+# ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` from turning the restriction off: torch lets that
+# variable override only a call that did not say.
+MIN_SAFE_TORCH: Final = (2, 10, 0)
+_RELEASE: Final = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?(.*)")
+
+
+def check_torch_version(found: str) -> None:
+    """Raises ``WeightsFileError`` unless torch ``found`` (``torch.__version__``, as
+    ``2.13.0+cu130``) may unpickle a user's file (NOTE [ The torch that may unpickle ])."""
+    required = ".".join(map(str, MIN_SAFE_TORCH))
+    match = _RELEASE.fullmatch(found.strip())
+    release: tuple[int, int, int] | None = None
+    if match is not None:
+        release = (int(match[1]), int(match[2]), int(match[3] or 0))
+        # A local label (+cpu) is the same release; anything else (a0, rc1, .dev2024) is
+        # before it.
+        if match[4] and not match[4].startswith("+") and release == MIN_SAFE_TORCH:
+            release = None
+    if release is None or release < MIN_SAFE_TORCH:
+        raise WeightsFileError(
+            f"converting a .pth file needs torch >= {required}, found torch {found}: older "
+            "releases can run code hidden in a file even with torch.load(weights_only=True) "
+            f"(CVE-2025-32434, CVE-2026-24747); upgrade torch (pip install 'torch>={required}'), "
+            "or convert the file to safetensors where such a torch is installed"
+        )
 
 
 def _state_dict(loaded: object, path: Path) -> Mapping[str, Any]:
@@ -53,6 +89,7 @@ def pth_to_safetensors(path: Path) -> bytes:
             "install it (pip install torch), or convert the file where torch is: "
             "safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors')"
         ) from exc
+    check_torch_version(str(torch.__version__))
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch's UnpicklingError, a truncated zip, ...: all the user's file

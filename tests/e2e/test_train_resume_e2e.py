@@ -308,11 +308,12 @@ def test_checkpoints_count_in_the_tenants_stored_bytes_until_their_job_is_delete
 
     # A tenant whose next checkpoint does not fit: the job fails once, naming the quota.
     records.set_quota(tenant, "max_stored_bytes", float(stored() + checkpoint_bytes // 2))
-    full = base | {"params": params | {"save_every_steps": 2}, "max_attempts": 3}
+    # Two epochs: the first checkpoint comes at step 10, the floor of the interval.
+    full = base | {"params": params | {"epochs": 2, "save_every_steps": 10}, "max_attempts": 3}
     refused = client.wait(str(created(client.submit(full), 202)["id"]))
     assert refused["status"] == "failed", refused
     assert refused["attempts"] == []  # not retried: the next attempt's would not fit either
-    for phrase in ("training checkpoint at step 2", "quota max_stored_bytes exceeded", "DELETE"):
+    for phrase in ("training checkpoint at step 10", "quota max_stored_bytes exceeded", "DELETE"):
         assert phrase in refused["error"], refused["error"]
     assert checkpoint_of(stack, refused["id"]) is None
     assert stored() == before + trained["size_bytes"]
