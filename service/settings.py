@@ -119,6 +119,9 @@ class Settings(BaseSettings):
     # a dataset file, a direct upload or import, an uploaded weights file), apart from those
     # of the request path (NOTE [ Heavy work off the request path ] in service/api/offload.py).
     api_copy_threads: int = Field(default=4, ge=1, le=64)
+    # How many of them one tenant may hold at once; the waiting work takes turns by tenant
+    # (NOTE [ Heavy work in turns ]). Unset: half of them, rounded up.
+    api_copy_tenant_threads: int | None = Field(default=None, ge=1, le=64)
     # How much lower those threads' processor priority is than the requests' (a nice value, on
     # Linux): NOTE [ Bytes at a lower priority ] in service/api/offload.py. 0 keeps them equal.
     api_copy_nice: int = Field(default=19, ge=0, le=19)

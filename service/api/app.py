@@ -78,7 +78,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.settings = settings
         app.state.records = records
         app.state.store = open_store(settings)
-        app.state.heavy_work = HeavyWork(settings.api_copy_threads, settings.api_copy_nice)
+        app.state.heavy_work = HeavyWork(
+            settings.api_copy_threads, settings.api_copy_nice, settings.api_copy_tenant_threads
+        )
         app.state.queue = Queue(settings.queue, connection=client, serializer="json")
         async_client = async_redis_client(settings.redis_url)
         app.state.async_records = AsyncRecords(async_client)

@@ -69,12 +69,6 @@ async def get_async_records(request: Request) -> AsyncRecords:
     return records
 
 
-async def get_heavy_work(request: Request) -> HeavyWork:
-    """Where long copies and hashes run (NOTE [ Heavy work off the request path ])."""
-    heavy_work: HeavyWork = request.app.state.heavy_work
-    return heavy_work
-
-
 async def get_async_quotas(request: Request) -> AsyncTenantQuotas:
     quotas: AsyncTenantQuotas = request.app.state.async_quotas
     return quotas
@@ -85,7 +79,6 @@ RecordsDep = Annotated[Records, Depends(get_records)]
 StoreDep = Annotated[Store, Depends(get_store)]
 QueueDep = Annotated[Queue, Depends(get_queue)]
 AsyncRecordsDep = Annotated[AsyncRecords, Depends(get_async_records)]
-HeavyWorkDep = Annotated[HeavyWork, Depends(get_heavy_work)]
 AsyncQuotasDep = Annotated[AsyncTenantQuotas, Depends(get_async_quotas)]
 
 
@@ -139,6 +132,16 @@ async def get_tenant(
 
 
 TenantDep = Annotated[str, Depends(get_tenant)]
+
+
+async def get_heavy_work(request: Request, tenant: TenantDep) -> HeavyWork:
+    """Where long copies and hashes run, in the caller's tenant's turns (NOTE [ Heavy work off
+    the request path ], NOTE [ Heavy work in turns ] in service/api/offload.py)."""
+    heavy_work: HeavyWork = request.app.state.heavy_work
+    return heavy_work.for_tenant(tenant)
+
+
+HeavyWorkDep = Annotated[HeavyWork, Depends(get_heavy_work)]
 
 # Every id in a path: anything else (`abc:cancel`, `../x`) is a 422 before any lookup.
 IdPath = Annotated[str, Path(pattern=ID_PATTERN, description="a resource id")]

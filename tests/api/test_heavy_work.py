@@ -1,6 +1,8 @@
 """Long copies and hashes off the request path (NOTE [ Heavy work off the request path ] in
 service/api/offload.py): completions of resumable uploads, more of them at once than the
-request path has threads, leave ``/healthz`` and the other sync routes answering.
+request path has threads, leave ``/healthz`` and the other sync routes answering; and the
+threads taken in turns by tenant (NOTE [ Heavy work in turns ]): one tenant's completions
+hold its share of them, and another tenant's registration runs before the ones it queued.
 
 The completions are held in place for real: once they have joined their parts, registering the
 dataset writes to Redis, and the test pauses Redis' writes (``CLIENT PAUSE WRITE``) so that
@@ -14,7 +16,7 @@ import hashlib
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from tests.stack import npz_bytes
 REQUEST_PATH_THREADS = 40
 COMPLETIONS = REQUEST_PATH_THREADS + 5
 COPY_THREADS = 2
+TENANT_THREADS = 1  # a tenant's share of them: half, rounded up (the default)
 HELD_MS = 120_000  # the pause's own end, should the test fail before it unpauses
 WAIT_S = 60.0
 
@@ -97,12 +100,14 @@ def test_completions_beyond_the_request_pool_leave_healthz_answering(api: InProc
                 )
                 for upload_id in uploads
             ]
-            # The heavy work is under way: files are joined, their registration held.
+            # The heavy work is under way: files are joined, their registration held; as
+            # many as the tenant's share of the threads, the others waiting for its turns.
             wait_for(
-                lambda: sum(joined(api, content) for content in files) >= COPY_THREADS,
+                lambda: sum(joined(api, content) for content in files) >= TENANT_THREADS,
                 WAIT_S,
                 what="completions to join their parts",
             )
+            assert sum(joined(api, content) for content in files) == TENANT_THREADS
             health = probe.get("/healthz")
             page = client.get(f"/v1/uploads/{uploads[0]}")  # a sync route that reads Redis
             assert health.status_code == 200, health.text
@@ -116,6 +121,60 @@ def test_completions_beyond_the_request_pool_leave_healthz_answering(api: InProc
         hashlib.sha256(content).hexdigest() for content in files
     }
     probe.close()
+    control.close()
+
+
+def test_another_tenant_s_registration_runs_before_the_completions_a_tenant_queued(
+    api: InProcessApi,
+) -> None:
+    """NOTE [ Heavy work in turns ]: tenant A completes more uploads at once than there are
+    threads; tenant B's small dataset, registered after them, takes a thread before any of
+    A's waiting completions does. Held as in the test above: Redis' writes paused, so the work
+    that got a thread stays in it. First come, B's file would wait behind all of A's."""
+    flood, small = api.client("turns-flood").http, api.client("turns-small").http
+    # B's stored bytes are counted before the pause (the first registration writes them).
+    first = small.post("/v1/datasets", files={"file": ("d.npz", dataset_file(100))})
+    assert first.status_code == 201, first.text
+    files = [dataset_file(seed) for seed in range(200, 200 + COPY_THREADS + 3)]
+    uploads = [started_upload(flood, content) for content in files]
+    mine = dataset_file(300)
+    control: redis.Redis = redis_client(api.redis.url)
+    with ThreadPoolExecutor(len(files) + 1) as pool:
+        control.execute_command("CLIENT", "PAUSE", HELD_MS, "WRITE")
+        try:
+            completions = [
+                pool.submit(
+                    httpx.post,
+                    f"{api.url}/v1/uploads/{upload_id}:complete",
+                    headers=flood.headers,
+                    json={},
+                    timeout=HELD_MS / 1000,
+                )
+                for upload_id in uploads
+            ]
+            wait_for(
+                lambda: sum(joined(api, content) for content in files) >= TENANT_THREADS,
+                WAIT_S,
+                what="A's completions to join their parts",
+            )
+            registration = pool.submit(
+                httpx.post,
+                f"{api.url}/v1/datasets",
+                headers=small.headers,
+                files={"file": ("mine.npz", mine)},
+                timeout=HELD_MS / 1000,
+            )
+            # B's file is stored (its commit took a thread) while A's others still wait.
+            wait_for(lambda: joined(api, mine), WAIT_S, what="B's file to be stored")
+            assert sum(joined(api, content) for content in files) == TENANT_THREADS
+            assert not registration.done()  # its registration is held at its write
+        finally:
+            control.execute_command("CLIENT", "UNPAUSE")
+        answers = [done.result() for done in completions]
+        mine_answer = registration.result()
+    assert mine_answer.status_code == 201, mine_answer.text
+    assert mine_answer.json()["sha256"] == hashlib.sha256(mine).hexdigest()
+    assert [answer.status_code for answer in answers] == [201] * len(files)
     control.close()
 
 
@@ -263,6 +322,141 @@ def test_a_canceled_request_waits_for_its_work_to_end() -> None:
             heavy.close()
 
     asyncio.run(scenario())
+
+
+class _Gate:
+    """Work that records its start under a name and, if held, waits for :meth:`open`."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self._open = threading.Event()
+        self._lock = threading.Lock()
+
+    def work(self, name: str, held: bool = False) -> str:
+        with self._lock:
+            self.started.append(name)
+        if held:
+            assert self._open.wait(WAIT_S)
+        return name
+
+    def open(self) -> None:
+        self._open.set()
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    """Yields to the event loop and the threads until ``predicate`` holds."""
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "the work did not start"
+        await asyncio.sleep(0.005)
+
+
+def test_waiting_work_takes_turns_by_tenant_not_first_come() -> None:
+    """One thread: A's first work holds it, A queues three more, then B one. B's is served
+    next, then A's in their order."""
+    gate = _Gate()
+
+    async def scenario() -> list[str]:
+        heavy = HeavyWork(1)
+        a, b = heavy.for_tenant("a"), heavy.for_tenant("b")
+        try:
+            first = asyncio.ensure_future(a.run(gate.work, "a0", True))
+            await _until(lambda: gate.started == ["a0"])
+            queued = [asyncio.ensure_future(a.run(gate.work, f"a{i}")) for i in (1, 2, 3)]
+            await asyncio.sleep(0)  # A's wait for their turns before B's
+            queued.append(asyncio.ensure_future(b.run(gate.work, "b0")))
+            await asyncio.sleep(0.05)
+            assert gate.started == ["a0"]
+            gate.open()
+            await asyncio.gather(first, *queued)
+            return gate.started
+        finally:
+            gate.open()
+            heavy.close()
+
+    assert asyncio.run(scenario()) == ["a0", "b0", "a1", "a2", "a3"]
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_threads() -> None:
+    """Two threads, a share of one: A's second work waits for its first with a thread free,
+    which B's work takes. A share of two lets A take both."""
+    gate = _Gate()
+
+    async def scenario(tenant_threads: int | None) -> list[str]:
+        heavy = HeavyWork(2, tenant_threads=tenant_threads)
+        a, b = heavy.for_tenant("a"), heavy.for_tenant("b")
+        try:
+            works = [asyncio.ensure_future(a.run(gate.work, f"a{i}", True)) for i in (0, 1)]
+            await _until(lambda: len(gate.started) >= 1)
+            works.append(asyncio.ensure_future(b.run(gate.work, "b0", True)))
+            await _until(lambda: len(gate.started) >= 2)
+            await asyncio.sleep(0.05)
+            seen = list(gate.started)
+            gate.open()
+            await asyncio.gather(*works)
+            return seen
+        finally:
+            gate.open()
+            heavy.close()
+
+    assert asyncio.run(scenario(None)) == ["a0", "b0"]
+    gate = _Gate()
+    assert asyncio.run(scenario(2)) == ["a0", "a1"]
+
+
+def test_work_canceled_while_it_waits_is_dropped_and_the_next_tenant_served() -> None:
+    gate = _Gate()
+
+    async def scenario() -> list[str]:
+        heavy = HeavyWork(1)
+        try:
+            first = asyncio.ensure_future(heavy.for_tenant("a").run(gate.work, "a0", True))
+            await _until(lambda: gate.started == ["a0"])
+            dropped = asyncio.ensure_future(heavy.for_tenant("b").run(gate.work, "b0"))
+            served = asyncio.ensure_future(heavy.for_tenant("c").run(gate.work, "c0"))
+            await asyncio.sleep(0.01)
+            dropped.cancel()
+            gate.open()
+            assert await served == "c0"
+            await first
+            with pytest.raises(asyncio.CancelledError):
+                await dropped
+            return gate.started
+        finally:
+            gate.open()
+            heavy.close()
+
+    assert asyncio.run(scenario()) == ["a0", "c0"]
+
+
+def test_pieces_take_turns_by_tenant_with_no_share() -> None:
+    """The pieces' two threads: a lone tenant takes both, and B's piece goes before the ones
+    A queued behind them."""
+    gate = _Gate()
+
+    async def scenario() -> list[str]:
+        heavy = HeavyWork(1)
+        a, b = heavy.for_tenant("a"), heavy.for_tenant("b")
+        try:
+            held = [asyncio.ensure_future(a.piece(gate.work, f"a{i}", True)) for i in (0, 1)]
+            await _until(lambda: len(gate.started) == 2)
+            queued = [asyncio.ensure_future(a.piece(gate.work, f"a{i}")) for i in (2, 3)]
+            await asyncio.sleep(0)
+            queued.append(asyncio.ensure_future(b.piece(gate.work, "b0")))
+            await asyncio.sleep(0.05)
+            gate.open()
+            await asyncio.gather(*held, *queued)
+            return gate.started
+        finally:
+            gate.open()
+            heavy.close()
+
+    assert asyncio.run(scenario())[2] == "b0"
+
+
+def test_heavy_work_refuses_a_tenant_share_beyond_the_threads() -> None:
+    with pytest.raises(ValueError, match="BNADAPT_API_COPY_TENANT_THREADS"):
+        HeavyWork(2, tenant_threads=3)
 
 
 def test_heavy_work_refuses_a_priority_out_of_range() -> None:
