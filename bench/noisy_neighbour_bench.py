@@ -26,6 +26,20 @@ Run it on a quiet machine: another program's burst of processor time shows in B'
 Targets (issue 27): B's status-read p99 within 2x of the quiet run, and B's job, submitted
 once A has a backlog of queued jobs, starts within one job slot: at most one of A's jobs
 (the one the worker was running) starts between B's submission and B's job's start.
+
+    python bench/noisy_neighbour_bench.py --phase registrations   # issue 41's phase
+    python bench/noisy_neighbour_bench.py --phase registrations --uploads 2 --upload-mib 4 \
+        --imports 2 --model-hidden 512 --seconds 5                # a quick look
+
+``--phase registrations`` (bench/_noisy_registrations.py): tenant A completes ``--uploads``
+resumable uploads and ``--imports`` dataset imports of ``--upload-mib`` each, all at once and
+over and over, and registers built-in ``mlp`` models of ``--model-in-features`` x
+``--model-hidden`` x ``--model-depth`` (``--model-threads`` at a time), while tenant B
+registers a small ``mlp`` and a small dataset in turn (4 of each a second) and ``/healthz`` is
+read 20 times a second; each timed, once alone (quiet) and once under A's load. Imports need
+the store on S3: with ``--imports`` above 0 the stack's store is a SeaweedFS bucket
+(tests/servers.py), in both runs. Target (issue 41): B's registrations' p50 and p99 within 2x
+of the quiet run.
 """
 
 from __future__ import annotations
@@ -51,6 +65,13 @@ import redis
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from _noisy_registrations import (  # noqa: E402
+    S3Sources,
+    b_registrations,
+    run_registration_flood,
+    s3_sources,
+)
 
 from api_schemas import JobPublic  # noqa: E402
 from service.client import ApiClientError, Client  # noqa: E402
@@ -461,6 +482,105 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         return result
 
 
+def run_registrations(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The registrations phase (bench/_noisy_registrations.py): B's registrations and
+    /healthz alone, then under A's heavy registrations; their figures and ratios."""
+    files = []
+    for i in range(args.uploads + args.imports):
+        path = work / f"upload_{i}.npz"
+        write_upload(path, args.upload_mib, i)
+        files.append(path)
+    small = _npz(
+        work / "small.npz", np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
+    )
+    model_kwargs = {
+        "in_features": args.model_in_features,
+        "hidden": args.model_hidden,
+        "depth": args.model_depth,
+    }
+    with contextlib.ExitStack() as cleanup:
+        s3: S3Sources | None = None
+        if args.imports:
+            s3 = cleanup.enter_context(s3_sources(work, files[args.uploads :]))
+        stack = cleanup.enter_context(
+            running_stack(
+                work / "stack",
+                env_overrides=s3.env if s3 is not None else None,
+                api_processes=args.api_processes,
+            )
+        )
+        records = stack.records()
+        key_a, key_b = records.create_api_key("a"), records.create_api_key("b")
+        if s3 is not None:
+            records.allow_import(key_a.tenant_id, s3.prefix)
+        b = Client(stack.url, key_b.key, timeout_s=600)
+        if args.pin:
+            pin_machines(stack)
+        b.add_model("mlp", {"in_features": 16, "hidden": 16, "depth": 1})  # warm: first build
+        b.add_dataset(small)
+
+        gc.collect()
+        gc.freeze()
+        quiet = b_registrations(b, stack.url, small, args.seconds).figures()
+        print("quiet", json.dumps(quiet), flush=True)
+
+        context = multiprocessing.get_context("fork")
+        stop, figures = context.Event(), context.Queue()
+        flood_process = context.Process(
+            target=run_registration_flood,
+            args=(
+                stack.url,
+                key_a.key,
+                files[: args.uploads],
+                s3.sources if s3 is not None else [],
+                model_kwargs,
+                args.model_threads,
+                args.pin,
+                stop,
+                figures,
+            ),
+        )
+        flood_process.start()
+        time.sleep(args.backlog_s)  # A's uploads under way, its first imports and builds
+        noisy = b_registrations(b, stack.url, small, args.seconds).figures()
+        stop.set()
+        flood: dict[str, Any] = figures.get(timeout=600)
+        flood_process.join(timeout=60)
+        print("noisy", json.dumps(noisy), flush=True)
+        result: dict[str, Any] = {"quiet": quiet, "noisy": noisy, "a": flood}
+        for kind in ("model", "dataset", "healthz"):
+            for at in ("p50_ms", "p99_ms"):
+                result[f"{kind}_{at.removesuffix('_ms')}_ratio"] = noisy[kind][at] / quiet[kind][at]
+        result["load_average"] = os.getloadavg()[0]
+        result["store"] = "s3" if s3 is not None else "local"
+        print(json.dumps(result, indent=2), flush=True)
+        return result
+
+
+def registrations_table(found: dict[str, Any]) -> str:
+    """The registrations phase's figures as a row of bench/RESULTS.md."""
+
+    def cell(kind: str) -> str:
+        quiet, noisy = found["quiet"][kind], found["noisy"][kind]
+        return (
+            f"{quiet['p50_ms']:.1f} / {noisy['p50_ms']:.1f} ms "
+            f"(**{found[f'{kind}_p50_ratio']:.2f}**), {quiet['p99_ms']:.1f} / "
+            f"{noisy['p99_ms']:.1f} ms (**{found[f'{kind}_p99_ratio']:.2f}**)"
+        )
+
+    done = found["a"]["done"]
+    return (
+        "| B's model registration p50, p99 quiet / noisy (ratios; target <= 2) | B's dataset "
+        "registration p50, p99 (target <= 2) | /healthz p50, p99 | A: uploads / imports / "
+        "models done, 429 / errors | B's errors (quiet, noisy) |\n"
+        "|---|---|---|---|---|\n"
+        f"| {cell('model')} | {cell('dataset')} | {cell('healthz')} "
+        f"| {done['uploads']} / {done['imports']} / {done['models']}, "
+        f"{found['a']['refused_429']} / {found['a']['error_count']} "
+        f"| {found['quiet']['error_count']}, {found['noisy']['error_count']} |"
+    )
+
+
 def all_jobs(client: Client) -> list[JobPublic]:
     """Every job of the client's tenant, a page of 100 at a time (within its rate limit)."""
     jobs: list[JobPublic] = []
@@ -529,10 +649,33 @@ def main() -> None:
     parser.add_argument(
         "--rate", type=float, default=50.0, help="A's submissions a second (its rate limit)"
     )
+    parser.add_argument(
+        "--phase",
+        choices=("reads", "registrations"),
+        default="reads",
+        help="reads: B's status reads under A's jobs, streams and uploads (issue 27); "
+        "registrations: B's small registrations under A's large uploads, imports and models "
+        "(issue 41)",
+    )
+    parser.add_argument(
+        "--imports",
+        type=int,
+        default=4,
+        help="registrations: A's imports at once, each of --upload-mib (0: no S3 store)",
+    )
+    parser.add_argument("--model-in-features", type=int, default=4096)
+    parser.add_argument("--model-hidden", type=int, default=4096)
+    parser.add_argument("--model-depth", type=int, default=4)
+    parser.add_argument(
+        "--model-threads", type=int, default=1, help="registrations: A's models at once"
+    )
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="noisy_bench_", dir=args.dir))
     try:
+        if args.phase == "registrations":
+            print(registrations_table(run_registrations(args, work)))
+            return
         found = run(args, work)
         print(
             "| B's status p99 quiet / noisy (ratio; target <= 2) | A's jobs started between B's "
