@@ -12,7 +12,7 @@ So this work takes its turn in threads of its own (:class:`HeavyWork`):
 ``BNADAPT_API_COPY_THREADS`` threads (4 by default) for the long work, and two more for the
 pieces of streamed uploads (a few milliseconds each, NOTE [ Streamed uploads ] in
 service/api/transfers.py), apart so that a piece never waits behind a long copy. The work
-beyond them waits, first come first served, without holding a thread of the request path; the
+beyond them waits for its turn (below), without holding a thread of the request path; the
 routes still answer when the work is done, so the API's contract (201 with the dataset) is
 unchanged. What waits is a request whose client waits for its answer anyway; the limits of what
 a tenant may start (uploads, their sizes) bound how much of it there can be.
