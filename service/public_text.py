@@ -46,4 +46,6 @@ def scrub_internals(text: str) -> str:
     hostname = socket.gethostname()
     if len(hostname) >= 3:
         text = text.replace(hostname, "<host>")
+    elif hostname:  # a short name (`vm`) only where it stands alone, not inside other words
+        text = re.sub(rf"(?<![\w-]){re.escape(hostname)}(?![\w-])", "<host>", text)
     return text

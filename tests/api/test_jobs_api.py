@@ -226,11 +226,12 @@ def test_logs_are_kept_and_tenant_scoped(stack: Stack) -> None:
     assert "ended succeeded" in shown.stdout
 
 
-def test_failed_job_logs_its_traceback(stack: Stack) -> None:
+def test_failed_job_logs_why_without_its_traceback(stack: Stack) -> None:
     client = stack.client("failing")
     model = created(client.add_model("digits_cnn", {"width": 4}, seed=1))
     # Finite inputs whose convolutions overflow: the worker fails the job (non-finite
-    # statistics). Its traceback once went only to the worker's stderr.
+    # statistics). Its log says why; the traceback stays in the worker's log (NOTE [ What a
+    # job's log shows its tenant ], tests/e2e/test_job_logs_public.py).
     huge = np.full((16, 1, 8, 8), 3e38, np.float32)
     dataset = created(client.add_dataset(npz_bytes(x=huge)))
     body = {
@@ -245,7 +246,7 @@ def test_failed_job_logs_its_traceback(stack: Stack) -> None:
     messages = "\n".join(
         e["message"] for e in client.http.get(f"/v1/jobs/{job['id']}/logs").json()["items"]
     )
-    assert "Traceback (most recent call last)" in messages, messages
+    assert "Traceback" not in messages, messages
     assert "non-finite" in messages
 
 

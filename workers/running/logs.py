@@ -11,6 +11,16 @@ GET /v1/jobs/{id}/logs and follows it in GET /v1/jobs/{id}/events?logs=true. The
 sharded adapt job (its shards, merge, evaluations and finish, each a process of its own,
 perhaps on other machines) log to their parent job's list, each entry labelled with its
 ``part`` (``shard-0``, ``merge``...), so the job's log holds them all.
+
+NOTE [ What a job's log shows its tenant ]
+The tenant reads the job's log, so each entry holds what service/public_text.py allows and
+nothing else: the record's message with hostnames, paths, URLs and addresses taken out
+(``scrub_internals``), and, for a record that carries an exception, the exception's type and
+the text a failed job's record would show (``error_message``: the store's, Redis' and the
+system's own errors said in words) in place of the traceback, whose frames name the
+service's files. A traceback logged as text is cut where it starts. The same record reaches
+the worker's own handlers unchanged: the operator's log keeps the hostname, the paths and the
+whole traceback.
 """
 
 from __future__ import annotations
@@ -22,12 +32,29 @@ from datetime import UTC, datetime
 from typing import Final
 
 from service.log_format import job_context
+from service.public_text import scrub_internals
 from service.records.sync import Records
+from workers.running.saving import error_message
 
-__all__ = ["job_logging"]
+__all__ = ["job_logging", "public_message"]
 
 MAX_MESSAGE_CHARS: Final = 16_000
 _OWN_LOGGERS: Final = ("workers", "service", "api_schemas")
+# Where Python's traceback text starts, when a message quotes one.
+_TRACEBACK: Final = "Traceback (most recent call last)"
+
+
+def public_message(record: logging.LogRecord) -> str:
+    """``record`` as the job's tenant may read it (NOTE [ What a job's log shows its tenant ])."""
+    message = record.getMessage().split(_TRACEBACK, 1)[0].rstrip()
+    message = scrub_internals(message)
+    if record.exc_info is not None and record.exc_info[1] is not None:
+        exc = record.exc_info[1]
+        text = error_message(exc)
+        if text not in message:  # a failure logged with its own text already says it
+            said = f"{type(exc).__name__}: {text}"
+            message = f"{message}: {said}" if message else said
+    return message[:MAX_MESSAGE_CHARS]
 
 
 class _JobLogHandler(logging.Handler):
@@ -36,7 +63,6 @@ class _JobLogHandler(logging.Handler):
         self._records = records
         self._job_id = job_id
         self._part = part
-        self.setFormatter(logging.Formatter("%(message)s"))
 
     def filter(self, record: logging.LogRecord) -> bool:
         own = record.name.split(".", 1)[0] in _OWN_LOGGERS
@@ -44,7 +70,7 @@ class _JobLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            message = self.format(record)[:MAX_MESSAGE_CHARS]
+            message = public_message(record)  # never self.format: it adds the traceback
             at = datetime.fromtimestamp(record.created, UTC).isoformat()
             self._records.append_job_logs(
                 self._job_id, [(at, record.levelname, record.name, message)], self._part
