@@ -47,10 +47,11 @@ __all__ = ["router"]
 # dataset checks of an upload), installs it under its content key like any write (NOTE
 # [ Atomic commit on S3 ] in service/store/s3/store.py) and registers it. An import copies an
 # existing object server-side into a temp key and goes on the same way. What the API keeps
-# of an upload in progress lives in Redis for the URLs' lifetime. A presigned URL does not sign
-# a length, so a client could send any bytes to it: completing first checks the parts the bucket
-# holds against the size announced (NOTE [ Direct upload parts ] in service/store/s3/store.py)
-# and refuses with 422, the upload aborted, before anything is assembled or copied. Completing
+# of an upload in progress lives in Redis for the URLs' lifetime. Each presigned part URL signs
+# its part's length, so the bucket refuses a PUT of another; and completing first checks the
+# parts the bucket holds against the size announced (NOTE [ Direct upload parts ] in
+# service/store/s3/store.py), for a store that checks signatures less strictly, and refuses
+# with 422, the upload aborted, before anything is assembled or copied. Completing
 # and importing read the whole object, so they run in the API's pool for heavy work (NOTE
 # [ Heavy work off the request path ] in service/api/offload.py).
 

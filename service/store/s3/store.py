@@ -31,14 +31,16 @@ so whoever wrote an object reads it back without downloading it: the API reads a
 dataset back to check it, and joins an upload's parts from their copies.
 
 # NOTE [ Direct upload parts ]
-A direct upload's presigned part URLs sign the bucket, key, upload and part number, not a
-length: a client holding them can send a part of any size, and completing would assemble
-whatever arrived. So before completing, the parts the bucket lists (``ListParts``) are
-checked against the size announced when the upload started: one ETag per part, every part
-``part_bytes`` long but the last, which holds the rest, and none beyond. Anything else aborts
-the upload and is refused: nothing is assembled, hashed or copied. The assembled object's size
-is checked again before it is read, in case a part was sent again between the listing and the
-completion.
+A direct upload's presigned part URLs sign the bucket, key, upload and part number, and the
+part's length: ``Content-Length`` is among the SigV4 signed headers of each URL (the length
+``part_bytes``, the last part the rest), so the bucket refuses a PUT of any other length
+(403, SignatureDoesNotMatch) before it keeps a byte; SeaweedFS does, as AWS S3 does. A store
+that checks signatures less strictly could still take a part of another size, so before
+completing, the parts the bucket lists (``ListParts``) are checked against the size announced
+when the upload started too: one ETag per part, every part ``part_bytes`` long but the last,
+which holds the rest, and none beyond. Anything else aborts the upload and is refused: nothing
+is assembled, hashed or copied. The assembled object's size is checked again before it is
+read, in case a part was sent again between the listing and the completion.
 """
 
 from __future__ import annotations
@@ -373,7 +375,7 @@ class S3Store:
 
     def start_direct_upload(self, size: int) -> DirectUpload:
         """A multipart upload of ``size`` bytes to a temp key, with a presigned URL per part
-        (each ``part_bytes`` long, the last one the rest)."""
+        that takes only its length (``part_bytes``, the last one the rest)."""
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         count = -(-size // self.part_bytes)
@@ -395,6 +397,8 @@ class S3Store:
                     "Key": temp_key,
                     "UploadId": upload_id,
                     "PartNumber": number,
+                    # Signed: a PUT of another length is refused (NOTE [ Direct upload parts ]).
+                    "ContentLength": min(self.part_bytes, size - self.part_bytes * (number - 1)),
                 },
                 ExpiresIn=self.presign_ttl_s,
             )
