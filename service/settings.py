@@ -158,8 +158,10 @@ class Settings(BaseSettings):
     worker_threads: int | None = Field(default=None, ge=1)
 
     # Ended jobs (their records, logs and reports) are deleted this long after they ended, by
-    # housekeeping (service/upkeep/retention.py); None keeps them until deleted by hand.
-    job_retention_s: float | None = Field(default=None, gt=0)
+    # housekeeping (service/upkeep/retention.py): 30 days. An ended job holds its inputs and
+    # training checkpoint in its tenant's stored bytes until then (NOTE [ Tenant quotas ]).
+    # None keeps them until deleted by hand.
+    job_retention_s: float | None = Field(default=30 * 24 * 3600.0, gt=0)
 
     # NOTE [ Checks at the edge ] in service/api/edge.py: the body limit of every route that
     # takes JSON (the streaming routes keep theirs: weights, dataset files, upload parts), and

@@ -10,6 +10,8 @@ import answers its status with a fixed text instead (uploading the same file thr
 
 from __future__ import annotations
 
+import secrets
+import time
 from typing import Final
 
 from api_schemas import DatasetPublic
@@ -24,12 +26,16 @@ from service.errors import (
     StoreTooLargeError,
 )
 from service.formats.folder_tars import plan_folder, write_folder_tar
+from service.records.quotas import open_upload, release_upload
 from service.records.sync import Records
 from service.settings import Settings
 from service.store.base import DirectTransfers, Store
 
-__all__ = ["NOT_A_SOURCE", "import_dataset"]
+__all__ = ["IMPORT_SLOT_S", "NOT_A_SOURCE", "import_dataset"]
 
+# How long an import counts as an open upload at most (it ends sooner: its slot is released
+# when it ends, error or not).
+IMPORT_SLOT_S: Final = 3600.0
 # The one answer to a source that is not allowed, missing, unreadable or the store's own.
 NOT_A_SOURCE: Final = (
     "no object at that source the service may read for you: check the source (an object, or a "
@@ -66,6 +72,28 @@ def import_dataset(
     bucket, key = split_s3_source(request.source)
     if not records.may_import(tenant, bucket, key):
         raise ApiError(404, NOT_A_SOURCE)
+    # An import counts as an open upload while it runs (NOTE [ Tenant quotas ]); a slot whose
+    # API process died lapses after IMPORT_SLOT_S.
+    slot = f"import:{secrets.token_urlsafe(12)}"
+    open_upload(
+        records.client, tenant, slot, time.time() + IMPORT_SLOT_S, settings.tenant_max_open_uploads
+    )
+    try:
+        return _import(tenant, records, store, direct, settings, request, bucket, key)
+    finally:
+        release_upload(records.client, tenant, slot)
+
+
+def _import(
+    tenant: str,
+    records: Records,
+    store: Store,
+    direct: DirectTransfers,
+    settings: Settings,
+    request: DatasetImport,
+    bucket: str,
+    key: str,
+) -> DatasetPublic:
     try:
         if key.endswith("/"):
             sha256, size = _import_folder(store, direct, settings, bucket, key)

@@ -31,11 +31,13 @@ from api_schemas.jobs.kinds import AnyJobCreate
 from api_schemas.jobs.params import num_batches
 from service.api.problems import ApiError, not_found
 from service.datasets.preprocessing import model_spec, with_job_spec
+from service.errors import QuotaExceededError
 from service.jobs.idempotency import IDEMPOTENCY_TTL_S, body_sha256, existing_for_key
 from service.jobs.queues import job_queue, waiting_progress
 from service.records import keys
 from service.records.capacity import WorkerMemory
 from service.records.queue import enqueue_run
+from service.records.quotas import CHECKPOINT_BYTES_FIELD
 from service.records.sync import Records
 from service.settings import Settings
 
@@ -43,7 +45,9 @@ __all__ = [
     "MEMORY_HEADROOM",
     "check_fit",
     "check_memory",
+    "check_room_for_output",
     "check_running_statistics",
+    "job_holds",
     "job_payload",
     "job_timeout",
     "needed_memory",
@@ -121,15 +125,21 @@ def submit_job(
             )
 
     try:
-        # Past the tenant's active jobs, QuotaExceededError (429): nothing was written.
+        # Past the tenant's stored bytes or active jobs, QuotaExceededError (429): nothing was
+        # written, and the Idempotency-Key is free again for the retry Retry-After asks for.
+        check_room_for_output(records, settings, tenant, request, model)
         records.create_job(
             tenant,
             job,
             payload,
-            uses=(model.sha256, dataset.sha256, *([resume_sha256] if resume_sha256 else [])),
+            uses=job_holds(records, request, model, dataset, resume_sha256),
             enqueue=enqueue,
             max_active_jobs=settings.tenant_max_active_jobs,
         )
+    except QuotaExceededError:
+        if idempotency_key is not None:
+            records.forget_idempotency(tenant, idempotency_key)
+        raise
     except redis.RedisError:
         # The MULTI wrote all or nothing, but its answer may have been lost: undo it, so that
         # a retry with the same Idempotency-Key makes the job anew.
@@ -140,6 +150,39 @@ def submit_job(
         raise
     # The progress lives in its own key (written above), not in the record.
     return job if waiting is None else job.model_copy(update={"progress": waiting})
+
+
+def check_room_for_output(
+    records: Records,
+    settings: Settings,
+    tenant: str,
+    request: AnyJobCreate,
+    model: ModelPublic,
+) -> None:
+    """429 naming ``max_stored_bytes`` for a job that registers a model (train, adapt) while
+    its tenant has no room left for one of its input's size: the model a job registers is
+    never refused once the job runs (NOTE [ Tenant quotas ] in service/records/quotas.py), so
+    the quota holds here. A job that only measures (evaluate) is not refused."""
+    if JOB_KINDS[request.kind].registers_model:
+        records.check_stored_bytes(tenant, model.size_bytes, settings.tenant_max_stored_bytes)
+
+
+def job_holds(
+    records: Records,
+    request: AnyJobCreate,
+    model: ModelPublic,
+    dataset: DatasetPublic,
+    resume_sha256: str | None,
+) -> dict[str, int]:
+    """The store objects a job holds from its creation (sha256 -> size): its model's weights,
+    its dataset and the training checkpoint it resumes from."""
+    held = {model.sha256: model.size_bytes, dataset.sha256: dataset.size_bytes}
+    if resume_sha256 is not None and isinstance(request.params, TrainParams):
+        size = records.client.hget(
+            keys.record("job", str(request.params.resume_from)), CHECKPOINT_BYTES_FIELD
+        )
+        held[resume_sha256] = int(size or 0)
+    return held
 
 
 def _shape_fits(expected: list[int | None], got: list[int]) -> bool:

@@ -10,6 +10,7 @@ the retry policy's (service/records/retries.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,10 +25,12 @@ from service.records.format import job_from_fields, text
 from service.records.idempotency import IDEMPOTENCY_FIELD, IdempotencyKeys
 from service.records.paging import newest_first
 from service.records.quotas import (
-    CHECKPOINT_BYTES_FIELD,
-    active_job_ids,
+    HELD_FIELD,
     ensure_stored_bytes_counted,
-    within_quota,
+    hold_objects,
+    keep_job_slot,
+    release_objects,
+    reserve_job_slot,
 )
 from service.records.resources import TenantResources
 from service.records.store_refs import release_sha_ref
@@ -53,6 +56,11 @@ for allowed in string.gmatch(ARGV[1], '[^,]+') do
     if ARGV[2] == 'queued' then redis.call('SADD', KEYS[3], id) end
     if ARGV[2] == 'succeeded' or ARGV[2] == 'failed' or ARGV[2] == 'canceled' then
       redis.call('ZADD', KEYS[4], redis.call('TIME')[1], id)
+      -- It no longer counts against its tenant's active jobs (NOTE [ Tenant quotas ]).
+      local tenant = redis.call('HGET', KEYS[1], 'tenant_id')
+      if tenant then
+        redis.call('ZREM', 'bnadapt:tenant:' .. tenant .. ':active-job-slots', id)
+      end
     end
     return ARGV[2]
   end
@@ -99,34 +107,30 @@ class JobRecords(TenantResources):
         tenant_id: str,
         job: JobPublic,
         payload: JobPayload,
-        uses: Iterable[str] = (),
+        uses: Mapping[str, int] | Iterable[str] = (),
         enqueue: Callable[[redis.client.Pipeline], object] | None = None,
         max_active_jobs: float | None = None,
     ) -> None:
-        """Writes the job's record, marks the store objects ``uses`` as used by it (the job
-        keeps its inputs: deleting the model or dataset later leaves their files) and runs
-        ``enqueue`` on the same pipeline: all in one MULTI, so a job is never queued without
-        its record or recorded without being queued. With ``max_active_jobs`` (the setting;
-        the tenant's own value wins) only if the tenant is under it, else
-        :class:`~service.errors.QuotaExceededError` (NOTE [ Tenant quotas ])."""
-        active_key = keys.tenant_active_jobs(tenant_id)
-        ended: list[str] = []
-
-        def count(pipe: redis.client.Pipeline) -> float:
-            ids = [text(m) for m in pipe.smembers(active_key)]
-            active = active_job_ids(self.client, tenant_id, ids)
-            ended[:] = sorted(set(ids) - set(active))
-            return len(active)
-
-        def write(pipe: redis.client.Pipeline) -> None:
-            if ended:
-                pipe.srem(active_key, *ended)
-            pipe.sadd(active_key, job.id)
-            self._write_job(pipe, tenant_id, job, payload, uses, enqueue)
-
-        within_quota(
-            self.client, tenant_id, "max_active_jobs", max_active_jobs, active_key, count, 1, write
-        )
+        """Writes the job's record, marks the store objects ``uses`` (sha256 -> size, or
+        sha256s of no size) as used and held by it (the job keeps its inputs: deleting the
+        model or dataset later leaves their files, and their bytes in the tenant's count) and
+        runs ``enqueue`` on the same pipeline: all in one MULTI, so a job is never queued
+        without its record or recorded without being queued. First an active-job slot is
+        reserved: with ``max_active_jobs`` (the setting; the tenant's own value wins) only if
+        the tenant is under it, else :class:`~service.errors.QuotaExceededError` and nothing
+        written (NOTE [ Tenant quotas ]); the slot is freed if the MULTI fails."""
+        held = dict(uses) if isinstance(uses, Mapping) else dict.fromkeys(uses, 0)
+        reserve_job_slot(self.client, tenant_id, job.id, max_active_jobs)
+        try:
+            pipe = self.client.pipeline()
+            pipe.multi()  # explicit: RQ's enqueue on the pipeline expects it
+            keep_job_slot(pipe, tenant_id, job.id)
+            self._write_job(pipe, tenant_id, job, payload, held, enqueue)
+            pipe.execute()
+        except BaseException:
+            with contextlib.suppress(redis.RedisError):
+                self.client.zrem(keys.tenant_active_jobs(tenant_id), job.id)
+            raise
 
     def _write_job(
         self,
@@ -134,7 +138,7 @@ class JobRecords(TenantResources):
         tenant_id: str,
         job: JobPublic,
         payload: JobPayload,
-        uses: Iterable[str],
+        held: Mapping[str, int],
         enqueue: Callable[[redis.client.Pipeline], object] | None,
     ) -> None:
         self._put(pipe, tenant_id, "job", job.id, job, job.created_at)
@@ -146,11 +150,13 @@ class JobRecords(TenantResources):
                 "attempt": "1",
                 "max_attempts": str(job.max_attempts),
                 "rq_id": job.id,
+                HELD_FIELD: json.dumps(held),
             },
         )
         pipe.sadd(keys.QUEUED_JOBS, job.id)
-        for sha256 in uses:
+        for sha256 in held:
             pipe.sadd(keys.sha_refs(sha256), job.id)
+        hold_objects(self.client, tenant_id, job.id, held, pipe)
         if enqueue is not None:
             enqueue(pipe)
 
@@ -159,7 +165,11 @@ class JobRecords(TenantResources):
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, "job", job.id, job.created_at)
         pipe.srem(keys.QUEUED_JOBS, job.id)
-        pipe.srem(keys.tenant_active_jobs(tenant_id), job.id)
+        pipe.zrem(keys.tenant_active_jobs(tenant_id), job.id)
+        held = self.client.hget(keys.record("job", job.id), HELD_FIELD)
+        for sha256 in json.loads(held or "{}"):
+            release_sha_ref(pipe, sha256, job.id)
+        release_objects(self.client, tenant_id, job.id, json.loads(held or "{}"), pipe)
         pipe.execute()
 
     def get_job(self, tenant_id: str, job_id: str) -> JobPublic | None:
@@ -178,20 +188,14 @@ class JobRecords(TenantResources):
             raise ValueError(f"job {job.id} is {job.status.value}; only an ended job is deleted")
         job_key = keys.record("job", job.id)
         ensure_stored_bytes_counted(self.client, tenant_id)
-        payload, report, checkpoint, checkpoint_bytes, idempotency_key = cast(
+        payload, report, checkpoint, held, idempotency_key = cast(
             "list[bytes | None]",
             self.client.hmget(
                 job_key,
-                [
-                    "payload",
-                    "report_sha256",
-                    CHECKPOINT_FIELD,
-                    CHECKPOINT_BYTES_FIELD,
-                    IDEMPOTENCY_FIELD,
-                ],
+                ["payload", "report_sha256", CHECKPOINT_FIELD, HELD_FIELD, IDEMPOTENCY_FIELD],
             ),
         )
-        used: list[str] = []
+        used: list[str] = list(json.loads(held or "{}"))
         if payload is not None:
             data = json.loads(payload)
             used += [data["model"]["weights_sha256"], data["dataset"]["sha256"]]
@@ -213,17 +217,15 @@ class JobRecords(TenantResources):
             keys.job_shard_progress(job.id),
         )
         pipe.zrem(keys.FINISHED_JOBS, job.id)
-        pipe.srem(keys.tenant_active_jobs(tenant_id), job.id)
+        pipe.zrem(keys.tenant_active_jobs(tenant_id), job.id)
+        used = list(dict.fromkeys(used))
         for sha256 in used:
             release_sha_ref(pipe, sha256, job.id)
+        # NOTE [ Tenant quotas ]: what only this job held leaves the tenant's count.
+        release_objects(self.client, tenant_id, job.id, used, pipe)
         if idempotency_key is not None:
             IdempotencyKeys.release_idempotency(pipe, tenant_id, text(idempotency_key), job.id)
-        released = int(text(checkpoint_bytes)) if checkpoint_bytes is not None else 0
-        if released:  # NOTE [ Tenant quotas ]: the checkpoint's bytes leave the tenant's count
-            pipe.decrby(keys.tenant_stored_bytes(tenant_id), released)
-        deleted = pipe.execute()[0]
-        if released and not deleted:  # deleted meanwhile by another request: counted out once
-            self.client.incrby(keys.tenant_stored_bytes(tenant_id), released)
+        pipe.execute()
 
     def jobs_finished_before(self, epoch_s: float, limit: int) -> list[tuple[str, str]]:
         """Up to ``limit`` (job id, tenant id) of jobs that ended before ``epoch_s``, oldest

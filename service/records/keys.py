@@ -14,7 +14,10 @@ __all__ = [
     "ARCHITECTURES_DIGEST",
     "FINISHED_JOBS",
     "INSPECTORS_ALIVE",
+    "INSPECT_BELL",
+    "INSPECT_CLOCK",
     "INSPECT_REQUESTS",
+    "INSPECT_TENANTS",
     "QUEUED_JOBS",
     "RUNNING_JOBS",
     "STORE_GC_LOCK",
@@ -26,7 +29,9 @@ __all__ = [
     "api_key",
     "direct_upload",
     "idempotency",
+    "inspect_busy",
     "inspect_reply",
+    "inspect_requests",
     "job_cancel",
     "job_child_result",
     "job_epochs",
@@ -46,12 +51,17 @@ __all__ = [
     "tenant",
     "tenant_active_jobs",
     "tenant_by_name",
+    "tenant_held_counts",
+    "tenant_held_sizes",
+    "tenant_holders",
+    "tenant_holdings_counted",
     "tenant_import_sources",
     "tenant_index",
     "tenant_quotas",
     "tenant_rate",
     "tenant_stored_bytes",
     "tenant_streams",
+    "tenant_upload_holds",
     "tenant_uploads",
     "turns",
     "upload",
@@ -70,9 +80,15 @@ ARCHITECTURES: Final = f"{PREFIX}:architectures"
 ARCHITECTURES_DIGEST: Final = f"{PREFIX}:architectures:sha256"
 # Set while at least one inspector runs (TTL refreshed by each).
 INSPECTORS_ALIVE: Final = f"{PREFIX}:inspectors-alive"
-# List of pending inspection requests (JSON): the API pushes at the tail, inspectors pop the
-# head (first in, first out).
+# List of inspection requests (JSON) an earlier release's API pushed, before the requests
+# waited per tenant (inspect_requests): inspectors take what is there first.
 INSPECT_REQUESTS: Final = f"{PREFIX}:inspect:requests"
+# NOTE [ Inspection turns ] in workers/processes/inspector.py: the sorted set of tenants
+# with inspection requests, scored by their next turn; the turns' clock; the bell idle
+# inspectors wait on.
+INSPECT_TENANTS: Final = f"{PREFIX}:inspect:tenants"
+INSPECT_CLOCK: Final = f"{PREFIX}:inspect:clock"
+INSPECT_BELL: Final = f"{PREFIX}:inspect:bell"
 # Set of job ids whose status is `running`, for the reaper.
 RUNNING_JOBS: Final = f"{PREFIX}:jobs:running"
 # Set of job ids whose status is `queued`, for the reaper to compare with RQ's view.
@@ -116,13 +132,45 @@ def tenant_quotas(tenant_id: str) -> str:
 
 
 def tenant_active_jobs(tenant_id: str) -> str:
-    """Set: ids of the tenant's jobs submitted and not yet seen ended (NOTE [ Tenant quotas ])."""
-    return f"{PREFIX}:tenant:{tenant_id}:active-jobs"
+    """Sorted set: the tenant's queued and running jobs, each scored +inf, and the slots
+    reserved for submissions whose record is not written yet, scored by when the reservation
+    lapses (Redis server time, s). NOTE [ Tenant quotas ]. (The set of earlier releases was
+    ``...:active-jobs``.)"""
+    return f"{PREFIX}:tenant:{tenant_id}:active-job-slots"
 
 
 def tenant_stored_bytes(tenant_id: str) -> str:
-    """Counter: the bytes of the tenant's models and datasets (NOTE [ Tenant quotas ])."""
+    """Counter: the bytes of the distinct store objects the tenant holds, reservations of its
+    open uploads included (NOTE [ Tenant quotas ])."""
     return f"{PREFIX}:tenant:{tenant_id}:stored-bytes"
+
+
+def tenant_held_sizes(tenant_id: str) -> str:
+    """Hash: sha256 (or ``upload:<id>``, an open upload's reservation) -> the size in bytes of
+    each object the tenant holds (NOTE [ Tenant quotas ])."""
+    return f"{PREFIX}:tenant:{tenant_id}:held-sizes"
+
+
+def tenant_held_counts(tenant_id: str) -> str:
+    """Hash: sha256 -> how many of the tenant's holders hold it."""
+    return f"{PREFIX}:tenant:{tenant_id}:held-counts"
+
+
+def tenant_holders(tenant_id: str) -> str:
+    """Hash: ``<sha256> <holder id>`` -> 1 for each hold (a model, dataset, job or
+    ``upload:<id>``)."""
+    return f"{PREFIX}:tenant:{tenant_id}:holders"
+
+
+def tenant_holdings_counted(tenant_id: str) -> str:
+    """Present once the tenant's holdings were counted from its records (a tenant from before
+    they were kept: ``ensure_stored_bytes_counted``)."""
+    return f"{PREFIX}:tenant:{tenant_id}:holdings-counted"
+
+
+def tenant_upload_holds(tenant_id: str) -> str:
+    """Hash: open upload id -> JSON list of what it holds (its reservation, its parts)."""
+    return f"{PREFIX}:tenant:{tenant_id}:upload-holds"
 
 
 def tenant_uploads(tenant_id: str) -> str:
@@ -268,6 +316,16 @@ def idempotency(tenant_id: str, key: str) -> str:
 
 def inspect_reply(request_id: str) -> str:
     return f"{PREFIX}:inspect:reply:{request_id}"
+
+
+def inspect_requests(tenant_id: str) -> str:
+    """List: the tenant's inspection requests (JSON), first in, first out."""
+    return f"{PREFIX}:inspect:requests:{tenant_id}"
+
+
+def inspect_busy(tenant_id: str) -> str:
+    """String with a TTL: the inspector building one of the tenant's models holds it."""
+    return f"{PREFIX}:inspect:busy:{tenant_id}"
 
 
 def turns(base_queue: str) -> str:

@@ -19,7 +19,7 @@ from service.records import keys
 from service.records.base import RedisRecords
 from service.records.format import RESOURCE_FIELDS, index_member, owned_resource
 from service.records.paging import newest_first
-from service.records.quotas import ensure_stored_bytes_counted, within_quota
+from service.records.quotas import ensure_stored_bytes_counted, hold_record, release_objects
 from service.records.store_refs import release_sha_ref
 
 __all__ = ["StoredResource", "TenantResources"]
@@ -39,44 +39,38 @@ class TenantResources(RedisRecords):
         resource: StoredResource,
         max_stored_bytes: float | None = None,
     ) -> None:
-        """Writes the record of ``resource``, its use of its store object and its bytes in the
-        tenant's count, at once; with ``max_stored_bytes`` (the setting; the tenant's own value
-        wins) only if they fit, else :class:`~service.errors.QuotaExceededError` (NOTE
-        [ Tenant quotas ] in service/records/quotas.py)."""
-        counted = keys.tenant_stored_bytes(tenant_id)
-        ensure_stored_bytes_counted(self.client, tenant_id)
-
-        def write(pipe: redis.client.Pipeline) -> None:
-            self._put(pipe, tenant_id, kind, resource.id, resource, resource.created_at)
-            pipe.sadd(keys.sha_refs(resource.sha256), resource.id)
-            pipe.incrby(counted, resource.size_bytes)
-
-        fields_added = within_quota(
+        """Writes the record of ``resource``, its use of its store object and its hold of the
+        object's bytes in the tenant's count, in one script; with ``max_stored_bytes`` (the
+        setting; the tenant's own value wins) only if they fit, else
+        :class:`~service.errors.QuotaExceededError` (NOTE [ Tenant quotas ] in
+        service/records/quotas.py). Writing the same record again (a job's attempts racing)
+        holds the object once."""
+        hold_record(
             self.client,
             tenant_id,
-            "max_stored_bytes",
-            max_stored_bytes,
-            counted,
-            lambda pipe: float(pipe.get(counted) or 0),
+            keys.record(kind, resource.id),
+            keys.tenant_index(tenant_id, kind),
+            index_member(resource.created_at, resource.id),
+            {"tenant_id": tenant_id, "data": resource.model_dump_json()},
+            resource.sha256,
             resource.size_bytes,
-            write,
-        )[0]
-        if not fields_added:  # the record was there (a job's attempts racing): counted once
-            self.client.decrby(counted, resource.size_bytes)
+            resource.id,
+            max_stored_bytes,
+        )
 
     def _delete_stored(
         self, tenant_id: str, kind: keys.ResourceKind, resource: StoredResource
     ) -> None:
         """Deletes the record of ``resource`` and drops its use of its store object, which the
         store's collector deletes once nothing else uses it (NOTE [ Store garbage collection ]
-        in service/store/gc.py)."""
+        in service/store/gc.py), and its hold of the object's bytes: they leave the tenant's
+        count only if nothing else of the tenant holds them (a job that used it)."""
         ensure_stored_bytes_counted(self.client, tenant_id)
         pipe = self.client.pipeline()
         self._delete(pipe, tenant_id, kind, resource.id, resource.created_at)
         release_sha_ref(pipe, resource.sha256, resource.id)
-        pipe.decrby(keys.tenant_stored_bytes(tenant_id), resource.size_bytes)
-        if not pipe.execute()[0]:  # deleted meanwhile by another request: counted out once
-            self.client.incrby(keys.tenant_stored_bytes(tenant_id), resource.size_bytes)
+        release_objects(self.client, tenant_id, resource.id, [resource.sha256], pipe)
+        pipe.execute()
 
     def _put(
         self,

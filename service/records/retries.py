@@ -123,6 +123,9 @@ redis.call('HSET', KEYS[1], 'status', 'failed', 'attempts', cjson.encode(history
            'error', error, 'finished_at', ARGV[3])
 redis.call('SREM', KEYS[3], id)
 redis.call('ZADD', KEYS[4], redis.call('TIME')[1], id)
+-- It no longer counts against its tenant's active jobs (NOTE [ Tenant quotas ]).
+local tenant = redis.call('HGET', KEYS[1], 'tenant_id')
+if tenant then redis.call('ZREM', 'bnadapt:tenant:' .. tenant .. ':active-job-slots', id) end
 return 'failed'
 """
 

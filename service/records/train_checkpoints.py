@@ -5,15 +5,16 @@ NOTE [ Train checkpoint records ]
 The checkpoint itself is a store object (NOTE [ Training checkpoints ] in
 workers/running/train_state.py); the job's hash names the latest in ``train_checkpoint``, and
 the job holds a use of it in ``keys.sha_refs`` like of its inputs and report. Replacing it is
-one MULTI: the new object's use is added and the field set before the old one's use is
-released, so the collector never deletes the checkpoint a retried attempt is about to read
-(an object just written and not yet referenced is younger than the collector's grace period,
-NOTE [ Store garbage collection ] in service/store/gc.py). The same MULTI counts the new
-object's bytes, less the old one's, in the tenant's stored bytes, within its quota (NOTE
-[ Tenant quotas ] in service/records/quotas.py). Deleting the job releases it, and its bytes,
-with the job's other objects (``JobRecords.delete_finished_job``). ``train_resumes`` is a JSON list,
-one entry an attempt: ``{"attempt": n, "resumed_from_step": s}``; only the job's running
-attempt writes it.
+one script (``_REPLACE_CHECKPOINT_LUA`` in service/records/quotas.py): the new object's use
+is added and the field set before the old one's use is released, so the collector never
+deletes the checkpoint a retried attempt is about to read (an object just written and not
+yet referenced is younger than the collector's grace period, NOTE [ Store garbage
+collection ] in service/store/gc.py). The same script makes the job hold the new object in
+place of the old one in the tenant's stored bytes, within its quota (NOTE [ Tenant quotas ]
+in service/records/quotas.py). Deleting the job releases it, and its bytes, with the job's
+other objects (``JobRecords.delete_finished_job``). ``train_resumes`` is a JSON list, one
+entry an attempt: ``{"attempt": n, "resumed_from_step": s}``; only the job's running attempt
+writes it.
 """
 
 from __future__ import annotations
@@ -21,21 +22,14 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
-import redis
-
 from service.records import keys
 from service.records.base import RedisRecords
 from service.records.format import text
-from service.records.quotas import (
-    CHECKPOINT_BYTES_FIELD,
-    ensure_stored_bytes_counted,
-    within_quota,
-)
-from service.records.store_refs import release_sha_ref
+from service.records.quotas import CHECKPOINT_BYTES_FIELD, CHECKPOINT_SHA_FIELD, replace_checkpoint
 
 __all__ = ["TrainCheckpoints"]
 
-CHECKPOINT_FIELD = "train_checkpoint"
+CHECKPOINT_FIELD = CHECKPOINT_SHA_FIELD
 RESUMES_FIELD = "train_resumes"
 
 
@@ -56,37 +50,21 @@ class TrainCheckpoints(RedisRecords):
         max_stored_bytes: float | None = None,
     ) -> None:
         """Makes the stored object ``sha256`` of ``size_bytes`` the job's latest checkpoint,
-        counted as tenant ``tenant_id``'s in place of the one before (NOTE [ Train checkpoint
-        records ]); with ``max_stored_bytes`` (the setting; the tenant's own value wins) only
-        if it fits, else :class:`~service.errors.QuotaExceededError`."""
-        job_key = keys.record("job", job_id)
-        counted = keys.tenant_stored_bytes(tenant_id)
-        ensure_stored_bytes_counted(self.client, tenant_id)
-        # Only the job's running attempt writes these fields: read once, outside the WATCH.
-        old, old_size = cast(
-            "list[bytes | None]",
-            self.client.hmget(job_key, [CHECKPOINT_FIELD, CHECKPOINT_BYTES_FIELD]),
-        )
-        adding = size_bytes - (int(text(old_size)) if old_size is not None else 0)
-
-        def write(pipe: redis.client.Pipeline) -> None:
-            pipe.sadd(keys.sha_refs(sha256), job_id)
-            pipe.hset(
-                job_key, mapping={CHECKPOINT_FIELD: sha256, CHECKPOINT_BYTES_FIELD: size_bytes}
-            )
-            pipe.incrby(counted, adding)
-            if old is not None and text(old) != sha256:
-                release_sha_ref(pipe, text(old), job_id)
-
-        within_quota(
+        held by the job in tenant ``tenant_id``'s stored bytes in place of the one before
+        (NOTE [ Train checkpoint records ]); with ``max_stored_bytes`` (the setting; the
+        tenant's own value wins) only if it fits, else
+        :class:`~service.errors.QuotaExceededError`."""
+        # Only the job's running attempt writes these fields: read once, before the script.
+        old = self.client.hget(keys.record("job", job_id), CHECKPOINT_FIELD)
+        replace_checkpoint(
             self.client,
             tenant_id,
-            "max_stored_bytes",
+            job_id,
+            sha256,
+            size_bytes,
+            None if old is None else text(old),
+            (CHECKPOINT_FIELD, CHECKPOINT_BYTES_FIELD),
             max_stored_bytes,
-            counted,
-            lambda pipe: float(pipe.get(counted) or 0),
-            adding,
-            write,
         )
 
     def note_resume(self, job_id: str, resumed_from_step: int) -> list[dict[str, Any]]:

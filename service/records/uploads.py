@@ -19,15 +19,16 @@ sweeping.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final, cast
+from typing import Final
 
 import redis
 
 from service.records import keys
-from service.records.quotas import open_upload_within
+from service.records.quotas import hold_upload_objects, open_upload, release_upload
 
 __all__ = ["UploadRecords", "UploadSession"]
 
@@ -70,25 +71,32 @@ class UploadRecords:
         name: str | None,
         expected_bytes: int | None,
         max_open_uploads: float | None = None,
+        max_stored_bytes: float | None = None,
     ) -> UploadSession:
         """With ``max_open_uploads`` (the setting; the tenant's own value wins): only if the
-        tenant may open one more, else :class:`~service.errors.QuotaExceededError` (NOTE
-        [ Tenant quotas ] in service/records/quotas.py)."""
+        tenant may open one more, and with ``max_stored_bytes`` only if ``expected_bytes``
+        fit, which the upload reserves until it ends; else
+        :class:`~service.errors.QuotaExceededError` (NOTE [ Tenant quotas ] in
+        service/records/quotas.py)."""
         now = time.time()
-        fields: dict[str | bytes, str | bytes | int | float] = {
+        fields: dict[str, str | int | float] = {
             "tenant": tenant,
             "name": name or "",
             "expected_bytes": expected_bytes or 0,
             "created_at": repr(now),
             "expires_at": repr(now + self.ttl_s),
         }
-
-        def write(pipe: redis.client.Pipeline) -> None:
-            pipe.hset(keys.upload(upload_id), mapping=cast("Mapping[Any, Any]", fields))
-            pipe.expire(keys.upload(upload_id), int(self.ttl_s) + 1)
-
-        open_upload_within(
-            self.client, tenant, upload_id, now + self.ttl_s, max_open_uploads, write
+        open_upload(
+            self.client,
+            tenant,
+            upload_id,
+            now + self.ttl_s,
+            max_open_uploads,
+            reserve_bytes=expected_bytes or 0,
+            max_stored_bytes=max_stored_bytes,
+            record_key=keys.upload(upload_id),
+            fields=fields,
+            ttl_s=self.ttl_s + 1,
         )
         return UploadSession(
             upload_id, tenant, name, expected_bytes, _utc(now), _utc(now + self.ttl_s), parts={}
@@ -117,9 +125,23 @@ class UploadRecords:
             dict(sorted(found.items())),
         )
 
-    def put_part(self, session: UploadSession, number: int, sha256: str, size: int) -> None:
+    def put_part(
+        self,
+        session: UploadSession,
+        number: int,
+        sha256: str,
+        size: int,
+        max_stored_bytes: float | None = None,
+    ) -> bool:
         """Records a part (replacing one of the same number) and keeps its object in the store
-        until the session expires (NOTE [ Upload parts in the store ])."""
+        until the session expires (NOTE [ Upload parts in the store ]). An upload that
+        announced no size holds each part in its tenant's stored bytes as it lands, within
+        ``max_stored_bytes`` when given (else :class:`~service.errors.QuotaExceededError`).
+        False when the upload is no longer open (nothing recorded)."""
+        if session.expected_bytes is None and not hold_upload_objects(
+            self.client, session.tenant, session.id, {sha256: size}, max_stored_bytes
+        ):
+            return False
         expires = session.expires_at.timestamp()
         holders = keys.upload_part_holders(sha256)
         pipe = self.client.pipeline()
@@ -130,6 +152,24 @@ class UploadRecords:
         pipe.expireat(holders, int(expires) + 1, nx=True)
         pipe.zadd(keys.STORE_RELEASED, {sha256: expires}, gt=True)
         pipe.execute()
+        return True
+
+    @contextmanager
+    def completing(self, session: UploadSession) -> Iterator[None]:
+        """Around the registration of a completed upload: what the upload reserved leaves the
+        tenant's count first (the dataset it registers holds its object then), and is held
+        again, without a limit, if the registration fails and the upload stays."""
+        release_upload(self.client, session.tenant, session.id, keep_open=True)
+        try:
+            yield
+        except BaseException:
+            held = (
+                {f"upload:{session.id}": session.expected_bytes}
+                if session.expected_bytes is not None
+                else dict(session.parts.values())
+            )
+            hold_upload_objects(self.client, session.tenant, session.id, held, None)
+            raise
 
     def delete(self, session: UploadSession) -> None:
         """Ends the session; its parts are released now, or when the last other session that
@@ -138,7 +178,7 @@ class UploadRecords:
         now = time.time()
         pipe = self.client.pipeline()
         pipe.delete(keys.upload(session.id), keys.upload_parts(session.id))
-        pipe.zrem(keys.tenant_uploads(session.tenant), session.id)
+        release_upload(self.client, session.tenant, session.id, pipe=pipe)
         for sha256 in {sha256 for sha256, _ in session.parts.values()}:
             self._release_part(
                 keys=[keys.STORE_RELEASED, keys.upload_part_holders(sha256)],

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from service.client import ApiClientError
@@ -28,10 +29,10 @@ from service.records.aio import async_redis_client
 from service.records.connection import redis_client
 from service.records.quotas import AsyncTenantQuotas, parse_quota_value
 from service.records.sync import Records
-from tests.e2e.test_e2e import created, digits_npz, problem
+from tests.e2e.test_e2e import created, digits, digits_npz, problem
 from tests.inprocess import InProcessApi, running_api
 from tests.servers import stop_process, wait_for
-from tests.stack import REPO, Client
+from tests.stack import REPO, Client, npz_bytes
 
 MAX_ACTIVE_JOBS = 2
 MAX_OPEN_UPLOADS = 2
@@ -118,16 +119,22 @@ def test_racing_submissions_never_pass_the_active_jobs_quota(small: InProcessApi
     assert len(queued) == MAX_ACTIVE_JOBS
 
 
+def distinct_npz(i: int) -> bytes:
+    """A dataset of digits_npz(n=32)'s size whose bytes differ for each ``i``."""
+    x, y = digits(n=32)
+    return npz_bytes(x=x + np.float32(i + 1) * np.float32(1e-3), y=y)
+
+
 def test_stored_bytes_count_models_and_datasets_until_deleted(small: InProcessApi) -> None:
     client = small.client("stored-bytes")
-    data = digits_npz(n=32)
-    size = len(data)
-    kept = [created(client.add_dataset(data)) for _ in range(MAX_STORED_BYTES // size)]
-    refused(client.add_dataset(data), "max_stored_bytes", str(MAX_STORED_BYTES), "delete")
+    size = len(distinct_npz(0))
+    count = MAX_STORED_BYTES // size
+    kept = [created(client.add_dataset(distinct_npz(i))) for i in range(count)]
+    refused(client.add_dataset(distinct_npz(count)), "max_stored_bytes", str(MAX_STORED_BYTES))
     # A resumable or direct upload announcing its size is refused before any byte is sent.
     refused(client.http.post("/v1/uploads", json={"size_bytes": size}), "max_stored_bytes")
     assert client.http.delete(f"/v1/datasets/{kept[0]['id']}").status_code == 204
-    created(client.add_dataset(data))
+    created(client.add_dataset(distinct_npz(count)))
     # Models count too: with no room left, one is refused.
     set_quota(small, "stored-bytes", "max_stored_bytes", str(len(kept) * size))
     refused(client.add_model("digits_cnn", {"width": 4}), "max_stored_bytes")
@@ -141,23 +148,33 @@ def test_resources_from_before_quotas_are_counted_at_first_use(small: InProcessA
     counts their models and datasets from the records (before, the count started at zero and
     a deletion drove it below)."""
     client = small.client("before-quotas")
-    data = digits_npz(n=32)
-    size = len(data)
-    old = [created(client.add_dataset(data)) for _ in range(3)]
+    size = len(distinct_npz(0))
+    old = [created(client.add_dataset(distinct_npz(i))) for i in range(3)]
     records = Records(redis_client(small.redis.url))
     tenant = records.find_tenant("before-quotas")
     assert tenant is not None
-    records.client.delete(keys.tenant_stored_bytes(tenant))  # as before quotas
+    forget_holdings(records, tenant)  # as before quotas
     assert records.quota_usage(tenant)["max_stored_bytes"] == 3 * size
     # With room for one more only, the old three count: the fifth is refused.
     set_quota(small, "before-quotas", "max_stored_bytes", str(4 * size))
-    created(client.add_dataset(data))
-    refused(client.add_dataset(data), "max_stored_bytes")
+    created(client.add_dataset(distinct_npz(3)))
+    refused(client.add_dataset(distinct_npz(4)), "max_stored_bytes")
     # Deleting an old one frees its bytes, and only its bytes.
-    records.client.delete(keys.tenant_stored_bytes(tenant))
+    forget_holdings(records, tenant)
     assert client.http.delete(f"/v1/datasets/{old[0]['id']}").status_code == 204
     assert records.quota_usage(tenant)["max_stored_bytes"] == 3 * size
-    created(client.add_dataset(data))
+    created(client.add_dataset(distinct_npz(4)))
+
+
+def forget_holdings(records: Records, tenant: str) -> None:
+    """The tenant as a release before holdings were counted left it: its old counter only."""
+    records.client.delete(
+        keys.tenant_held_sizes(tenant),
+        keys.tenant_held_counts(tenant),
+        keys.tenant_holders(tenant),
+        keys.tenant_holdings_counted(tenant),
+    )
+    records.client.set(keys.tenant_stored_bytes(tenant), 12345)  # a stale count
 
 
 def test_open_uploads_are_bounded_until_completed_or_deleted(small: InProcessApi) -> None:

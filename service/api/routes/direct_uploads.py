@@ -9,7 +9,6 @@ import time
 from datetime import timedelta
 from typing import Final
 
-import redis
 from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
 
@@ -34,7 +33,7 @@ from service.datasets.registration import register_dataset
 from service.errors import StoreError, StoreTooLargeError
 from service.records import keys
 from service.records.format import text
-from service.records.quotas import open_upload_within
+from service.records.quotas import open_upload, release_upload
 from service.records.sync import Records
 from service.settings import Settings
 from service.store.base import DirectTransfers, DirectUpload, Store
@@ -116,20 +115,23 @@ def create_upload(
     key = keys.direct_upload(upload_id)
     values = (tenant, upload.upload_id, upload.temp_key, upload.part_bytes, body.size, body.name)
 
-    def write(pipe: redis.client.Pipeline) -> None:
-        for field, value in zip(_UPLOAD_FIELDS, values, strict=True):
-            if value is not None:
-                pipe.hset(key, field, str(value))
-        pipe.expire(key, ttl_s)
-
-    # Counted open until its URLs expire, or until it is completed.
-    open_upload_within(
+    # Counted open, its size reserved, until its URLs expire or it is completed (NOTE
+    # [ Tenant quotas ]): one script with its record.
+    open_upload(
         records.client,
         tenant,
         upload_id,
         time.time() + ttl_s,
         settings.tenant_max_open_uploads,
-        write,
+        reserve_bytes=body.size,
+        max_stored_bytes=settings.tenant_max_stored_bytes,
+        record_key=key,
+        fields={
+            field: str(value)
+            for field, value in zip(_UPLOAD_FIELDS, values, strict=True)
+            if value is not None
+        },
+        ttl_s=ttl_s,
     )
     return DirectUploadPublic(
         id=upload_id,
@@ -173,7 +175,8 @@ def _claim(records: Records, tenant: str, upload_id: str) -> dict[str, str]:
             f"upload {upload_id!r} not found: it was completed, it expired, or it is not "
             "yours; start a new one with POST /v1/direct-uploads",
         )
-    records.client.zrem(keys.tenant_uploads(tenant), upload_id)
+    # Its reservation ends: the dataset it registers holds its object from then on.
+    release_upload(records.client, tenant, upload_id)
     return fields
 
 

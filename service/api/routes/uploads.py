@@ -120,7 +120,12 @@ def create_upload(
     if request.size_bytes is not None:
         records.check_stored_bytes(tenant, request.size_bytes, settings.tenant_max_stored_bytes)
     session = _uploads(records, settings).create(
-        new_id("up"), tenant, request.name, request.size_bytes, settings.tenant_max_open_uploads
+        new_id("up"),
+        tenant,
+        request.name,
+        request.size_bytes,
+        settings.tenant_max_open_uploads,
+        settings.tenant_max_stored_bytes,
     )
     response.headers["Location"] = f"/v1/uploads/{session.id}"
     return _public(session, settings)
@@ -167,7 +172,20 @@ async def put_part(
         if exc.status == 413 and limit == room:
             raise too_large("dataset file", settings.max_dataset_bytes, setting) from exc
         raise
-    await run_in_threadpool(uploads.put_part, session, number, part.sha256, part.size)
+    if not await run_in_threadpool(
+        uploads.put_part,
+        session,
+        number,
+        part.sha256,
+        part.size,
+        settings.tenant_max_stored_bytes,
+    ):
+        _session(uploads, tenant, upload_id)  # its 404, now that it ended meanwhile
+        raise ApiError(
+            404,
+            f"upload {upload_id!r} ended while part {number} was sent; start one with "
+            "POST /v1/uploads",
+        )
     return UploadPart(number=number, sha256=part.sha256, size_bytes=part.size)
 
 
@@ -229,7 +247,10 @@ def _complete(
     session = _session(uploads, tenant, upload_id)
     sha256, size = _join(store, session, settings.max_dataset_bytes, announced)
     name = name or session.name or "dataset"
-    dataset = register_dataset(tenant, records, store, settings, sha256, size, name, preprocessing)
+    with uploads.completing(session):  # NOTE [ Tenant quotas ]: its reservation ends
+        dataset = register_dataset(
+            tenant, records, store, settings, sha256, size, name, preprocessing
+        )
     uploads.delete(session)
     return dataset
 
