@@ -2,7 +2,8 @@
 
 The API never imports torch, so whatever needs a built model (state_dict keys and shapes,
 parameter count, BatchNorm layers, initial weights) is answered by a worker's inspector over
-Redis: the request is pushed on a list, the reply on a per-request list.
+Redis: the request is pushed on its tenant's list and taken in the tenant's turn (NOTE [
+Inspection turns ] in workers/processes/inspector.py), the reply on a per-request list.
 """
 
 from typing import Literal
@@ -26,6 +27,9 @@ class InspectRequest(RequestModel):
     kwargs: ArchitectureKwargs
     weights_sha256: Sha256Hex | None = None
     seed: Seed = 0
+    # When the API stops waiting for the reply, in the Redis server's time (seconds since the
+    # epoch): an inspector builds no longer than that, and not at all past it.
+    deadline_s: float | None = Field(default=None, ge=0)
 
 
 class InspectSuccess(BaseModel):

@@ -132,8 +132,14 @@ class Settings(BaseSettings):
     # completion), run at a lower priority: NOTE [ Upload bytes in processes of their own ] in
     # service/api/routes/uploads.py. Unset: this API takes them.
     uploads_url: str | None = Field(default=None, pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
-    # How long POST /v1/models waits for a worker to check the weights.
+    # How long POST /v1/models waits for a worker to check the weights; a worker's inspector
+    # stops a build that takes longer.
     inspect_timeout_s: float = Field(default=60.0, gt=0)
+    # What one model inspection may allocate, in bytes, beyond what its process holds idle
+    # (NOTE [ Bounded builds ] in workers/models/sizing.py): a model estimated past it is
+    # refused before it is built, and the build's process is held to it. None: three times
+    # max_weights_bytes plus 2 GiB (inspect_memory_limit).
+    inspect_memory_bytes: int | None = Field(default=None, ge=1)
     # A running job whose worker has not written a heartbeat for this long is failed.
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
     # Longest a job may run before its worker stops it and fails it (NOTE [ Job bounds ] in
@@ -169,10 +175,16 @@ class Settings(BaseSettings):
     max_json_body_bytes: int = Field(default=1 * MIB, ge=1024)
     max_json_depth: int = Field(default=64, ge=2, le=512)
     # GET /metrics: the bearer token a scraper sends (Prometheus' `authorization` setting);
-    # unset, only clients on this machine (loopback) may scrape. The deployment's figures
-    # (jobs, queue, workers, store) are recomputed at most this often, by one API process.
+    # unset, only clients on this machine (loopback) of an API that listens on loopback may
+    # scrape (api_host below). The deployment's figures (jobs, queue, workers, store) are
+    # recomputed at most this often, by one API process.
     metrics_token: SecretStr | None = None
     metrics_refresh_s: float = Field(default=30.0, ge=1)
+    # The address this API listens on, as given to uvicorn's --host (`bnadapt up` and
+    # `bnadapt api` set it): without metrics_token, GET /metrics answers only an API that
+    # listens on loopback alone, as this says and (on Linux) its listening sockets show (NOTE
+    # [ Cheap scrapes ] in service/api/metrics.py).
+    api_host: str | None = Field(default=None, min_length=1)
     # GET /readyz checks Redis and the store at most this often per API process, and answers
     # the last result in between (NOTE [ Cheap readiness ] in service/api/routes/health.py).
     ready_check_s: float = Field(default=5.0, gt=0)
@@ -200,6 +212,14 @@ class Settings(BaseSettings):
         if self.store_url is not None and not self.store_url.startswith("s3://"):
             return Path(self.store_url)
         return self.store_dir if self.store_dir is not None else self.data_dir / "store"
+
+    @property
+    def inspect_memory_limit(self) -> int:
+        """``inspect_memory_bytes``, or what the largest weights allowed need (three copies:
+        NOTE [ Bounded builds ]) and 2 GiB for the activations of the inspection's probe."""
+        if self.inspect_memory_bytes is not None:
+            return self.inspect_memory_bytes
+        return 3 * self.max_weights_bytes + 2 * GIB
 
     @property
     def cache_path(self) -> Path:

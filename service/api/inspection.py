@@ -17,6 +17,7 @@ from api_schemas.inspection import InspectFailure, InspectRequest, InspectSucces
 from service.api.problems import ApiError
 from service.records import keys
 from service.records.connection import REDIS_BLOCK_SLICE_S
+from service.records.turns import BELL_TOKENS_MAX
 
 __all__ = ["inspect_model", "published_catalog"]
 
@@ -35,25 +36,37 @@ def new_request_id() -> str:
 
 
 async def inspect_model(
-    client: redis.asyncio.Redis, request: InspectRequest, timeout_s: float
+    client: redis.asyncio.Redis, tenant: str, request: InspectRequest, timeout_s: float
 ) -> InspectSuccess:
-    """Sends ``request`` to an inspector and waits for the reply on the event loop, holding no
-    thread of the request path however long the inspector takes (a registration waits for
-    it up to ``timeout_s``; many waiting at once must not stall the sync routes). Raises
-    ``ApiError`` with the inspector's status (404, 422) for a wrong request and 503 when no
-    worker answers."""
+    """Sends ``tenant``'s ``request`` to an inspector, which takes it in the tenant's turn
+    (NOTE [ Inspection turns ] in workers/processes/inspector.py), and waits for the reply on
+    the event loop, holding no thread of the request path however long the inspector takes (a
+    registration waits for it up to ``timeout_s``; many waiting at once must not stall the
+    sync routes). Raises ``ApiError`` with the inspector's status (404, 422) for a wrong
+    request and 503 when no worker answers."""
     if not await client.exists(keys.INSPECTORS_ALIVE):
         raise ApiError(503, NO_WORKER, headers={"Retry-After": "5"})
     reply_key = keys.inspect_reply(request.request_id)
-    # At the tail: inspectors pop the head, so requests are served first in, first out.
-    await client.rpush(keys.INSPECT_REQUESTS, request.model_dump_json())
+    queue = keys.inspect_requests(tenant)
+    seconds, microseconds = await client.time()  # the clock every inspector reads too
+    deadline_s = seconds + microseconds / 1e6 + timeout_s
+    body = request.model_copy(update={"deadline_s": deadline_s}).model_dump_json()
+    # At the tail: inspectors pop the head, first in, first out within a tenant. Pushed
+    # before the tenant joins the turns: an inspector that finds the tenant's list empty
+    # may drop the tenant, never leave a pushed request without it.
+    await client.rpush(queue, body)
+    pipe = client.pipeline(transaction=False)
+    pipe.zadd(keys.INSPECT_TENANTS, {tenant: 0}, nx=True)
+    pipe.lpush(keys.INSPECT_BELL, "1")
+    pipe.ltrim(keys.INSPECT_BELL, 0, BELL_TOKENS_MAX - 1)
+    await pipe.execute()
     deadline = time.monotonic() + timeout_s
     popped = None
     while popped is None and (left := deadline - time.monotonic()) > 0:
         popped = await client.blpop([reply_key], timeout=min(left, REDIS_BLOCK_SLICE_S))
     if popped is None:
         # Nobody took it (or took too long): make sure no inspector takes it later.
-        await client.lrem(keys.INSPECT_REQUESTS, 1, request.model_dump_json())
+        await client.lrem(queue, 1, body)
         raise ApiError(
             503,
             f"no worker answered within {timeout_s:g} s; they may all be busy or stopped: "

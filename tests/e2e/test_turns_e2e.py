@@ -93,6 +93,8 @@ def test_inspector_requests_are_served_first_in_first_out(stack: Stack) -> None:
     inspector pops next (the head of the list) is the oldest."""
     client = stack.client("turns-inspect")
     redis = stack.records().client
+    # One tenant's requests wait in its own list (NOTE [ Inspection turns ]).
+    waiting_list = keys.inspect_requests(stack.records().create_api_key("turns-inspect").tenant_id)
     stack.stop_worker()
     answers: list[Any] = []
     threads = []
@@ -106,13 +108,13 @@ def test_inspector_requests_are_served_first_in_first_out(stack: Stack) -> None:
             thread.start()
             threads.append(thread)
             wait_for(
-                lambda n=seed + 1: redis.llen(keys.INSPECT_REQUESTS) == n,
+                lambda n=seed + 1: redis.llen(waiting_list) == n,
                 timeout_s=30,
                 what=f"request {seed + 1} to wait for the inspector",
             )
         waiting = [
             InspectRequest.model_validate_json(raw).seed
-            for raw in redis.lrange(keys.INSPECT_REQUESTS, 0, -1)
+            for raw in redis.lrange(waiting_list, 0, -1)
         ]
         assert waiting == [0, 1, 2]
     finally:

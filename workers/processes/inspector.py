@@ -4,8 +4,13 @@ Runs as its own process beside the RQ worker (``bnadapt worker`` starts both). I
 ops to build and load models; the RQ worker's parent imports torch but must run none, since
 torch's thread pools (and CUDA) must not be live across RQ's fork of each job.
 
-Every few seconds it publishes the architecture catalog and an "inspectors alive" mark, both
-with a TTL, so the API can tell when no worker runs.
+It takes requests in turns between tenants, at most one of a tenant's in flight (NOTE [
+Inspection turns ]), and has a builder process of its own answer each (:class:`Builder`): one
+held to ``BNADAPT_INSPECT_MEMORY_BYTES`` (NOTE [ Bounded builds ] in workers/models/sizing.py)
+and stopped past the time its registration waits, started again when it dies, so that no
+model, however large, ends or stalls the inspector for everyone. Every few seconds, builds or
+not, it publishes the architecture catalog and an "inspectors alive" mark, both with a TTL,
+so the API can tell when no worker runs.
 """
 
 from __future__ import annotations
@@ -13,16 +18,23 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import multiprocessing
+import os
+import secrets
+import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import redis
 import safetensors.torch
 import torch
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from api_schemas import ActivationFootprint, ArchitecturePublic, BatchNormLayer, ProblemItem
 from api_schemas.inspection import InspectFailure, InspectRequest, InspectSuccess
@@ -33,10 +45,11 @@ from service.log_format import configure_logging
 from service.public_text import scrub_internals
 from service.records import keys
 from service.records.connection import redis_client
+from service.records.format import text
 from service.settings import Settings, get_settings
 from service.store import open_store
 from service.store.base import Store
-from service.upkeep.parent_death import die_with_supervisor
+from service.upkeep.parent_death import die_with_parent, die_with_supervisor
 from workers.errors import ArchitectureError
 from workers.models.architectures import (
     activation_footprint,
@@ -50,10 +63,12 @@ from workers.models.architectures import (
     state_spec,
 )
 from workers.models.eval_preprocessing import evaluation_preprocessing
+from workers.models.sizing import BuildLimits, check_size, format_bytes
 from workers.models.weight_keys import KeyRenaming, canonical_names, timm_conversion
+from workers.running.capacity import hold_job_to, oom_kills
 from workers.running.saving import weights_bytes
 
-__all__ = ["catalog", "inspect", "publish", "serve"]
+__all__ = ["Builder", "InspectionTurns", "build_limits", "catalog", "inspect", "publish", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -228,17 +243,44 @@ def _renamed_state(
     return _check_header(expected, specs) or (state, renaming)
 
 
-def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFailure:
-    """Answers one request; every anticipated problem is an ``InspectFailure``."""
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, or torch's allocator refusing
+    (``DefaultCPUAllocator: can't allocate memory: ...``)."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _OUT_OF_MEMORY_MARKS)
+
+
+_OUT_OF_MEMORY_MARKS: Final = ("can't allocate memory", "cannot allocate memory", "out of memory")
+
+
+def _out_of_memory(architecture: str, limits: BuildLimits) -> InspectFailure:
+    return _failure(
+        422,
+        f"building and checking {architecture} with these kwargs ran out of the memory one "
+        f"inspection may use ({format_bytes(limits.memory_bytes)}, "
+        "BNADAPT_INSPECT_MEMORY_BYTES): choose smaller kwargs",
+    )
+
+
+def inspect(
+    request: InspectRequest, store: Store, limits: BuildLimits
+) -> InspectSuccess | InspectFailure:
+    """Answers one request; every anticipated problem is an ``InspectFailure``. The model is
+    measured before it is built, and refused past ``limits`` (NOTE [ Bounded builds ] in
+    workers/models/sizing.py)."""
     try:
         kwargs = resolve_kwargs(request.architecture, request.kwargs)
         arch = registry()[request.architecture]
+        check_size(request.architecture, kwargs, limits)
         renaming = None
         if request.weights_sha256 is None:
             torch.manual_seed(request.seed)
             model = build_model(request.architecture, kwargs)
             data = weights_bytes({k: v.detach() for k, v in model.state_dict().items()})
             sha256, size = store.put_bytes(data), len(data)
+            del data  # not held while the probe runs: NOTE [ Bounded builds ]
         else:
             sha256 = request.weights_sha256
             path = store.local_path(sha256)
@@ -257,6 +299,8 @@ def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFa
             if renaming is not None:  # stored again under the architecture's own keys
                 data = weights_bytes(state)
                 sha256, size = store.put_bytes(data), len(data)
+                del data
+            del state  # the model holds its own copy
     except ArchitectureError as exc:
         return _failure(422, str(exc))
     except WeightsFileError as exc:
@@ -264,9 +308,13 @@ def inspect(request: InspectRequest, store: Store) -> InspectSuccess | InspectFa
     except ObjectNotFoundError as exc:
         log.warning("inspection %s: %s", request.request_id, exc)
         return _failure(422, "the uploaded weights are gone from the store; upload them again")
+    except MemoryError:
+        return _out_of_memory(request.architecture, limits)
     # load_state_dict: dtypes that do not convert, say; a module's own loading hook refusing
     # (ValueError)
     except (RuntimeError, ValueError) as exc:
+        if _is_out_of_memory(exc):  # never the allocator's own text
+            return _out_of_memory(request.architecture, limits)
         detail = scrub_internals(str(exc))
         return _failure(422, f"the weights do not load into {request.architecture}: {detail}")
     layers = [BatchNormLayer(**layer) for layer in batchnorm_layers(model)]
@@ -317,46 +365,362 @@ def publish(client: redis.Redis, catalog_json: str) -> bool:
     return True
 
 
-def _handle(client: redis.Redis, store: Store, raw: bytes | str) -> None:
+# NOTE [ Inspection turns ]
+# The API pushes a registration's request on its tenant's list (keys.inspect_requests), adds
+# the tenant to the sorted set keys.INSPECT_TENANTS (score 0 when it is not there) and rings
+# keys.INSPECT_BELL, which idle inspectors wait on (service/api/inspection.py). An inspector
+# takes its next request with one script (_TAKE_LUA): first what an earlier release left on
+# keys.INSPECT_REQUESTS, then, over the tenants in the order of their turns, from the first
+# that has a request waiting and none in flight (no keys.inspect_busy mark): the head of its
+# list (first in, first out within a tenant). Taking marks the tenant busy with a lease and
+# moves its turn past the clock, as NOTE [ Fair turns ] in service/records/turns.py does for
+# jobs: a tenant's turn is max(its score, the clock); a take sets the clock to that turn and
+# the tenant's score to the turn plus one. So a tenant that had nothing waiting comes back at
+# the clock (no credit saved up while idle), ahead of every tenant taken since; behind
+# another tenant's many builds, a request waits for the build in flight and at most one build
+# of each other tenant whose turn comes first. The busy mark keeps a tenant to one build at a
+# time across every inspector; the reply releases it (if it still holds this take's token),
+# and it lapses after the build's time limit when an inspector dies with it. A tenant with
+# nothing waiting whose turn is the clock leaves the set: it would come back at the clock.
+_TAKE_LUA: Final = """
+local legacy, tenants, clock_key = ARGV[1], ARGV[2], ARGV[3]
+local requests, busy, token, lease_ms = ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+local raw = redis.call('LPOP', legacy)
+if raw then return {'', raw, '0'} end
+local clock = tonumber(redis.call('GET', clock_key) or '0')
+local ranked = redis.call('ZRANGE', tenants, 0, -1, 'WITHSCORES')
+for j = 1, #ranked, 2 do
+  local tenant, score = ranked[j], tonumber(ranked[j + 1])
+  if redis.call('EXISTS', busy .. tenant) == 0 then
+    raw = redis.call('LPOP', requests .. tenant)
+    if raw then
+      local turn = math.max(score, clock)
+      redis.call('SET', clock_key, string.format('%.17g', turn))
+      redis.call('ZADD', tenants, string.format('%.17g', turn + 1), tenant)
+      redis.call('SET', busy .. tenant, token, 'PX', lease_ms)
+      local now = redis.call('TIME')
+      return {tenant, raw, now[1] .. '.' .. string.format('%06d', tonumber(now[2]))}
+    end
+    if score <= clock then redis.call('ZREM', tenants, tenant) end
+  end
+end
+return nil
+"""
+# KEYS[1]: a tenant's busy mark; ARGV[1]: the token of the take that set it.
+_RELEASE_LUA: Final = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# How long a busy mark outlives the build's time limit (an inspector that died with it).
+LEASE_MARGIN_S: Final = 30.0
+# What a build leaves of its registration's wait for the reply to reach it.
+REPLY_MARGIN_S: Final = 1.0
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A request taken in its tenant's turn; ``tenant`` is empty for an earlier release's."""
+
+    tenant: str
+    raw: bytes
+    token: str
+    now_s: float  # the Redis server's time when it was taken (0 for an earlier release's)
+
+    def time_left(self, request: InspectRequest) -> float | None:
+        """Seconds until the API stops waiting for the reply; None when it did not say."""
+        if request.deadline_s is None or not self.now_s:
+            return None
+        return request.deadline_s - self.now_s
+
+
+class InspectionTurns:
+    """Takes inspection requests in turns between tenants (NOTE [ Inspection turns ])."""
+
+    def __init__(self, client: redis.Redis, lease_s: float) -> None:
+        self.client = client
+        self.lease_ms = max(1, round(lease_s * 1000))
+        self._take = client.register_script(_TAKE_LUA)
+        self._release = client.register_script(_RELEASE_LUA)
+
+    def take(self) -> Taken | None:
+        token = secrets.token_hex(8)
+        args: list[str | int] = [
+            keys.INSPECT_REQUESTS,
+            keys.INSPECT_TENANTS,
+            keys.INSPECT_CLOCK,
+            keys.inspect_requests(""),
+            keys.inspect_busy(""),
+            token,
+            self.lease_ms,
+        ]
+        taken = cast("list[bytes] | None", self._take(args=args))
+        if not taken:
+            return None
+        return Taken(text(taken[0]), bytes(taken[1]), token, float(text(taken[2])))
+
+    def wait(self, timeout_s: float) -> None:
+        """Returns when a request was pushed (or a moment after), or after ``timeout_s``."""
+        self.client.blpop([keys.INSPECT_BELL], timeout=timeout_s)
+
+    def release(self, pipe: redis.client.Pipeline, taken: Taken) -> None:
+        if taken.tenant:
+            self._release(keys=[keys.inspect_busy(taken.tenant)], args=[taken.token], client=pipe)
+
+
+def build_limits(settings: Settings) -> BuildLimits:
+    return BuildLimits(settings.max_weights_bytes, settings.inspect_memory_limit)
+
+
+def _answer(
+    request: InspectRequest, store: Store, limits: BuildLimits
+) -> InspectFailure | InspectSuccess:
     try:
-        request = InspectRequest.model_validate_json(raw)
-    except ValidationError:
-        log.warning("dropping a malformed inspection request")
-        return
-    try:
-        reply: InspectSuccess | InspectFailure = inspect(request, store)
-    except Exception as exc:  # a bug must not kill the inspector: report it as a 500
+        return inspect(request, store, limits)
+    except Exception as exc:  # a bug must not end the builder: report it as a 500
         log.exception("inspection %s failed", request.request_id)
-        reply = _failure(
+        return _failure(
             500,
             f"the worker failed to inspect the model ({type(exc).__name__}); the worker's log "
             "has the detail",
         )
+
+
+_READY: Final = b"ready"
+
+
+def _builder_main(conn: Connection, settings: Settings, parent_pid: int) -> None:
+    """The builder process: answers the requests ``conn`` brings, one at a time, until the
+    inspector closes it, its allocations held to the inspection's memory (NOTE [ Bounded
+    builds ] in workers/models/sizing.py)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the inspector ends it
+    die_with_parent(signal.SIGKILL, parent_pid)
+    configure_logging("inspector", settings.log_format)
+    limits = build_limits(settings)
+    store = open_store(settings)
+    registry()  # the zoo's imports, before the cap counts from what the process holds
+    hold_job_to(limits.memory_bytes, "cpu")
+    conn.send_bytes(_READY)
+    while True:
+        try:
+            raw = conn.recv_bytes()
+        except EOFError:
+            return
+        request = InspectRequest.model_validate_json(raw)
+        conn.send_bytes(_answer(request, store, limits).model_dump_json().encode())
+
+
+_REPLY: Final[TypeAdapter[InspectSuccess | InspectFailure]] = TypeAdapter(
+    InspectSuccess | InspectFailure
+)
+# How long a new builder may take to import torch (and the zoo) and say it is ready.
+BUILDER_START_TIMEOUT_S: Final = 300.0
+# The pause before starting a builder again after one failed to start.
+BUILDER_RESTART_PAUSE_S: Final = 5.0
+
+
+def _slice(deadline: float) -> float:
+    """The next wait: until ``deadline``, at most a publishing interval."""
+    return min(PUBLISH_INTERVAL_S, max(0.0, deadline - time.monotonic()))
+
+
+class Builder:
+    """The process that builds models for one inspector, one at a time: started with the
+    ``spawn`` method (never forked from a process that ran torch), held to the inspection's
+    memory, started again when it dies or overruns the time limit. The inspector waits for it
+    in slices, calling ``keep_alive`` (publish the catalog and the alive mark) between."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.limits = build_limits(settings)
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._ready = False
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        process = context.Process(
+            target=_builder_main,
+            args=(theirs, self.settings, os.getpid()),
+            name="bnadapt-builder",
+            daemon=True,
+        )
+        process.start()
+        theirs.close()
+        self._process, self._conn, self._ready = process, ours, False
+        log.info("started the model builder (pid %s)", process.pid)
+
+    def _discard(self) -> int | None:
+        """Ends the process (if it still runs); its exit code."""
+        process, conn = self._process, self._conn
+        self._process, self._conn, self._ready = None, None, False
+        if conn is not None:
+            conn.close()
+        if process is None:
+            return None
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=10)
+        return process.exitcode
+
+    def ready(self, keep_alive: Callable[[], None], stop: threading.Event) -> bool:
+        """Whether a builder waits for requests: starts one where there is none and waits
+        until it says so. False when it died starting, took too long, or ``stop`` was set."""
+        if self._ready and self._process is not None and self._process.is_alive():
+            return True
+        if self._process is None or not self._process.is_alive():
+            self._discard()
+            self._start()
+        assert self._conn is not None
+        deadline = time.monotonic() + BUILDER_START_TIMEOUT_S
+        while not stop.is_set():
+            if self._conn.poll(PUBLISH_INTERVAL_S):
+                try:
+                    self._ready = self._conn.recv_bytes() == _READY
+                except (EOFError, OSError):
+                    code = self._discard()
+                    log.error("the model builder exited (code %s) while starting", code)
+                    return False
+                return self._ready
+            keep_alive()
+            if time.monotonic() > deadline:
+                self._discard()
+                log.error("the model builder did not start within %g s", BUILDER_START_TIMEOUT_S)
+                return False
+        return False
+
+    def answer(
+        self, request: InspectRequest, limit_s: float, keep_alive: Callable[[], None]
+    ) -> InspectSuccess | InspectFailure:
+        """The builder's answer to ``request``; a failure saying what happened when it died,
+        ran out of memory or ran past ``limit_s`` (it is started again then)."""
+        assert self._conn is not None, "call ready() first"
+        kills = oom_kills()
+        deadline = time.monotonic() + limit_s
+        try:
+            self._conn.send_bytes(request.model_dump_json().encode())
+            while not self._conn.poll(_slice(deadline)):
+                keep_alive()
+                if time.monotonic() >= deadline:
+                    self._discard()
+                    log.warning("inspection %s overran %g s", request.request_id, limit_s)
+                    return _failure(
+                        422,
+                        f"building and checking {request.architecture} took longer than "
+                        f"{limit_s:.0f} s, what was left of the {self.settings.inspect_timeout_s:g}"
+                        " s one registration may wait for it (BNADAPT_INSPECT_TIMEOUT_S): "
+                        "choose smaller kwargs",
+                    )
+            raw = self._conn.recv_bytes()
+        except (EOFError, OSError):
+            return self._died(request, self._discard(), kills)
+        try:
+            return _REPLY.validate_json(raw)
+        except ValidationError:
+            log.exception("inspection %s: the builder's reply does not parse", request.request_id)
+            self._discard()
+            return _failure(500, "the worker failed to inspect the model; its log has the detail")
+
+    def _died(
+        self, request: InspectRequest, code: int | None, kills_before: int | None
+    ) -> InspectFailure:
+        how = f"code {code}"
+        if code is not None and code < 0:
+            how = signal.Signals(-code).name
+        log.warning("the model builder ended (%s) during inspection %s", how, request.request_id)
+        kills_after = oom_kills()
+        if kills_before is not None and kills_after is not None and kills_after > kills_before:
+            return _failure(
+                422,
+                f"building {request.architecture} with these kwargs ran out of the machine's "
+                "memory (the kernel's out-of-memory killer ended the process building it): "
+                "choose smaller kwargs",
+            )
+        return _failure(
+            503,
+            f"the process building {request.architecture} ended ({how}) before it answered; "
+            "it has been started again: retry, and if it happens again with these kwargs, "
+            "choose smaller ones (the machine may lack the memory)",
+        )
+
+    def close(self) -> None:
+        self._discard()
+
+
+def _handle(
+    client: redis.Redis,
+    turns: InspectionTurns,
+    builder: Builder,
+    taken: Taken,
+    keep_alive: Callable[[], None],
+) -> None:
+    """Answers one taken request and releases its tenant's turn."""
+    try:
+        request: InspectRequest | None = InspectRequest.model_validate_json(taken.raw)
+    except ValidationError:
+        log.warning("dropping a malformed inspection request")
+        request = None
+    limit_s = builder.settings.inspect_timeout_s
+    left = None if request is None else taken.time_left(request)
+    if left is not None:
+        limit_s = min(limit_s, left - REPLY_MARGIN_S)
+    if request is not None and limit_s <= 0:
+        log.info("inspection %s: its registration stopped waiting", request.request_id)
+        request = None
     pipe = client.pipeline()
-    pipe.lpush(keys.inspect_reply(request.request_id), reply.model_dump_json())
-    pipe.expire(keys.inspect_reply(request.request_id), REPLY_TTL_S)
+    if request is not None:
+        reply = builder.answer(request, limit_s, keep_alive)
+        log.info(
+            "inspection %s of %s for tenant %s: %s",
+            request.request_id,
+            request.architecture,
+            taken.tenant or "(an earlier release's)",
+            "ok" if isinstance(reply, InspectSuccess) else reply.status,
+        )
+        pipe.lpush(keys.inspect_reply(request.request_id), reply.model_dump_json())
+        pipe.expire(keys.inspect_reply(request.request_id), REPLY_TTL_S)
+    turns.release(pipe, taken)
     pipe.execute()
 
 
 def serve(settings: Settings, stop: threading.Event | None = None) -> None:
-    """Answers inspection requests until ``stop`` is set (or forever)."""
+    """Answers inspection requests until ``stop`` is set (or forever): takes them in turns
+    between tenants (NOTE [ Inspection turns ]) and has a builder process answer each."""
     stop = stop or threading.Event()
     client = redis_client(settings.redis_url)
-    store = open_store(settings)
+    turns = InspectionTurns(client, settings.inspect_timeout_s + LEASE_MARGIN_S)
+    builder = Builder(settings)
     catalog_json = "[" + ",".join(a.model_dump_json() for a in catalog()) + "]"
     published = 0.0
-    while not stop.is_set():
+
+    def keep_alive() -> None:
+        """Publishes the alive mark and the catalog when they are due, builds or not."""
+        nonlocal published
+        if time.monotonic() - published <= PUBLISH_INTERVAL_S:
+            return
         try:
-            if time.monotonic() - published > PUBLISH_INTERVAL_S:
-                publish(client, catalog_json)
-                published = time.monotonic()
-            # The head: the oldest request (the API pushes at the tail): first in, first out.
-            popped = client.blpop([keys.INSPECT_REQUESTS], timeout=POP_TIMEOUT_S)
-            if popped is not None:
-                _handle(client, store, popped[1])
+            publish(client, catalog_json)
+            published = time.monotonic()
         except redis.ConnectionError:
-            log.warning("redis unreachable; retrying in 1 s")
-            stop.wait(1.0)
+            log.warning("redis unreachable; publishing again in %g s", PUBLISH_INTERVAL_S)
+
+    try:
+        while not stop.is_set():
+            try:
+                keep_alive()
+                if not builder.ready(keep_alive, stop):
+                    stop.wait(BUILDER_RESTART_PAUSE_S)
+                    continue
+                taken = turns.take()
+                if taken is None:
+                    turns.wait(POP_TIMEOUT_S)
+                else:
+                    _handle(client, turns, builder, taken, keep_alive)
+            except redis.ConnectionError:
+                log.warning("redis unreachable; retrying in 1 s")
+                stop.wait(1.0)
+    finally:
+        builder.close()
 
 
 def main() -> None:

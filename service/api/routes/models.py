@@ -92,7 +92,7 @@ async def create_model(
         weights_sha256=sha256,
         seed=create.seed,
     )
-    found = await inspect_model(async_records.client, request, settings.inspect_timeout_s)
+    found = await inspect_model(async_records.client, tenant, request, settings.inspect_timeout_s)
     uploaded = sha256 is not None
     return await run_in_threadpool(
         _register, tenant, records, settings, response, create, found, uploaded
