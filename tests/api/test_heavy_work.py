@@ -128,44 +128,37 @@ def test_another_tenant_s_registration_runs_before_the_completions_a_tenant_queu
     api: InProcessApi,
 ) -> None:
     """NOTE [ Heavy work in turns ]: tenant A completes more uploads at once than there are
-    threads; tenant B's small dataset, registered after them, takes a thread before any of
-    A's waiting completions does. Held as in the test above: Redis' writes paused, so the work
-    that got a thread stays in it. First come, B's file would wait behind all of A's."""
+    threads; tenant B's small dataset, completed after them, takes a thread before any of A's
+    waiting completions does. Held as in the test above: Redis' writes paused, so the work
+    that got a thread stays in it once it has joined its parts. First come, B's completion
+    would wait behind all of A's."""
     flood, small = api.client("turns-flood").http, api.client("turns-small").http
-    # B's stored bytes are counted before the pause (the first registration writes them).
-    first = small.post("/v1/datasets", files={"file": ("d.npz", dataset_file(100))})
-    assert first.status_code == 201, first.text
     files = [dataset_file(seed) for seed in range(200, 200 + COPY_THREADS + 3)]
     uploads = [started_upload(flood, content) for content in files]
     mine = dataset_file(300)
+    my_upload = started_upload(small, mine)
     control: redis.Redis = redis_client(api.redis.url)
+
+    def complete(client: httpx.Client, upload_id: str) -> httpx.Response:
+        return httpx.post(
+            f"{api.url}/v1/uploads/{upload_id}:complete",
+            headers=client.headers,
+            json={},
+            timeout=HELD_MS / 1000,
+        )
+
     with ThreadPoolExecutor(len(files) + 1) as pool:
         control.execute_command("CLIENT", "PAUSE", HELD_MS, "WRITE")
         try:
-            completions = [
-                pool.submit(
-                    httpx.post,
-                    f"{api.url}/v1/uploads/{upload_id}:complete",
-                    headers=flood.headers,
-                    json={},
-                    timeout=HELD_MS / 1000,
-                )
-                for upload_id in uploads
-            ]
+            completions = [pool.submit(complete, flood, upload_id) for upload_id in uploads]
             wait_for(
                 lambda: sum(joined(api, content) for content in files) >= TENANT_THREADS,
                 WAIT_S,
                 what="A's completions to join their parts",
             )
-            registration = pool.submit(
-                httpx.post,
-                f"{api.url}/v1/datasets",
-                headers=small.headers,
-                files={"file": ("mine.npz", mine)},
-                timeout=HELD_MS / 1000,
-            )
-            # B's file is stored (its commit took a thread) while A's others still wait.
-            wait_for(lambda: joined(api, mine), WAIT_S, what="B's file to be stored")
+            registration = pool.submit(complete, small, my_upload)
+            # B's parts are joined (its completion took a thread) while A's others still wait.
+            wait_for(lambda: joined(api, mine), WAIT_S, what="B's completion to join its parts")
             assert sum(joined(api, content) for content in files) == TENANT_THREADS
             assert not registration.done()  # its registration is held at its write
         finally:
