@@ -3,13 +3,15 @@ quotas ] in service/records/quotas.py), on the real API in this process over a r
 Redis-compatible server, through HTTP: many concurrent submitters of one tenant get only 202
 and 429 and leave the active-job count exact; a dataset's bytes stay counted while a job that
 used it is kept; the same bytes count once; open uploads reserve their size until they end or
-expire; a job that registers a model is refused while the tenant has no room for one."""
+expire; a job that registers a model is refused while the tenant has no room for one; an
+import (on SeaweedFS) takes an open-upload slot while it runs."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ from service.records import keys
 from service.records.sync import Records
 from tests.e2e.test_e2e import created, digits, problem
 from tests.inprocess import InProcessApi, running_api
+from tests.servers import S3Server
 from tests.stack import Client, npz_bytes
 
 
@@ -237,3 +240,33 @@ def test_jobs_that_register_a_model_are_refused_over_the_stored_bytes_quota(
     records.set_quota(tenant_id, "max_stored_bytes", used + model["size_bytes"])
     body = {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"]}
     created(client.submit(body), 202)
+
+
+@pytest.mark.slow
+def test_an_import_takes_an_open_upload_slot_until_it_ends(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an S3 store (SeaweedFS): an import counts against max_open_uploads while it runs,
+    and gives its slot back when it ends, registered or refused."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    store_bucket, source_bucket = s3_server.new_bucket(), s3_server.new_bucket()
+    data = dataset_bytes(0)
+    s3_server.client().put_object(Bucket=source_bucket, Key="mine/d.npz", Body=data)
+    with running_api(
+        tmp_path, store_url=f"s3://{store_bucket}/store/", tenant_rate_per_s=0
+    ) as s3_api:
+        records, tenant_id, client = tenant(s3_api, "importer")
+        records.allow_import(tenant_id, f"s3://{source_bucket}/mine")
+        records.set_quota(tenant_id, "max_open_uploads", 1)
+        source = {"source": f"s3://{source_bucket}/mine/d.npz"}
+        upload = created(client.http.post("/v1/uploads", json={}))
+        problem(client.http.post("/v1/datasets:import", json=source), 429, "max_open_uploads")
+        assert client.http.delete(f"/v1/uploads/{upload['id']}").status_code == 204
+        dataset = created(client.http.post("/v1/datasets:import", json=source))
+        assert records.quota_usage(tenant_id)["max_open_uploads"] == 0
+        assert stored(records, tenant_id) == dataset["size_bytes"] == len(data)
+        missing = {"source": f"s3://{source_bucket}/mine/none.npz"}
+        assert client.http.post("/v1/datasets:import", json=missing).status_code == 404
+        assert records.quota_usage(tenant_id)["max_open_uploads"] == 0
+        created(client.http.post("/v1/uploads", json={}))
