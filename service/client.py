@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -32,11 +33,31 @@ from api_schemas.reports import Report
 from service.errors import BnadaptError
 from service.formats.image_folders import plan_folder, tar_size, tar_stream
 
-__all__ = ["ApiClientError", "Client", "JobEvent", "PreprocessingArg", "new_model_id"]
+__all__ = [
+    "TRANSFER_HOSTS_ENV",
+    "ApiClientError",
+    "Client",
+    "JobEvent",
+    "PreprocessingArg",
+    "TransferUrlError",
+    "new_model_id",
+]
 
 DEFAULT_TIMEOUT_S: Final = 120.0
 DEFAULT_PART_BYTES: Final = 64 * 1024 * 1024  # a resumable upload's part
 POLL_INTERVAL_S: Final = 0.25
+# Hosts besides the API's own that may receive the API key as an upload's transfer_url,
+# comma-separated (NOTE [ Where the key goes ]).
+TRANSFER_HOSTS_ENV: Final = "BNADAPT_TRANSFER_HOSTS"
+
+# NOTE [ Where the key goes ]
+# Every request the client sends carries its API key: to the API, and to the ``transfer_url``
+# an upload names (the API processes an operator runs for upload bytes: NOTE [ Upload bytes in
+# processes of their own ] in service/api/routes/uploads.py). A transfer_url is the server's
+# word, so the client sends its key there only where the API is: the same scheme and host as
+# the URL the client was given (any port: ``bnadapt up --uploads-nice`` listens on another
+# port of the same machine), or a host the user allowed (``Client(transfer_hosts=...)``, else
+# BNADAPT_TRANSFER_HOSTS). Any other is refused before a byte is sent to it.
 
 # A dataset's preprocessing spec as a client gives it: the schema's object or its JSON fields.
 PreprocessingArg = Preprocessing | Mapping[str, Any] | None
@@ -48,6 +69,11 @@ def _spec(preprocessing: PreprocessingArg) -> dict[str, Any] | None:
     if isinstance(preprocessing, Preprocessing):
         return preprocessing.model_dump(mode="json", exclude_defaults=True)
     return dict(preprocessing)
+
+
+class TransferUrlError(BnadaptError):
+    """An upload's ``transfer_url`` is on a host this client does not send its key to (NOTE
+    [ Where the key goes ])."""
 
 
 class ApiClientError(BnadaptError):
@@ -106,8 +132,15 @@ class Client:
     tests, the benches): it answers every response as it came."""
 
     def __init__(
-        self, url: str, key: str, timeout_s: float = DEFAULT_TIMEOUT_S, rate_retries: int = 3
+        self,
+        url: str,
+        key: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        rate_retries: int = 3,
+        transfer_hosts: Iterable[str] | None = None,
     ) -> None:
+        """``transfer_hosts``: hosts besides the API's that an upload's ``transfer_url`` may
+        name (NOTE [ Where the key goes ]); None: those of BNADAPT_TRANSFER_HOSTS."""
         if rate_retries < 0:
             raise ValueError(f"rate_retries must be >= 0, got {rate_retries}")
         self.http = httpx.Client(
@@ -116,6 +149,9 @@ class Client:
             timeout=timeout_s,
         )
         self.rate_retries = rate_retries
+        if transfer_hosts is None:
+            transfer_hosts = os.environ.get(TRANSFER_HOSTS_ENV, "").split(",")
+        self.transfer_hosts = frozenset(h.strip().lower() for h in transfer_hosts if h.strip())
         self.last_upload_id: str | None = None  # of the latest upload_dataset
 
     def close(self) -> None:
@@ -296,7 +332,7 @@ class Client:
         spec = _spec(preprocessing)
         if spec is not None:
             body["preprocessing"] = spec
-        path = f"{_transfer_base(upload)}/v1/uploads/{upload.id}:complete"
+        path = f"{self._transfer_base(upload)}/v1/uploads/{upload.id}:complete"
         response = self._paced("POST", path, retries, json={**body, "sha256": sha256})
         return DatasetPublic.model_validate(self._check(response).json())
 
@@ -311,7 +347,7 @@ class Client:
             try:
                 response = self.request(
                     "PUT",
-                    f"{_transfer_base(upload)}/v1/uploads/{upload.id}/parts/{number}",
+                    f"{self._transfer_base(upload)}/v1/uploads/{upload.id}/parts/{number}",
                     content=data,
                     headers={
                         "Content-Type": "application/octet-stream",
@@ -328,6 +364,27 @@ class Client:
                 self._check(response)
                 return
             time.sleep(wait)
+
+    def _transfer_base(self, upload: UploadPublic) -> str:
+        """Where the upload's parts and completion go: the API processes the operator runs for
+        upload bytes, if the upload names them, else this client's API (an empty prefix);
+        ``TransferUrlError`` for a transfer_url this client sends no key to (NOTE [ Where the
+        key goes ])."""
+        if upload.transfer_url is None:
+            return ""
+        base = upload.transfer_url.rstrip("/")
+        target, api = httpx.URL(base), self.http.base_url
+        if target.scheme == api.scheme and (
+            target.host == api.host or target.host in self.transfer_hosts
+        ):
+            return base
+        raise TransferUrlError(
+            f"upload {upload.id} names transfer_url {base}, which is not on the API's own "
+            f"scheme and host ({api.scheme}://{api.host}): this client sends its API key only "
+            f"there; if {target.host} is where the operator runs the API for upload bytes, allow "
+            f"it with Client(transfer_hosts=[{target.host!r}]) or {TRANSFER_HOSTS_ENV}="
+            f"{target.host}, else tell the operator (BNADAPT_UPLOADS_URL)"
+        )
 
     def _send(self, method: str, path: str, **options: Any) -> httpx.Response:
         """:meth:`request`, paced by the tenant's request rate (``rate_retries``)."""
@@ -541,13 +598,6 @@ def _rate_wait_s(response: httpx.Response) -> int | None:
         return None
     # Every quota's 429 names it first (QuotaSpec.exceeded in service/records/quotas.py).
     return int(retry_after) if detail.startswith("quota rate_per_s ") else None
-
-
-def _transfer_base(upload: UploadPublic) -> str:
-    """Where the upload's parts and completion go: the API processes the operator runs for
-    upload bytes, if the upload names them (NOTE [ Upload bytes in processes of their own ] in
-    service/api/routes/uploads.py), else this client's API (an empty prefix)."""
-    return "" if upload.transfer_url is None else upload.transfer_url.rstrip("/")
 
 
 def _rewind(options: Mapping[str, Any]) -> None:

@@ -19,8 +19,14 @@ a scrape costs one Redis read and no thread. Only the first scrape of a deployme
 the computation. ``bnadapt_metrics_snapshot_age_seconds`` says how old the figures are.
 
 A scrape needs its own credential, never a tenant's key: ``Authorization: Bearer
-<BNADAPT_METRICS_TOKEN>`` (compared in constant time); with no token set, only clients on this
-machine (a loopback address, as uvicorn sees them after proxy headers) may scrape.
+<BNADAPT_METRICS_TOKEN>`` (compared in constant time). With no token set, only an API that
+listens on loopback alone answers, and only clients on this machine (a loopback address, as
+uvicorn sees them after proxy headers). A loopback peer alone proves nothing once the API
+listens beyond loopback: a reverse proxy on the same machine that sends no X-Forwarded-For
+makes every client one. Whether the API listens on loopback alone is what ``BNADAPT_API_HOST``
+says (``bnadapt up`` and ``bnadapt api`` set it to their --host) and, where the kernel's socket
+table can be read (Linux), what this process's listening sockets show: either one naming
+another address, or neither saying anything, needs the token.
 """
 
 from __future__ import annotations
@@ -218,6 +224,65 @@ def _log_failure(refresh: asyncio.Future[dict[str, Any]]) -> None:
         log.warning("the deployment's metrics could not be computed: %r", exc)
 
 
+def _socket_inodes() -> set[str]:
+    """The inodes of this process's open sockets (Linux's /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed since it was listed
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def _kernel_address(hex_address: str) -> str:
+    """An address of /proc/net/tcp{,6} (32-bit words in host order, x86's and ARM's little
+    endian) as text."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words))
+
+
+def listening_addresses(port: int) -> list[str] | None:
+    """The local addresses of this process's TCP sockets that listen on ``port``, None where
+    the kernel's socket table cannot be read (not Linux)."""
+    try:
+        inodes = _socket_inodes()
+        found = []
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            with contextlib.suppress(FileNotFoundError), open(table) as lines:
+                for line in list(lines)[1:]:
+                    # local_address (hex address:port), state (0A: LISTEN), inode.
+                    fields = line.split()
+                    address, _, hex_port = fields[1].partition(":")
+                    if fields[3] == "0A" and fields[9] in inodes and int(hex_port, 16) == port:
+                        found.append(_kernel_address(address))
+        return found
+    except OSError:
+        return None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def beyond_loopback(settings: Settings, port: int) -> str | None:
+    """Why this API, listening on ``port``, may listen beyond loopback, as the 403 of a scrape
+    without a token says it; None when it listens on loopback alone (NOTE [ Cheap scrapes ])."""
+    if settings.api_host is not None and not _is_loopback(settings.api_host):
+        return f"it listens on {settings.api_host}"
+    observed = listening_addresses(port)
+    if observed:
+        beyond = sorted({address for address in observed if not _is_loopback(address)})
+        return f"it listens on {', '.join(beyond)}" if beyond else None
+    if settings.api_host is None:
+        return "neither BNADAPT_API_HOST nor its sockets say where it listens"
+    return None
+
+
 def _check_scraper(request: Request, settings: Settings) -> None:
     """The scraper's credential (NOTE [ Cheap scrapes ]); 401 or 403 otherwise."""
     if settings.metrics_token is not None:
@@ -231,12 +296,26 @@ def _check_scraper(request: Request, settings: Settings) -> None:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return
+    # The port the request came in on names the listening socket (its address may be a
+    # wildcard one, where the connection's own is loopback); what it listens on stays so.
+    server = request.scope.get("server")
+    port = int(server[1]) if server and server[1] is not None else 0
+    state = request.app.state
+    known: dict[int, str | None] | None = getattr(state, "metrics_listening", None)
+    if known is None:
+        known = state.metrics_listening = {}
+    if port not in known:
+        known[port] = beyond_loopback(settings, port)
+    if known[port] is not None:
+        raise ApiError(
+            403,
+            "GET /metrics needs BNADAPT_METRICS_TOKEN: this API may listen beyond loopback "
+            f"({known[port]}), where a client on this machine may be a proxy "
+            "for anyone; set BNADAPT_METRICS_TOKEN on the API and send it as "
+            "'Authorization: Bearer <token>'",
+        )
     host = request.client.host if request.client is not None else ""
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
+    if not _is_loopback(host):
         raise ApiError(
             403,
             "GET /metrics answers only clients on this machine while BNADAPT_METRICS_TOKEN is "

@@ -49,6 +49,7 @@ from service.local.cli_client import (
     tag_arg,
 )
 from service.local.up import (
+    API_HOST_ENV,
     DEFAULT_API_PROCESSES,
     WORKER_THREADS_ENV,
     LocalStack,
@@ -82,6 +83,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.device,
         args.api_processes,
         uploads_nice=args.uploads_nice,
+        advertise_host=args.advertise_host,
     ) as stack:
         assert stack.client_config is not None
         print(f"bnadapt is up at {stack.url} (API docs: {stack.url}/docs)")
@@ -112,6 +114,8 @@ def cmd_api(args: argparse.Namespace) -> int:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(
             fresh_metrics_dir(get_settings().data_dir.resolve())
         )
+    # Where it listens, for what only an API on loopback answers (NOTE [ Cheap scrapes ]).
+    os.environ[API_HOST_ENV] = args.host
     uvicorn.run(
         "service.api.app:create_app",
         factory=True,
@@ -363,6 +367,13 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start Redis, the API and a worker on this machine")
     up.add_argument("--host", default="127.0.0.1", help="address the API listens on")
     up.add_argument("--port", type=int, default=8000, help="port the API listens on")
+    up.add_argument(
+        "--advertise-host",
+        default=None,
+        help="the name or address clients reach this machine by, given to them in client.json "
+        "and as uploads' transfer_url (default: --host, or this machine's name when --host is "
+        "a wildcard such as 0.0.0.0)",
+    )
     up.add_argument("--device", default="auto", help="the worker's device: auto, cpu or cuda:N")
     up.add_argument(
         "--api-processes",

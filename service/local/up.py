@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -30,11 +31,13 @@ from service.records.connection import redis_client
 from service.records.sync import Records
 
 __all__ = [
+    "API_HOST_ENV",
     "CLIENT_FILE",
     "DEFAULT_API_PROCESSES",
     "WORKER_THREADS_ENV",
     "LocalStack",
     "StackError",
+    "advertised_host",
     "api_command",
     "read_client_config",
     "worker_command",
@@ -51,6 +54,11 @@ STOP_TIMEOUT_S: Final = 30.0
 DEFAULT_API_PROCESSES: Final = 2
 # service.settings.Settings.worker_threads, as the environment names it.
 WORKER_THREADS_ENV: Final = "BNADAPT_WORKER_THREADS"
+# service.settings.Settings.api_host: where the API listens (NOTE [ Cheap scrapes ] in
+# service/api/metrics.py).
+API_HOST_ENV: Final = "BNADAPT_API_HOST"
+# Addresses a server listens on to listen on every interface: no client can connect to one.
+WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::", "[::]", ""})  # noqa: S104 - named to refuse
 
 
 class StackError(BnadaptError):
@@ -82,6 +90,37 @@ def _password(data_dir: Path) -> str:
     if not path.exists():
         _write_private(path, secrets.token_urlsafe(24))
     return path.read_text().strip()
+
+
+def advertised_host(host: str, advertise_host: str | None = None) -> str:
+    """The host clients are given to reach an API that listens on ``host`` (the CLI's
+    client.json, an upload's ``transfer_url``): ``advertise_host`` if given, else ``host``
+    unless it is a wildcard, else this machine's name. A wildcard address is never one: a
+    client cannot connect to it, and the client sends its key only to the API's own host
+    (service/client.py). ``StackError`` if the machine's name does not resolve."""
+    if advertise_host is not None:
+        if advertise_host in WILDCARD_HOSTS:
+            raise StackError(
+                f"--advertise-host {advertise_host!r} is a wildcard address, which no client can "
+                "reach; give the name or address clients reach this machine by"
+            )
+        return advertise_host
+    if host not in WILDCARD_HOSTS:
+        return host
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+    except OSError as exc:
+        raise StackError(
+            f"--host {host} listens on every interface, and clients must be told a host to "
+            f"reach it by; this machine's name {name!r} does not resolve ({exc}): pass "
+            "--advertise-host with the name or address clients reach this machine by"
+        ) from exc
+    return name
+
+
+def _http_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def api_command(host: str, port: int, processes: int = 1) -> list[str]:
@@ -131,11 +170,14 @@ class LocalStack:
         device: str = "auto",
         api_processes: int = DEFAULT_API_PROCESSES,
         uploads_nice: int | None = None,
+        advertise_host: str | None = None,
     ) -> None:
         if uploads_nice is not None and not 0 <= uploads_nice <= 19:
             raise ValueError(f"uploads_nice must be in [0, 19], got {uploads_nice}")
         self.data_dir = data_dir.resolve()
         self.host = host
+        # What clients are given to reach the APIs by, never a wildcard address.
+        self.advertised_host = advertised_host(host, advertise_host)
         self.port = port
         self.device = device
         self.api_processes = api_processes
@@ -157,7 +199,8 @@ class LocalStack:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """The API as clients reach it (client.json): at the advertised host."""
+        return _http_url(self.advertised_host, self.port)
 
     def __enter__(self) -> LocalStack:
         try:
@@ -187,6 +230,7 @@ class LocalStack:
             "BNADAPT_REDIS_URL": self.redis.url,
             "BNADAPT_DATA_DIR": str(self.data_dir),
             "PROMETHEUS_MULTIPROC_DIR": str(fresh_metrics_dir(self.data_dir)),
+            API_HOST_ENV: self.host,
         }
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log_path.open("ab")
@@ -196,7 +240,7 @@ class LocalStack:
         )
         if self.uploads_nice is not None:
             uploads_port = free_port()
-            self.uploads_url = f"http://{self.host}:{uploads_port}"
+            self.uploads_url = _http_url(self.advertised_host, uploads_port)
             env["BNADAPT_UPLOADS_URL"] = self.uploads_url
             self.uploads_api = subprocess.Popen(  # noqa: S603
                 api_command(self.host, uploads_port),

@@ -6,14 +6,17 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from service.client import Client
 from service.local.embedded import free_port
+from service.local.up import StackError, advertised_host
 from tests.e2e.test_e2e import digits
 from tests.servers import wait_for
 from tests.stack import REPO, npz_bytes
@@ -160,6 +163,46 @@ def test_up_runs_an_api_of_its_own_for_upload_bytes_at_a_lower_priority(tmp_path
     finally:
         stop_up(process)
     wait_for(lambda: not _answers(uploads_port), timeout_s=10, what="the uploads' API to end")
+
+
+def test_up_on_every_interface_advertises_a_host_and_keeps_metrics_behind_a_token(
+    tmp_path: Path,
+) -> None:
+    """``bnadapt up --host 0.0.0.0 --uploads-nice 19``: client.json and every upload's
+    ``transfer_url`` name this machine, never the wildcard address no client can reach (the
+    client sends its key only to the API's own host), and the CLI's upload goes through; an
+    API that listens beyond loopback answers /metrics only with the metrics token."""
+    data_dir = tmp_path / "data"
+    port = free_port()
+    process = start_up(data_dir, port, "--host", "0.0.0.0", "--uploads-nice", "19")
+    try:
+        config = json.loads((data_dir / "client.json").read_text())
+        host = socket.gethostname()
+        assert config["url"] == f"http://{host}:{port}"  # before: http://0.0.0.0:PORT
+        client = Client(config["url"], config["key"])
+        opened = client.http.post("/v1/uploads", json={"name": "probe"})
+        assert opened.status_code == 201, opened.text
+        transfer_url = opened.json()["transfer_url"]
+        assert re.fullmatch(rf"http://{re.escape(host)}:\d+", transfer_url), transfer_url
+        x, y = digits(shifted=True, n=200)
+        (tmp_path / "shifted.npz").write_bytes(npz_bytes(x=x, y=y))
+        dataset = json.loads(cli(data_dir, "datasets", "add", str(tmp_path / "shifted.npz")))
+        assert dataset["size_bytes"] == (tmp_path / "shifted.npz").stat().st_size
+        # A scrape from this machine, with no token set: refused, saying what to set.
+        scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30)
+        assert scrape.status_code == 403, scrape.text
+        for phrase in ("BNADAPT_METRICS_TOKEN", "0.0.0.0"):
+            assert phrase in scrape.json()["detail"], scrape.text
+    finally:
+        stop_up(process)
+
+
+def test_a_wildcard_address_is_never_advertised() -> None:
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    assert advertised_host("0.0.0.0") == socket.gethostname()
+    assert advertised_host("::", "api.example") == "api.example"
+    with pytest.raises(StackError, match=re.escape("--advertise-host '0.0.0.0' is a wildcard")):
+        advertised_host("0.0.0.0", "0.0.0.0")
 
 
 def _listener_nices(port: int) -> set[int]:
