@@ -22,7 +22,7 @@ from service.records.sync import Records
 from tests.e2e.test_e2e import created, digits, problem
 from tests.inprocess import InProcessApi, running_api
 from tests.servers import S3Server
-from tests.stack import Client, npz_bytes
+from tests.stack import Client, Stack, npz_bytes
 
 
 @pytest.fixture(scope="module")
@@ -270,3 +270,28 @@ def test_an_import_takes_an_open_upload_slot_until_it_ends(
         assert client.http.post("/v1/datasets:import", json=missing).status_code == 404
         assert records.quota_usage(tenant_id)["max_open_uploads"] == 0
         created(client.http.post("/v1/uploads", json={}))
+
+
+@pytest.mark.slow
+def test_a_model_a_job_registered_counts_and_its_input_stays_counted_while_the_job_is_kept(
+    shared_stack: Stack,
+) -> None:
+    """On the whole stack (a real worker runs the job)."""
+    client = shared_stack.client("job-outputs")
+    records = shared_stack.records()
+    tenant_id = records.find_tenant("job-outputs")
+    assert tenant_id is not None
+    model = created(client.add_model("digits_cnn", {"width": 4}))
+    dataset = created(client.add_dataset(dataset_bytes(0)))
+    body = {"kind": "adapt", "model_id": model["id"], "dataset_id": dataset["id"]}
+    job = client.wait(str(created(client.submit(body), 202)["id"]))
+    assert job["status"] == "succeeded", job
+    adapted = created(client.http.get(f"/v1/models/{job['result']['model_id']}"), 200)
+    assert adapted["sha256"] != model["sha256"]
+    inputs = model["size_bytes"] + dataset["size_bytes"]
+    assert stored(records, tenant_id) == inputs + adapted["size_bytes"]
+    # The input model deleted: the job still holds its weights.
+    assert client.http.delete(f"/v1/models/{model['id']}").status_code == 204
+    assert stored(records, tenant_id) == inputs + adapted["size_bytes"]
+    assert client.http.delete(f"/v1/jobs/{job['id']}").status_code == 204
+    assert stored(records, tenant_id) == dataset["size_bytes"] + adapted["size_bytes"]
