@@ -688,16 +688,20 @@ def release_upload(
 
 
 def reserve_job_slot(
-    client: redis.Redis, tenant_id: str, job_id: str, max_active_jobs: float | None
+    client: redis.Redis,
+    tenant_id: str,
+    job_id: str,
+    max_active_jobs: float | None,
+    grace_s: float = JOB_SLOT_GRACE_S,
 ) -> None:
-    """Reserves an active-job slot for ``job_id`` for ``JOB_SLOT_GRACE_S`` (the MULTI that
-    writes the job keeps it: :func:`keep_job_slot`), or raises :class:`QuotaExceededError`
-    when the tenant has ``max_active_jobs`` (the setting; its own value wins) already."""
+    """Reserves an active-job slot for ``job_id`` for ``grace_s`` (the MULTI that writes the
+    job keeps it: :func:`keep_job_slot`), or raises :class:`QuotaExceededError` when the
+    tenant has ``max_active_jobs`` (the setting; its own value wins) already."""
     result = _run(
         client,
         _RESERVE_JOB_LUA,
         [keys.tenant_active_jobs(tenant_id), keys.tenant_quotas(tenant_id)],
-        [job_id, _default(max_active_jobs), repr(JOB_SLOT_GRACE_S), keys.record("job", "")],
+        [job_id, _default(max_active_jobs), repr(float(grace_s)), keys.record("job", "")],
     )
     if int(result[0]) != 1:
         raise _refusal("max_active_jobs", result)
