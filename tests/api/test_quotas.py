@@ -443,6 +443,11 @@ def test_direct_uploads_to_s3_count_as_open_uploads(s3_bucket: str, tmp_path: Pa
         content = digits_npz(n=64)
         announce = {"direct": True, "size": len(content)}
         started = created(client.http.post("/v1/direct-uploads", json=announce))
+        records = api.records()
+        tenant = records.find_tenant("direct-uploads")
+        assert tenant is not None
+        # Its declared size is reserved from the start (NOTE [ Tenant quotas ]).
+        assert records.quota_usage(tenant)["max_stored_bytes"] == len(content)
         refused(client.http.post("/v1/direct-uploads", json=announce), "max_open_uploads")
         refused(client.http.post("/v1/uploads", json={}), "max_open_uploads")
         etags = []
@@ -452,8 +457,14 @@ def test_direct_uploads_to_s3_count_as_open_uploads(s3_bucket: str, tmp_path: Pa
             assert put.status_code == 200, put.text
             etags.append(put.headers["etag"])
         created(client.http.post(started["complete_url"], json={"etags": etags}))
+        # The dataset holds the bytes in place of the reservation: counted once.
+        assert records.quota_usage(tenant)["max_stored_bytes"] == len(content)
         created(client.http.post("/v1/uploads", json={}))
         # No room left for the bytes a direct upload announces: refused before it starts.
         set_quota(api, "direct-uploads", "max_open_uploads", "0")
         set_quota(api, "direct-uploads", "max_stored_bytes", str(len(content) + 1))
+        refused(client.http.post("/v1/direct-uploads", json=announce), "max_stored_bytes")
+        # One that fits reserves its size: the next, though within the quota alone, does not.
+        set_quota(api, "direct-uploads", "max_stored_bytes", str(2 * len(content) + 1))
+        created(client.http.post("/v1/direct-uploads", json=announce))
         refused(client.http.post("/v1/direct-uploads", json=announce), "max_stored_bytes")
