@@ -16,6 +16,12 @@ every job), so that a test can aim at one child of a sharded job.
   execution, before the fork). Read by :func:`stop_at`, called by the RQ worker
   (workers/processes/rq_worker.py) at each of those moments (NOTE [ Dequeued and lost ] in
   service/upkeep/reaper.py).
+- ``BNADAPT_FAULT_RANK_ALLOCATE`` = ``<bytes>:<text>`` (:data:`FAULT_RANK_ALLOCATE_ENV`): each
+  rank of a train job in several processes allocates that many bytes before it loads the job
+  and holds them while it trains, as a rank whose model or batch needs more than its share of
+  the job's memory would (NOTE [ A job's memory among its processes ] in
+  workers/running/ranks.py). ``<text>`` is matched against the job's id (a rank runs no RQ
+  job). Read by :func:`rank_allocation`, called by ``run_rank``.
 """
 
 from __future__ import annotations
@@ -30,14 +36,17 @@ from rq import get_current_job
 
 __all__ = [
     "FAULT_DEQUEUE_STOP_ENV",
+    "FAULT_RANK_ALLOCATE_ENV",
     "FAULT_START_DELAY_ENV",
     "DequeueMoment",
     "delay_start",
+    "rank_allocation",
     "stop_at",
 ]
 
 FAULT_START_DELAY_ENV: Final = "BNADAPT_FAULT_START_DELAY_S"
 FAULT_DEQUEUE_STOP_ENV: Final = "BNADAPT_FAULT_DEQUEUE_STOP"
+FAULT_RANK_ALLOCATE_ENV: Final = "BNADAPT_FAULT_RANK_ALLOCATE"
 DequeueMoment = Literal["taken", "held", "execution"]
 
 log = logging.getLogger(__name__)
@@ -57,3 +66,13 @@ def stop_at(moment: DequeueMoment, rq_id: str) -> None:
     if fault == moment and only in rq_id:
         log.warning("fault injection: stopping at %s with %s", moment, rq_id)
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def rank_allocation(job_id: str) -> bytearray | None:
+    """In a rank of the job ``job_id``: the bytes the fault asks it to hold, allocated (an
+    allocation past the rank's limit raises ``MemoryError`` here, as the job's own would)."""
+    size, _, only = os.environ.get(FAULT_RANK_ALLOCATE_ENV, "").partition(":")
+    if not size or only not in job_id:
+        return None
+    log.warning("fault injection: a rank of %s allocates %s bytes", job_id, size)
+    return bytearray(int(size))

@@ -432,6 +432,7 @@ def job_timeout(request: AnyJobCreate, settings: Settings) -> int:
 #   (decoding and resizing images), the measurement before and after, and the allocator's
 #   slack. A job at the batch_size the 422 names ran within a worker holding its jobs to
 #   256 MiB (tests/e2e/test_job_bounds_e2e.py).
+# A train job in several processes counts each rank's weights and slice (needed_memory).
 # What it does not count: activation checkpointing (a job with checkpointed blocks keeps less
 # than the "backward" figure: the estimate errs on the safe side), a GPU's own workspaces
 # (cuDNN's differ from the CPU's), and a model whose activations grow otherwise than with
@@ -470,7 +471,19 @@ def needed_memory(request: AnyJobCreate, model: ModelPublic) -> tuple[float, int
         if backward
         else model.activations.forward_bytes_per_element
     )
-    return per_element, model.parameter_count * _FLOAT_BYTES * (4 if backward else 1)
+    weights = model.parameter_count * _FLOAT_BYTES * (4 if backward else 1)
+    params = request.params
+    if not isinstance(params, TrainParams) or params.processes == 1:
+        return per_element, weights
+    # Ranks (NOTE [ A job's memory among its processes ] in workers/running/ranks.py): each
+    # holds its own weights, gradients and moments and its slice of the batch. On CUDA each
+    # rank has a GPU to itself: one rank's slice and copy against one GPU. Elsewhere they share
+    # the worker's memory with the job's own process (one more copy of the weights): every
+    # rank's copy, and their slices adding up to the batch.
+    ranks = params.processes
+    if params.device.startswith("cuda"):
+        return per_element / ranks, weights
+    return per_element, weights * ranks + model.parameter_count * _FLOAT_BYTES
 
 
 def _size(num_bytes: float) -> str:
@@ -503,6 +516,12 @@ def check_memory(
         if fits >= 1
         else f"even batch_size 1 does not fit: use {smaller}, or workers with more memory"
     )
+    params = request.params
+    if isinstance(params, TrainParams) and params.processes > 1:
+        what += (
+            f"; or fewer processes than {params.processes}: each rank holds its own copy of "
+            "the model and its optimizer state"
+        )
     raise ApiError(
         422,
         f"batch_size {batch} at {shape} needs about {_size(needed)} of activations and weights "

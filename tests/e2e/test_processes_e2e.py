@@ -22,6 +22,7 @@ import torch
 from api_schemas import Report, TrainParams
 from service.local.summary import report_summary
 from tests.e2e.test_e2e import created, digits, digits_npz, problem, store_of
+from tests.socket_table import TcpSocket, descendants, sockets_of
 from tests.stack import (
     SHARED_STACK_THREADS,
     Client,
@@ -270,6 +271,37 @@ def long_job(client: Client, max_attempts: int, epochs: int = 40, **extra: Any) 
     body = {**body, "params": params, "max_attempts": max_attempts, **extra}
     job = created(client.submit(body), 202)
     return str(job["id"])
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.slow
+def test_nothing_a_job_opens_listens_beyond_loopback(stack: Stack) -> None:
+    """Read from the kernel's socket table while a 2-process job trains: no process of the job
+    (its own process, its ranks, anything under them) listens on an address other than the
+    loopback, and the ranks' gloo connections run over the loopback (NOTE [ Ranks meet on
+    the loopback ] in workers/running/ranks.py)."""
+    client = stack.client("ranks-sockets")
+    job_id = long_job(client, max_attempts=1)
+    wait_training(client, job_id)
+    ranks = rank_pids(stack)
+    assert len(ranks) == 2, ranks
+    job_process = parent_of(ranks[0])
+    assert parent_of(ranks[1]) == job_process
+    seen: set[TcpSocket] = set()
+    for _ in range(20):  # the ranks train meanwhile: sockets opened at any step are seen
+        seen.update(sockets_of(descendants(job_process)))
+        time.sleep(0.1)
+    client.api.cancel(job_id)
+    assert client.wait(job_id, timeout_s=120)["status"] == "canceled"
+    beyond = sorted(str(s) for s in seen if s.listening and not s.loopback)
+    assert beyond == [], f"the job's processes listen beyond the loopback: {beyond}"
+    # The table is the right one: the ranks' gloo pairs are in it, on the loopback.
+    between_ranks = [s for s in seen if s.pid in ranks and not s.listening]
+    assert between_ranks, sorted(map(str, seen))
+    assert all(s.loopback for s in between_ranks), sorted(map(str, between_ranks))
 
 
 @pytest.mark.slow

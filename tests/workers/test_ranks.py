@@ -1,14 +1,19 @@
 """The pieces of a train job in several processes that need no process group: each rank's
 slice of a global batch is DistributedSampler's deal (NOTE [ Ranks' batches ] in
-workers/running/ranks.py), and the worker's ``--device`` names the GPUs it serves."""
+workers/running/ranks.py), the worker's ``--device`` names the GPUs it serves, and the ranks
+find the machine's loopback interface."""
 
 from __future__ import annotations
+
+import socket
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
 from workers.processes.supervisor import gpu_indices, worker_commands
+from workers.running.ranks import loopback_interface
 from workers.running.training import RankSlice, batch_bounds
 
 
@@ -53,3 +58,13 @@ def test_device_names_the_gpus_a_worker_serves() -> None:
     assert argv[argv.index("--device") + 1] == "cuda"
     (_, _, everything), _ = worker_commands("cuda")
     assert "CUDA_VISIBLE_DEVICES" not in everything
+
+
+def test_the_loopback_interface_is_read_from_the_system() -> None:
+    """The interface a job's ranks name to gloo and NCCL (NOTE [ Ranks meet on the loopback ]
+    in workers/running/ranks.py): the machine's loopback, whatever its name."""
+    name = loopback_interface()
+    assert name in {n for _, n in socket.if_nameindex()}
+    flags = Path("/sys/class/net") / name / "flags"
+    if flags.exists():  # Linux: the kernel flags it IFF_LOOPBACK (0x8)
+        assert int(flags.read_text(), 16) & 0x8

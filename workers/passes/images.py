@@ -39,6 +39,7 @@ from api_schemas.datasets import Preprocessing
 from service.errors import ArrayFileError
 from service.formats.images import TarIndex, crop_origin, decode_image, index_tar
 from workers.errors import DataError
+from workers.passes.process_memory import loader_shares
 
 __all__ = [
     "ImageSamples",
@@ -287,11 +288,14 @@ class ImageSamples:
             for i in range(count):
                 yield batch_set[i]
             return
-        loader = DataLoader(
-            batch_set,
-            batch_size=None,
-            num_workers=min(self.loader_processes, count),
-            prefetch_factor=2,
-            pin_memory=pin,
-        )
-        yield from loader
+        loaders = min(self.loader_processes, count)
+        # NOTE [ Loader processes' memory ] in workers/passes/process_memory.py
+        with loader_shares(loaders) as hold_loader:
+            yield from DataLoader(
+                batch_set,
+                batch_size=None,
+                num_workers=loaders,
+                prefetch_factor=2,
+                pin_memory=pin,
+                worker_init_fn=hold_loader,
+            )

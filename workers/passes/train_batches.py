@@ -1,7 +1,9 @@
 """An epoch's training micro-batches, read (and augmented) in order by the job's process or
 by DataLoader worker processes (``loader_workers``), with the same result either way: a
 batch's rows are fixed by the epoch's order and its augmentation by its own generator (NOTE [
-Augmentation draws ] in workers/passes/augmentation.py)."""
+Augmentation draws ] in workers/passes/augmentation.py). The loader processes share the
+memory of the process that reads them (NOTE [ Loader processes' memory ] in
+workers/passes/process_memory.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from api_schemas.jobs.train import Augmentation
 from workers.passes.augmentation import augment, batch_generator
 from workers.passes.data import Data, load_rows
+from workers.passes.process_memory import loader_shares
 
 __all__ = ["epoch_batches"]
 
@@ -68,6 +71,13 @@ def epoch_batches(
     if workers == 0 or len(batches) <= 1:
         yield from (batches[i] for i in range(len(batches)))
         return
-    yield from DataLoader(
-        batches, batch_size=None, num_workers=min(workers, len(batches)), prefetch_factor=2
-    )
+    loaders = min(workers, len(batches))
+    # NOTE [ Loader processes' memory ] in workers/passes/process_memory.py
+    with loader_shares(loaders) as hold_loader:
+        yield from DataLoader(
+            batches,
+            batch_size=None,
+            num_workers=loaders,
+            prefetch_factor=2,
+            worker_init_fn=hold_loader,
+        )

@@ -8,6 +8,16 @@ each job's process on a worker started with ``--device cpu`` is held to it (``RL
 a job that needs more gets an allocation failure, its own failure, instead of the kernel's
 out-of-memory killer.
 
+A job's memory is the job's, however many processes it has (NOTE [ A job's memory among its
+processes ] in workers/running/ranks.py): a process that starts others (a train job's ranks,
+a pass's loader processes) divides what it has left under its limit among them
+(``memory_left`` in workers/passes/process_memory.py), and each holds itself to its share
+(``hold_process_to``; NOTE [ Loader processes' memory ] there). The
+control groups that could hold them together are not used: a worker cannot count on creating
+a cgroup v2 with the memory controller (the machine these tests run on delegates only
+``hugetlb`` to its v2 hierarchy), while ``RLIMIT_DATA`` holds everywhere Linux runs. What a
+process holds when it starts (the interpreter and torch, imported) is not counted.
+
 A job's process that dies without raising is an interruption, retried (NOTE [ Retry policy ]
 in service/records/retries.py), unless :func:`killed_for_its_own_reasons` finds it killed for
 memory (the cgroup counted an out-of-memory kill meanwhile) or for its timeout (RQ kills a
@@ -18,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import resource
 import signal
 import subprocess
@@ -27,6 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
+from workers.passes.process_memory import vm_data
 from workers.running.failures import out_of_memory_message, timeout_message
 
 __all__ = [
@@ -89,17 +99,9 @@ def hold_job_to(setting: int | None, device: str) -> None:
     with it); past it, allocations fail and the job fails as out of memory."""
     if setting is None or not device.startswith("cpu"):
         return
-    held = _vm_data()
+    held = vm_data()
     if held is not None:
         resource.setrlimit(resource.RLIMIT_DATA, (held + setting, held + setting))
-
-
-def _vm_data() -> int | None:
-    with contextlib.suppress(OSError):
-        match = re.search(r"^VmData:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
-        if match:
-            return int(match.group(1)) * 1024
-    return None
 
 
 def oom_kills() -> int | None:

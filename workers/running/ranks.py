@@ -37,6 +37,31 @@ its error's kind and message there; the job's process creates a ``stop`` file th
 job is canceled or lost, which every rank checks before each step. What comes back through the
 launcher is each rank's :class:`RankOutcome` as JSON text: no pickled user data.
 
+NOTE [ Ranks meet on the loopback ]
+
+Nobody outside the job can reach the ranks' meeting point: torch's c10d rendezvous hosts a
+TCPStore, which listens on every interface whatever host it is given and asks no one who
+connects, and gloo and NCCL pick a network interface of their own unless told. So the
+launcher's agent meets through ``_FileRendezvous`` (a ``FileStore`` in the job's private
+directory: one node, no socket), each rank joins the process group through another
+``FileStore`` there (``init_process_group(store=...)``; nothing reads MASTER_ADDR/PORT), and
+each rank names the loopback interface to gloo and NCCL (``GLOO_SOCKET_IFNAME``,
+``NCCL_SOCKET_IFNAME``: :func:`loopback_interface`, read from the system) before it joins, so
+the connections between ranks are on 127.0.0.1 and their listening sockets bound to it
+(tests/e2e/test_processes_e2e.py reads the kernel's socket table while a job trains).
+
+NOTE [ A job's memory among its processes ]
+
+A worker's ``BNADAPT_WORKER_MEMORY_BYTES`` is the job's, not each process's
+(workers/running/capacity.py): when it launches the ranks, the job's process divides what it
+has left under its cap (its own use so far is its to keep: it measures again afterwards)
+equally among them, and each rank holds itself to its share (``RLIMIT_DATA``), as its loader
+processes do to theirs of the rank's (NOTE [ Loader processes' memory ] in
+workers/passes/process_memory.py). A rank that needs
+more fails the job as out of memory, saying its share; it is not retried. The admission
+estimate counts each rank's weights and optimizer state and its slice of the batch (NOTE [
+Activation estimate ] in service/jobs/submission.py).
+
 Failures: the ranks of a job live and die together. The launcher runs with ``max_restarts``
 0; when one rank ends with an error or is killed, its agent ends the others and raises, and
 the job's attempt ends with it: a rank's own error (bad data, NaN) fails the job with its
@@ -52,9 +77,11 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import tempfile
 import threading
 from dataclasses import asdict
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Final
@@ -64,8 +91,16 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 from torch import nn
+from torch._C._distributed_c10d import FileStore  # torch.distributed exports it undeclared
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
+from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -74,24 +109,26 @@ from api_schemas.reports import EpochLog, StepTimings
 from bnadapt.sync_batchnorm import convert_sync_batchnorm
 from service.records.connection import redis_client
 from service.records.sync import Records
-from service.settings import get_settings
+from service.settings import MIB, get_settings
 from service.store import open_store
 from service.upkeep.parent_death import die_with_parent
 from workers import errors
 from workers.errors import JobCanceled, JobInterrupted, TrainError, WorkerError
+from workers.faults import rank_allocation
 from workers.models.modules import named_modules
 from workers.passes.hooks import JobHooks
+from workers.passes.process_memory import hold_process_to, memory_left
 from workers.passes.steps import StepClock
 from workers.running.capacity import oom_kills
 from workers.running.compute import one_sample_batch_explained
 from workers.running.evaluation import loss_for
-from workers.running.failures import out_of_memory_message
+from workers.running.failures import is_out_of_memory, out_of_memory_message
 from workers.running.loading import LoadedJob, load_job, resolve_device
 from workers.running.resumption import StoredCheckpoints
 from workers.running.train_state import TrainState, load_state
 from workers.running.training import Checkpointing, RankSlice, train_with_params
 
-__all__ = ["RankOutcome", "run_rank", "train_in_ranks"]
+__all__ = ["RankOutcome", "loopback_interface", "run_rank", "train_in_ranks"]
 
 # How often the job's process reads rank 0's progress and passes a cancel on to the ranks.
 WATCH_INTERVAL_S: Final = 0.2
@@ -102,6 +139,12 @@ SHUTDOWN_TIMEOUT_S: Final = 10
 _STATE: Final = "state.safetensors"
 _PROGRESS: Final = "progress"
 _STOP: Final = "stop"
+_RENDEZVOUS: Final = "rendezvous"  # the agent's FileStore
+_RANKS_STORE: Final = "ranks"  # the ranks' process group's FileStore
+_FILE_RENDEZVOUS: Final = "bnadapt-file"  # its name in torch's rendezvous registry
+_LOOPBACK_ADDRESS: Final = "127.0.0.1"
+_IFF_LOOPBACK: Final = 0x8  # the interface flag, as Linux's /sys/class/net/*/flags shows it
+_SYS_NET: Final = Path("/sys/class/net")
 
 
 class RankOutcome(BaseModel):
@@ -126,6 +169,14 @@ class _Workdir:
     def state(self) -> Path:
         return self.path / _STATE
 
+    @property
+    def rendezvous(self) -> Path:
+        return self.path / _RENDEZVOUS
+
+    @property
+    def ranks_store(self) -> Path:
+        return self.path / _RANKS_STORE
+
     def error(self, rank: int) -> Path:
         return self.path / f"error-{rank}.json"
 
@@ -149,6 +200,69 @@ class _Workdir:
         return int(done), int(total)
 
 
+class _FileRendezvous(RendezvousHandler):
+    """The launcher's rendezvous for the one node of a job, through a ``FileStore`` in the
+    job's private directory: no socket (NOTE [ Ranks meet on the loopback ])."""
+
+    def __init__(self, path: str, run_id: str) -> None:
+        self._path, self._run_id = path, run_id
+        self._store: FileStore | None = None
+
+    def get_backend(self) -> str:
+        return _FILE_RENDEZVOUS
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False  # the ranks meet through a store of their own (run_rank)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._store is None:
+            self._store = FileStore(self._path, 1)
+        # The ranks read no MASTER_ADDR/PORT (they join through a FileStore): the agent sets
+        # them all the same, to this loopback placeholder.
+        return RendezvousInfo(self._store, 0, 1, RendezvousStoreInfo(_LOOPBACK_ADDRESS, 0))
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        return True
+
+
+def _file_rendezvous(params: RendezvousParameters) -> RendezvousHandler:
+    if params.min_nodes != 1 or params.max_nodes != 1:
+        raise ValueError(
+            f"the file rendezvous joins one node, not {params.min_nodes} to {params.max_nodes}"
+        )
+    return _FileRendezvous(params.endpoint, params.run_id)
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface (``lo`` on Linux, ``lo0`` on macOS), read
+    from the system: the interface Linux flags IFF_LOOPBACK, else the one named ``lo...``."""
+    with contextlib.suppress(OSError):
+        for entry in sorted(_SYS_NET.iterdir()):
+            with contextlib.suppress(OSError, ValueError):
+                if int((entry / "flags").read_text(), 16) & _IFF_LOOPBACK:
+                    return entry.name
+    names = sorted(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+    if not names:
+        raise WorkerError(
+            "this machine shows no loopback interface, which a job's ranks talk over; run "
+            "jobs with processes > 1 on workers whose machine has one (lo)"
+        )
+    return names[0]
+
+
 def _rank_device(requested: str, local_rank: int) -> torch.device:
     """Rank r's device: the r-th of the worker's GPUs on CUDA (one rank a GPU), made this
     process's current one before anything touches CUDA (else every rank would open a context
@@ -167,19 +281,23 @@ def run_rank(
     threads: int,
     resume_sha256: str | None,
     keep_checkpoints: bool,
+    memory_share: int | None = None,
 ) -> str:
     """One rank of a train job; the launcher's entry point, run in a process of its own with
-    torch.distributed's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). Resumes
-    from the stored checkpoint ``resume_sha256``; with ``keep_checkpoints`` (a worker's run)
-    rank 0 writes the job's checkpoints and epochs. Returns its :class:`RankOutcome` as
-    JSON."""
+    torch.distributed's environment (RANK, WORLD_SIZE, LOCAL_RANK). Resumes from the stored
+    checkpoint ``resume_sha256``; with ``keep_checkpoints`` (a worker's run) rank 0 writes the
+    job's checkpoints and epochs; holds itself to ``memory_share`` bytes (NOTE [ A job's
+    memory among its processes ]). Returns its :class:`RankOutcome` as JSON."""
     die_with_parent(signal.SIGKILL, parent_pid)  # no rank outlives the job's process
+    if memory_share is not None:
+        hold_process_to(memory_share)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     shared = _Workdir(workdir)
     torch.set_num_threads(threads)
     try:
         payload = JobPayload.model_validate_json(payload_json)
+        _held = rank_allocation(payload.job_id)  # tests only, held while it trains (faults.py)
         params = payload.params
         assert isinstance(params, TrainParams), f"{payload.kind} jobs do not train"
         device = _rank_device(params.device, local_rank)
@@ -195,7 +313,17 @@ def run_rank(
         if keep_checkpoints:
             save = _written_by_rank_0 if stored is None else stored.save
             checkpointing = Checkpointing.of(params, save, resume)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # NOTE [ Ranks meet on the loopback ]
+        interface = loopback_interface()
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = interface
+        meeting = FileStore(str(shared.ranks_store), world_size)
+        meeting.set_timeout(timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=meeting,
+            rank=rank,
+            world_size=world_size,
+        )
         outcome = _train_rank(
             params, job, device, shared, RankSlice(rank, world_size), checkpointing, stored
         )
@@ -203,7 +331,9 @@ def run_rank(
     except BaseException as exc:
         kind = type(exc).__name__ if isinstance(exc, WorkerError) else "WorkerError"
         message = str(exc) or type(exc).__name__
-        if not isinstance(exc, WorkerError):
+        if is_out_of_memory(exc):
+            message = _out_of_memory_in_rank(rank, world_size, memory_share, message)
+        elif not isinstance(exc, WorkerError):
             message = f"rank {rank} of {world_size} failed: {type(exc).__name__}: {message}"
         with contextlib.suppress(OSError):  # the error itself propagates either way
             shared.error(rank).write_text(json.dumps({"kind": kind, "message": message}))
@@ -211,6 +341,19 @@ def run_rank(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _out_of_memory_in_rank(rank: int, world_size: int, share: int | None, what: str) -> str:
+    """A rank's allocation failure as the job's error, with its share of the job's memory."""
+    if share is None:
+        return out_of_memory_message(f"rank {rank} of {world_size}: {what[:300]}")
+    return out_of_memory_message(
+        f"rank {rank} of {world_size} needed more than its share of the job's memory, "
+        f"{share / MIB:.0f} MiB: what the worker holds a job to (BNADAPT_WORKER_MEMORY_BYTES) "
+        f"less what the job's own process held, divided among its {world_size} ranks, each "
+        f"with its own copy of the model and its optimizer state; with fewer processes each "
+        f"rank has more. The allocator said: {what[:300]}"
+    )
 
 
 def _written_by_rank_0(state: TrainState) -> None:
@@ -367,6 +510,10 @@ def train_in_ranks(
     processes = params.processes
     _processes_fit(processes, job.device)
     threads = max(1, torch.get_num_threads() // processes)
+    # NOTE [ A job's memory among its processes ]: what this process holds now stays its own
+    # (it measures the trained model afterwards); the rest is the ranks', in equal shares.
+    left = memory_left()
+    share = None if left is None else left // processes
     with tempfile.TemporaryDirectory(prefix="bnadapt-ranks-") as workdir:
         shared = _Workdir(workdir)
         config = LaunchConfig(
@@ -374,16 +521,18 @@ def train_in_ranks(
             max_nodes=1,
             nproc_per_node=processes,
             run_id=payload.job_id,
-            rdzv_backend="c10d",
-            rdzv_endpoint="127.0.0.1:0",  # port 0: the store takes a free port
-            rdzv_configs={"timeout": RENDEZVOUS_TIMEOUT_S},
+            # NOTE [ Ranks meet on the loopback ]: a file, no socket.
+            rdzv_backend=_FILE_RENDEZVOUS,
+            rdzv_endpoint=str(shared.rendezvous),
             max_restarts=0,  # the ranks live and die together: one failure ends the attempt
             monitor_interval=0.1,
             start_method="spawn",  # the job's process may hold CUDA state: never fork it
-            local_addr="127.0.0.1",
+            local_addr=_LOOPBACK_ADDRESS,
             logs_specs=DefaultLogsSpecs(log_dir=str(shared.path / "logs")),
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         )
+        # Registered once a process (the same function again is accepted).
+        rendezvous_handler_registry.register(_FILE_RENDEZVOUS, _file_rendezvous)
         launch = elastic_launch(config, run_rank)
         oom_kills_before = oom_kills()
         try:
@@ -395,6 +544,7 @@ def train_in_ranks(
                     threads,
                     resume_sha256,
                     keep_checkpoints,
+                    share,
                 )
         except ChildFailedError as exc:
             raise _ranks_failure(exc, shared, hooks, oom_kills_before) from exc
