@@ -4,7 +4,7 @@ per-rank slices and averages their gradients (DDP's definition), keeping rank 0'
 statistics (DDP's buffer broadcast); with sync_batchnorm, a 2-process job equals, to 1e-5, the
 same job in one process on whole batches; what submission refuses; a rank killed mid-training
 ends the attempt as one interruption, retried, and a cancel ends all ranks, leaving no rank
-process behind either way."""
+process behind either way; nothing a job's processes open listens beyond the loopback."""
 
 from __future__ import annotations
 
