@@ -18,7 +18,8 @@ retries: measured, 16 submitters of one tenant made WATCH give up and answer 500
   service/records/jobs.py, ``_INTERRUPT_LUA`` in service/records/retries.py) removes its id
   in the script that ends it, so the set is exactly the tenant's queued and running jobs
   plus submissions in flight. At the limit the script also drops members whose job is not
-  queued or running (what an older release left), before refusing.
+  queued or running, before refusing; the set an earlier release kept (``...:active-jobs``,
+  read by status) is moved in by the first reservation.
 - stored bytes: the bytes of the DISTINCT store objects the tenant holds. A holder is a
   model, a dataset, a job (its inputs, its training checkpoint; a checkpoint it resumed
   from) or an open upload (``upload:<id>``: its reservation, or its parts as they land).
@@ -456,10 +457,18 @@ return 1
 """
 )
 
-# KEYS[1]: the tenant's active-job slots, KEYS[2]: its own quota values. ARGV[1]: the job;
+# KEYS[1]: the tenant's active-job slots, KEYS[2]: its own quota values, KEYS[3]: the set of
+# its active jobs an earlier release kept (moved into KEYS[1] once). ARGV[1]: the job;
 # ARGV[2]: the default max_active_jobs ('': not checked); ARGV[3]: the reservation's grace
 # (s); ARGV[4]: the prefix of a job's record key. Returns {1} or {0, active, limit}.
 _RESERVE_JOB_LUA: Final = """
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+    local status = redis.call('HGET', ARGV[4] .. id, 'status')
+    if status == 'queued' or status == 'running' then redis.call('ZADD', KEYS[1], 'inf', id) end
+  end
+  redis.call('DEL', KEYS[3])
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
@@ -700,7 +709,11 @@ def reserve_job_slot(
     result = _run(
         client,
         _RESERVE_JOB_LUA,
-        [keys.tenant_active_jobs(tenant_id), keys.tenant_quotas(tenant_id)],
+        [
+            keys.tenant_active_jobs(tenant_id),
+            keys.tenant_quotas(tenant_id),
+            f"{keys.PREFIX}:tenant:{tenant_id}:active-jobs",  # an earlier release's set
+        ],
         [job_id, _default(max_active_jobs), repr(float(grace_s)), keys.record("job", "")],
     )
     if int(result[0]) != 1:

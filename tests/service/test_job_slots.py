@@ -12,6 +12,7 @@ import pytest
 
 from api_schemas import JobStatus
 from service.errors import QuotaExceededError
+from service.records import keys
 from service.records.connection import redis_client
 from service.records.quotas import reserve_job_slot
 from service.records.sync import Records
@@ -60,3 +61,17 @@ def test_a_slot_whose_job_was_never_written_lapses(records: Records) -> None:
     time.sleep(0.7)
     reserve_job_slot(records.client, TENANT, "job_next", 1)
     assert active(records) == 1
+
+
+def test_the_active_jobs_an_earlier_release_kept_still_count(
+    records: Records, settings: Settings
+) -> None:
+    running, ended = queued_job(records, settings, 1), queued_job(records, settings, 1)
+    records.transition(ended, (JobStatus.QUEUED,), JobStatus.CANCELED)
+    # As an earlier release left them: a set of ids, read by status.
+    records.client.delete(keys.tenant_active_jobs(TENANT))
+    records.client.sadd(f"{keys.PREFIX}:tenant:{TENANT}:active-jobs", running, ended)
+    with pytest.raises(QuotaExceededError, match="max_active_jobs"):
+        reserve_job_slot(records.client, TENANT, "job_next", 1)
+    assert active(records) == 1
+    assert not records.client.exists(f"{keys.PREFIX}:tenant:{TENANT}:active-jobs")
