@@ -39,7 +39,7 @@ def register_dataset(
     against every rule, in bounded memory, and registers it; 422 (413 past a limit) naming
     what to fix, and nothing registered, when it breaks one. Blocking: call it from a worker
     thread."""
-    records.check_stored_bytes(tenant, size, settings.tenant_max_stored_bytes)
+    records.check_stored_bytes(tenant, size, settings.tenant_max_stored_bytes, sha256)
     path = store.local_path(sha256)
     try:
         if sniff(path)[0] == "tar":

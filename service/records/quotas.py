@@ -815,13 +815,24 @@ class TenantQuotas(RedisRecords):
         """Raises :class:`QuotaExceededError` when ``adding`` bytes would not fit now: the
         early refusal before an upload is read or a job that registers a model is queued
         (what writes the bytes checks again, atomically). ``sha256``: the object they are,
-        which adds nothing when the tenant holds it already."""
-        used = self._stored_and_uploads(tenant_id)[0]
-        if sha256 is not None and self.client.hexists(keys.tenant_held_counts(tenant_id), sha256):
-            adding = 0
-        own = self.client.hget(keys.tenant_quotas(tenant_id), "max_stored_bytes")
+        which adds nothing when the tenant holds it already.
+
+        Reads only, on the request path: a script that writes would wait out a pause of
+        Redis' writes (a failover, ``CLIENT PAUSE WRITE``) on a thread of the request pool.
+        Only a refusal runs the script that drops expired uploads first, so an upload nobody
+        ended never refuses a registration."""
+        ensure_stored_bytes_counted(self.client, tenant_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hget(keys.tenant_quotas(tenant_id), "max_stored_bytes")
+        pipe.get(keys.tenant_stored_bytes(tenant_id))
+        pipe.hexists(keys.tenant_held_counts(tenant_id), sha256 or "")
+        own, stored, held = pipe.execute()
         limit = _limit(own, default)
-        if limit > 0 and used + max(adding, 0) > limit:
+        adding = 0 if sha256 is not None and held else max(adding, 0)
+        if limit <= 0 or int(stored or 0) + adding <= limit:
+            return
+        used = self._stored_and_uploads(tenant_id)[0]
+        if used + adding > limit:
             raise QUOTAS["max_stored_bytes"].exceeded(limit, used)
 
     def check_open_uploads(self, tenant_id: str, default: float) -> None:
