@@ -70,6 +70,7 @@ __all__ = [
     "resnet",
     "resolve_kwargs",
     "state_spec",
+    "tensor_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -250,13 +251,14 @@ def parameter_count(model: nn.Module) -> int:
 ACTIVATION_PROBE_SIDE = 64
 
 
-def _tensor_bytes(value: Any) -> int:
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (a tensor, or lists, tuples and dicts of them)."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, list | tuple):
-        return sum(_tensor_bytes(item) for item in value)
+        return sum(tensor_bytes(item) for item in value)
     if isinstance(value, dict):
-        return sum(_tensor_bytes(item) for item in value.values())
+        return sum(tensor_bytes(item) for item in value.values())
     return 0
 
 
@@ -277,8 +279,8 @@ def activation_footprint(model: nn.Module, input_shape: Sequence[int | None]) ->
 
     def measure(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         nonlocal largest, kept
-        out = _tensor_bytes(output)
-        largest = max(largest, _tensor_bytes(args) + out)
+        out = tensor_bytes(output)
+        largest = max(largest, tensor_bytes(args) + out)
         kept += out
 
     def forward() -> None:
@@ -307,7 +309,7 @@ def activation_footprint(model: nn.Module, input_shape: Sequence[int | None]) ->
         for parameter in model.parameters():
             parameter.grad = None
     elements = x.numel()
-    inputs = _tensor_bytes(x)
+    inputs = tensor_bytes(x)
     # Twice the largest leaf's: a residual block holds its input beside its branch's, and the
     # allocator's caching keeps a freed block for the next; with gradients, the largest leaf's
     # gradients join what autograd kept.

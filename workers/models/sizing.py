@@ -37,6 +37,7 @@ from workers.models.architectures import (
     build_model,
     registry,
     resolve_kwargs,
+    tensor_bytes,
 )
 from workers.models.spec import ParamValue
 
@@ -103,16 +104,6 @@ def format_bytes(num_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, list | tuple):
-        return sum(_tensor_bytes(item) for item in value)
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(item) for item in value.values())
-    return 0
-
-
 def _probe_bytes(model: nn.Module, input_shape: Sequence[int | None], side: int) -> int | None:
     """The probe's tensors from a train-mode forward of a meta model on meta inputs: the
     input, every leaf's output (what a backward keeps) and the largest leaf's input and output
@@ -125,8 +116,8 @@ def _probe_bytes(model: nn.Module, input_shape: Sequence[int | None], side: int)
 
     def measure_leaf(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         nonlocal largest, kept
-        out = _tensor_bytes(output)
-        largest = max(largest, _tensor_bytes(args) + out)
+        out = tensor_bytes(output)
+        largest = max(largest, tensor_bytes(args) + out)
         kept += out
 
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
@@ -140,7 +131,7 @@ def _probe_bytes(model: nn.Module, input_shape: Sequence[int | None], side: int)
     finally:
         for handle in handles:
             handle.remove()
-    return _tensor_bytes(x) + kept + largest
+    return tensor_bytes(x) + kept + largest
 
 
 def measure(name: str, kwargs: Mapping[str, Any], probe: bool = True) -> ModelSize | None:
