@@ -140,6 +140,11 @@ class Settings(BaseSettings):
     # refused before it is built, and the build's process is held to it. None: three times
     # max_weights_bytes plus 2 GiB (inspect_memory_limit).
     inspect_memory_bytes: int | None = Field(default=None, ge=1)
+    # How many models a worker's inspector builds at once, each in a builder process of its
+    # own held to inspect_memory_bytes (so the inspector may take that many times as much).
+    # A tenant has at most one build in flight (NOTE [ Inspection turns ] in
+    # workers/processes/inspector.py): with 2, one tenant's large build never holds another's.
+    inspect_builders: int = Field(default=2, ge=1, le=16)
     # A running job whose worker has not written a heartbeat for this long is failed.
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
     # Longest a job may run before its worker stops it and fails it (NOTE [ Job bounds ] in

@@ -685,25 +685,57 @@ def _handle(
 
 def serve(settings: Settings, stop: threading.Event | None = None) -> None:
     """Answers inspection requests until ``stop`` is set (or forever): takes them in turns
-    between tenants (NOTE [ Inspection turns ]) and has a builder process answer each."""
+    between tenants (NOTE [ Inspection turns ]) in ``settings.inspect_builders`` lanes, each
+    with a builder process of its own, so a build in flight never holds another tenant's."""
     stop = stop or threading.Event()
     client = redis_client(settings.redis_url)
     turns = InspectionTurns(client, settings.inspect_timeout_s + LEASE_MARGIN_S)
-    builder = Builder(settings)
-    catalog_json = "[" + ",".join(a.model_dump_json() for a in catalog()) + "]"
-    published = 0.0
+    alive = _AliveMark(client, "[" + ",".join(a.model_dump_json() for a in catalog()) + "]")
+    lanes = [
+        threading.Thread(
+            target=_serve_lane,
+            args=(client, turns, Builder(settings), alive.keep_alive, stop),
+            name=f"inspection-lane-{i}",
+            daemon=True,
+        )
+        for i in range(settings.inspect_builders)
+    ]
+    for lane in lanes:
+        lane.start()
+    for lane in lanes:
+        lane.join()
 
-    def keep_alive() -> None:
-        """Publishes the alive mark and the catalog when they are due, builds or not."""
-        nonlocal published
-        if time.monotonic() - published <= PUBLISH_INTERVAL_S:
-            return
-        try:
-            publish(client, catalog_json)
-            published = time.monotonic()
-        except redis.ConnectionError:
-            log.warning("redis unreachable; publishing again in %g s", PUBLISH_INTERVAL_S)
 
+class _AliveMark:
+    """The catalog and the "inspectors alive" mark, published when due by whichever lane
+    calls first (between builds, and between the slices of a long build)."""
+
+    def __init__(self, client: redis.Redis, catalog_json: str) -> None:
+        self.client = client
+        self.catalog_json = catalog_json
+        self._published = 0.0
+        self._lock = threading.Lock()
+
+    def keep_alive(self) -> None:
+        with self._lock:
+            if time.monotonic() - self._published <= PUBLISH_INTERVAL_S:
+                return
+            try:
+                publish(self.client, self.catalog_json)
+                self._published = time.monotonic()
+            except redis.ConnectionError:
+                log.warning("redis unreachable; publishing again in %g s", PUBLISH_INTERVAL_S)
+
+
+def _serve_lane(
+    client: redis.Redis,
+    turns: InspectionTurns,
+    builder: Builder,
+    keep_alive: Callable[[], None],
+    stop: threading.Event,
+) -> None:
+    """One lane: takes the next request whose tenant has none in flight and has its builder
+    answer it, until ``stop`` is set."""
     try:
         while not stop.is_set():
             try:
