@@ -228,10 +228,14 @@ def run_registration_flood(
     model_kwargs: dict[str, int],
     model_threads: int,
     pin: bool,
+    a_nice: int,
     stop: Any,
     figures: Any,
 ) -> None:
-    """Tenant A's process: the flood until ``stop`` is set, then its figures on ``figures``."""
+    """Tenant A's process: the flood until ``stop`` is set, then its figures on ``figures``.
+    ``a_nice``: A's client below everything else, as on a machine of its own."""
+    if a_nice:
+        os.nice(a_nice)
     if pin:
         os.sched_setaffinity(0, {1})  # A's client beside the worker, off the API's core
     flood = RegistrationFlood(url, key, files, sources, model_kwargs, model_threads)

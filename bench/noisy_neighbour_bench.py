@@ -336,6 +336,33 @@ def write_upload(path: Path, mib: int, seed: int) -> None:
     np.savez(path, x=x)
 
 
+def uploads_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """With ``--uploads-nice``: the uploads' bytes to an API process of their own (NOTE
+    [ Upload bytes in processes of their own ] in service/api/routes/uploads.py), started by
+    :func:`start_uploads_api` on this port."""
+    if args.uploads_nice is None:
+        return {}
+    return {"BNADAPT_UPLOADS_URL": f"http://127.0.0.1:{free_port()}"}
+
+
+def start_uploads_api(
+    args: argparse.Namespace, stack: Any, overrides: dict[str, str], cleanup: contextlib.ExitStack
+) -> subprocess.Popen[bytes] | None:
+    """The uploads' API process that ``overrides`` names (None without ``--uploads-nice``),
+    at its nice value, answering."""
+    if args.uploads_nice is None:
+        return None
+    url = overrides["BNADAPT_UPLOADS_URL"]
+    uploads_api = subprocess.Popen(
+        api_command("127.0.0.1", int(url.rsplit(":", 1)[1])),
+        env={**stack.env, "BNADAPT_API_NICE": str(args.uploads_nice)},
+        cwd=STACK_REPO,
+    )
+    cleanup.callback(stop_process, uploads_api)
+    wait_for(lambda: _answers(f"{url}/healthz"), timeout_s=60, what="the uploads' API")
+    return uploads_api
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     files = []
     for i in range(args.uploads):
@@ -343,12 +370,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         write_upload(path, args.upload_mib, i)
         files.append(path)
     digits = np.random.default_rng(0).integers(0, 256, size=(256, 1, 8, 8), dtype=np.uint8)
-    overrides = {}
-    if args.uploads_nice is not None:
-        # The uploads' bytes to an API process of their own (NOTE [ Upload bytes in processes
-        # of their own ] in service/api/routes/uploads.py), started below.
-        uploads_port = free_port()
-        overrides["BNADAPT_UPLOADS_URL"] = f"http://127.0.0.1:{uploads_port}"
+    overrides = uploads_overrides(args)
     with (
         running_stack(
             work / "stack", env_overrides=overrides, api_processes=args.api_processes
@@ -362,16 +384,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         model_b = b.add_model("digits_cnn", {"width": 8})
         data_a = a.add_dataset(_npz(work / "a.npz", digits))
         data_b = b.add_dataset(_npz(work / "b.npz", digits))
-        uploads_api = None
-        if args.uploads_nice is not None:
-            uploads_api = subprocess.Popen(
-                api_command("127.0.0.1", uploads_port),
-                env={**stack.env, "BNADAPT_API_NICE": str(args.uploads_nice)},
-                cwd=STACK_REPO,
-            )
-            cleanup.callback(stop_process, uploads_api)
-            url = overrides["BNADAPT_UPLOADS_URL"]
-            wait_for(lambda: _answers(f"{url}/healthz"), timeout_s=60, what="the uploads' API")
+        uploads_api = start_uploads_api(args, stack, overrides, cleanup)
         if args.pin:
             pin_machines(stack)
             if uploads_api is not None:
@@ -502,13 +515,11 @@ def run_registrations(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         s3: S3Sources | None = None
         if args.imports:
             s3 = cleanup.enter_context(s3_sources(work, files[args.uploads :]))
+        overrides = {**(s3.env if s3 is not None else {}), **uploads_overrides(args)}
         stack = cleanup.enter_context(
-            running_stack(
-                work / "stack",
-                env_overrides=s3.env if s3 is not None else None,
-                api_processes=args.api_processes,
-            )
+            running_stack(work / "stack", env_overrides=overrides, api_processes=args.api_processes)
         )
+        uploads_api = start_uploads_api(args, stack, overrides, cleanup)
         records = stack.records()
         key_a, key_b = records.create_api_key("a"), records.create_api_key("b")
         if s3 is not None:
@@ -516,6 +527,8 @@ def run_registrations(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         b = Client(stack.url, key_b.key, timeout_s=600)
         if args.pin:
             pin_machines(stack)
+            if uploads_api is not None:
+                pin(uploads_api.pid, args.uploads_processor)
         b.add_model("mlp", {"in_features": 16, "hidden": 16, "depth": 1})  # warm: first build
         b.add_dataset(small)
 
@@ -536,6 +549,7 @@ def run_registrations(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 model_kwargs,
                 args.model_threads,
                 args.pin,
+                args.a_nice,
                 stop,
                 figures,
             ),
