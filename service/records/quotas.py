@@ -506,7 +506,13 @@ def _run(
     pipe: redis.client.Pipeline | None = None,
 ) -> Any:
     """Runs one of the scripts above on ``client``, or queued on ``pipe`` (a MULTI)."""
-    return _script(client, source)(keys=script_keys, args=args, client=pipe or client)
+    if pipe is not None:
+        # EVAL with the source, not the Script object: on a pipeline, redis-py asks SCRIPT
+        # EXISTS for its scripts before every EXEC (one round trip more per submission), and
+        # an EVALSHA that met NOSCRIPT inside a MULTI would fail alone while the rest ran.
+        # Redis caches the compiled script by its digest either way.
+        return pipe.eval(source, len(script_keys), *script_keys, *args)
+    return _script(client, source)(keys=script_keys, args=args, client=client)
 
 
 def _default(value: float | None) -> str:
@@ -821,15 +827,21 @@ class TenantQuotas(RedisRecords):
         Redis' writes (a failover, ``CLIENT PAUSE WRITE``) on a thread of the request pool.
         Only a refusal runs the script that drops expired uploads first, so an upload nobody
         ended never refuses a registration."""
-        ensure_stored_bytes_counted(self.client, tenant_id)
         pipe = self.client.pipeline(transaction=False)
         pipe.hget(keys.tenant_quotas(tenant_id), "max_stored_bytes")
+        pipe.exists(keys.tenant_holdings_counted(tenant_id))
         pipe.get(keys.tenant_stored_bytes(tenant_id))
         pipe.hexists(keys.tenant_held_counts(tenant_id), sha256 or "")
-        own, stored, held = pipe.execute()
+        own, counted, stored, held = pipe.execute()
         limit = _limit(own, default)
+        if limit <= 0:
+            return
+        if not counted:
+            ensure_stored_bytes_counted(self.client, tenant_id)
+            stored = self.client.get(keys.tenant_stored_bytes(tenant_id))
+            held = self.client.hexists(keys.tenant_held_counts(tenant_id), sha256 or "")
         adding = 0 if sha256 is not None and held else max(adding, 0)
-        if limit <= 0 or int(stored or 0) + adding <= limit:
+        if int(stored or 0) + adding <= limit:
             return
         used = self._stored_and_uploads(tenant_id)[0]
         if used + adding > limit:
