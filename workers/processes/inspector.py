@@ -498,6 +498,10 @@ def _builder_main(conn: Connection, settings: Settings, parent_pid: int) -> None
     limits = build_limits(settings)
     store = open_store(settings)
     registry()  # the zoo's imports, before the cap counts from what the process holds
+    # The lanes' builders share the processors: each takes its share of torch's threads. With
+    # a thread per processor in each, two builders' OpenMP threads spin against each other and
+    # a small build beside a large one took seconds instead of a tenth of one.
+    torch.set_num_threads(max(1, _processors() // settings.inspect_builders))
     hold_job_to(limits.memory_bytes, "cpu")
     conn.send_bytes(_READY)
     while True:
@@ -507,6 +511,12 @@ def _builder_main(conn: Connection, settings: Settings, parent_pid: int) -> None
             return
         request = InspectRequest.model_validate_json(raw)
         conn.send_bytes(_answer(request, store, limits).model_dump_json().encode())
+
+
+def _processors() -> int:
+    """The processors this process may run on (its affinity where the system says)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 _REPLY: Final[TypeAdapter[InspectSuccess | InspectFailure]] = TypeAdapter(
@@ -647,6 +657,14 @@ class Builder:
         self._discard()
 
 
+def _waited(taken: Taken, request: InspectRequest, timeout_s: float) -> str:
+    """How long ``request`` waited to be taken, read from the deadline the API gave it (its
+    sending time plus ``timeout_s``, on the Redis server's clock), for the log."""
+    if request.deadline_s is None or not taken.now_s:
+        return "wait unknown"
+    return f"taken {taken.now_s - (request.deadline_s - timeout_s):.2f} s after it was sent"
+
+
 def _handle(
     client: redis.Redis,
     turns: InspectionTurns,
@@ -669,13 +687,16 @@ def _handle(
         request = None
     pipe = client.pipeline()
     if request is not None:
+        started = time.monotonic()
         reply = builder.answer(request, limit_s, keep_alive)
         log.info(
-            "inspection %s of %s for tenant %s: %s",
+            "inspection %s of %s for tenant %s: %s (built in %.2f s, %s)",
             request.request_id,
             request.architecture,
             taken.tenant or "(an earlier release's)",
             "ok" if isinstance(reply, InspectSuccess) else reply.status,
+            time.monotonic() - started,
+            _waited(taken, request, builder.settings.inspect_timeout_s),
         )
         pipe.lpush(keys.inspect_reply(request.request_id), reply.model_dump_json())
         pipe.expire(keys.inspect_reply(request.request_id), REPLY_TTL_S)
