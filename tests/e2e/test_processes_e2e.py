@@ -211,10 +211,12 @@ def test_sync_batchnorm_on_two_processes_equals_one_process(stack: Stack) -> Non
 
 def rank_pids(stack: Stack) -> list[int]:
     """The rank processes under the stack's worker: the processes torch's launcher spawned
-    (``multiprocessing.spawn``) among the worker supervisor's descendants."""
+    (``multiprocessing.spawn``) among the worker supervisor's descendants, less the
+    inspector's builders (spawned too: NOTE [ Bounded builds ])."""
     assert stack.worker is not None
     parents: dict[int, int] = {}
     spawned: list[int] = []
+    inspectors: set[int] = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -226,10 +228,14 @@ def rank_pids(stack: Stack) -> list[int]:
         parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
         if b"spawn_main" in cmdline:
             spawned.append(int(entry.name))
+        if b"workers.processes.inspector" in cmdline:
+            inspectors.add(int(entry.name))
 
     def under_worker(pid: int) -> bool:
         while pid > 1:
             pid = parents.get(pid, 0)
+            if pid in inspectors:
+                return False
             if pid == stack.worker.pid:  # type: ignore[union-attr]
                 return True
         return False
