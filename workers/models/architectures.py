@@ -54,6 +54,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "Architecture",
     "ConvBlock",
+    "LeafTensors",
     "MLPBlock",
     "ParamSpec",
     "ResidualBlock",
@@ -274,14 +275,6 @@ def activation_footprint(model: nn.Module, input_shape: Sequence[int | None]) ->
     BatchNorm running statistics: use it on a model kept for nothing else, or last."""
     shape = [ACTIVATION_PROBE_SIDE if d is None else d for d in input_shape]
     x = torch.zeros(2, *shape)
-    largest = 0
-    kept = 0
-
-    def measure(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        nonlocal largest, kept
-        out = tensor_bytes(output)
-        largest = max(largest, tensor_bytes(args) + out)
-        kept += out
 
     def forward() -> None:
         with torch.no_grad():
@@ -292,20 +285,16 @@ def activation_footprint(model: nn.Module, input_shape: Sequence[int | None]) ->
         if loss is not None and loss.requires_grad:
             torch.autograd.backward(loss)
 
-    leaves = [m for m in model.modules() if next(m.children(), None) is None]
-    handles = [leaf.register_forward_hook(measure) for leaf in leaves]
+    leaves = LeafTensors(model)
     was_training = model.training
     try:
         model.train()
         forward_peak = _peak_allocated(forward)
-        for handle in handles:
-            handle.remove()
-        handles = []
+        leaves.remove()
         backward_peak = _peak_allocated(forward_and_backward)
     finally:
         model.train(was_training)
-        for handle in handles:
-            handle.remove()
+        leaves.remove()
         for parameter in model.parameters():
             parameter.grad = None
     elements = x.numel()
@@ -314,9 +303,32 @@ def activation_footprint(model: nn.Module, input_shape: Sequence[int | None]) ->
     # allocator's caching keeps a freed block for the next; with gradients, the largest leaf's
     # gradients join what autograd kept.
     return {
-        "forward_bytes_per_element": (inputs + max(2 * largest, forward_peak)) / elements,
-        "backward_bytes_per_element": (inputs + max(kept + largest, backward_peak)) / elements,
+        "forward_bytes_per_element": (inputs + max(2 * leaves.largest, forward_peak)) / elements,
+        "backward_bytes_per_element": (inputs + max(leaves.kept + leaves.largest, backward_peak))
+        / elements,
     }
+
+
+class LeafTensors:
+    """The bytes of the tensors a model's leaf modules pass while hooked (from construction
+    to :meth:`remove`): ``kept``, every leaf's output (what a backward keeps), and
+    ``largest``, the largest leaf's input and output together."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.largest = 0
+        self.kept = 0
+        leaves = [m for m in model.modules() if next(m.children(), None) is None]
+        self._handles = [leaf.register_forward_hook(self._measure) for leaf in leaves]
+
+    def _measure(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        out = tensor_bytes(output)
+        self.largest = max(self.largest, tensor_bytes(args) + out)
+        self.kept += out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def _float_sum(output: Any) -> torch.Tensor | None:

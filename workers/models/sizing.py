@@ -34,6 +34,7 @@ from torch import nn
 from workers.errors import ArchitectureError
 from workers.models.architectures import (
     ACTIVATION_PROBE_SIDE,
+    LeafTensors,
     build_model,
     registry,
     resolve_kwargs,
@@ -111,17 +112,7 @@ def _probe_bytes(model: nn.Module, input_shape: Sequence[int | None], side: int)
     the forward fails on meta tensors."""
     shape = [side if d is None else d for d in input_shape]
     x = torch.zeros(PROBE_BATCH, *shape, device="meta")  # (2, *sample)
-    largest = 0
-    kept = 0
-
-    def measure_leaf(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        nonlocal largest, kept
-        out = tensor_bytes(output)
-        largest = max(largest, tensor_bytes(args) + out)
-        kept += out
-
-    leaves = [m for m in model.modules() if next(m.children(), None) is None]
-    handles = [leaf.register_forward_hook(measure_leaf) for leaf in leaves]
+    leaves = LeafTensors(model)
     try:
         model.train()
         with torch.no_grad():
@@ -129,9 +120,8 @@ def _probe_bytes(model: nn.Module, input_shape: Sequence[int | None], side: int)
     except Exception:  # noqa: BLE001 - any operator without a meta kernel: not measured
         return None
     finally:
-        for handle in handles:
-            handle.remove()
-    return tensor_bytes(x) + kept + largest
+        leaves.remove()
+    return tensor_bytes(x) + leaves.kept + leaves.largest
 
 
 def measure(name: str, kwargs: Mapping[str, Any], probe: bool = True) -> ModelSize | None:
