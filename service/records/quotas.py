@@ -7,7 +7,7 @@ means no limit. A request past one raises :class:`~service.errors.QuotaExceededE
 the API answers 429 with ``Retry-After``. Every check and the write it guards are one Lua
 script (or a reservation taken by one), so two API processes, or any number of requests
 racing in one, never both take the last unit and never fail for having raced (no WATCH, no
-retries: measured, 16 submitters of one tenant made WATCH give up and answer 500):
+retries: a WATCH that loses to every concurrent writer can only give up):
 
 - active jobs: ``keys.tenant_active_jobs``, a sorted set. A submission first reserves a slot
   (``_RESERVE_JOB_LUA``: counts, refuses at the limit, else adds the job's id scored by

@@ -500,7 +500,8 @@ def _builder_main(conn: Connection, settings: Settings, parent_pid: int) -> None
     registry()  # the zoo's imports, before the cap counts from what the process holds
     # The lanes' builders share the processors: each takes its share of torch's threads. With
     # a thread per processor in each, two builders' OpenMP threads spin against each other and
-    # a small build beside a large one took seconds instead of a tenth of one.
+    # a small build waits on the large one beside it (bench/RESULTS.md, the registrations
+    # phase).
     torch.set_num_threads(max(1, _processors() // settings.inspect_builders))
     hold_job_to(limits.memory_bytes, "cpu")
     conn.send_bytes(_READY)
