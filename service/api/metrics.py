@@ -59,6 +59,7 @@ from service.records.format import text
 from service.records.sync import Records
 from service.records.turns import Turns
 from service.settings import Settings
+from service.sockets import sockets_of
 from service.store.base import Store
 
 __all__ = ["MULTIPROC_ENV", "compute_figures", "install_metrics"]
@@ -224,42 +225,14 @@ def _log_failure(refresh: asyncio.Future[dict[str, Any]]) -> None:
         log.warning("the deployment's metrics could not be computed: %r", exc)
 
 
-def _socket_inodes() -> set[str]:
-    """The inodes of this process's open sockets (Linux's /proc)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # closed since it was listed
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:[") : -1])
-    return inodes
-
-
-def _kernel_address(hex_address: str) -> str:
-    """An address of /proc/net/tcp{,6} (32-bit words in host order, x86's and ARM's little
-    endian) as text."""
-    raw = bytes.fromhex(hex_address)
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return str(ipaddress.ip_address(words))
-
-
-def listening_addresses(port: int) -> list[str] | None:
-    """The local addresses of this process's TCP sockets that listen on ``port``, None where
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses of this process's TCP sockets that listen on ``port``; none where
     the kernel's socket table cannot be read (not Linux)."""
-    try:
-        inodes = _socket_inodes()
-        found = []
-        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-            with contextlib.suppress(FileNotFoundError), open(table) as lines:
-                for line in list(lines)[1:]:
-                    # local_address (hex address:port), state (0A: LISTEN), inode.
-                    fields = line.split()
-                    address, _, hex_port = fields[1].partition(":")
-                    if fields[3] == "0A" and fields[9] in inodes and int(hex_port, 16) == port:
-                        found.append(_kernel_address(address))
-        return found
-    except OSError:
-        return None
+    return [
+        str(found.address)
+        for found in sockets_of([os.getpid()])
+        if found.listening and found.port == port
+    ]
 
 
 def _is_loopback(host: str) -> bool:
