@@ -69,6 +69,7 @@ sys.path.insert(0, str(REPO))
 from _noisy_registrations import (  # noqa: E402
     S3Sources,
     b_registrations,
+    below_everything,
     run_registration_flood,
     s3_sources,
 )
@@ -251,7 +252,7 @@ def run_flood(
     if args.a_nice:
         # A's client on a machine of its own, as it would be: on this one it then takes only
         # the processor time the service and B leave (its uploads hash every part, twice).
-        os.nice(args.a_nice)
+        below_everything(args.a_nice)
     if args.pin:
         os.sched_setaffinity(0, {1})  # A's client beside the worker, off the API's core
     flood = Flood(Client(url, key, timeout_s=600), url, key, model, data, files, args.rate)

@@ -6,6 +6,8 @@ workers/processes/inspector.py)."""
 from __future__ import annotations
 
 import math
+import os
+import threading
 from typing import Any
 
 import pytest
@@ -27,7 +29,12 @@ from workers.models.architectures import (
     resolve_kwargs,
 )
 from workers.models.sizing import WEIGHT_COPIES, BuildLimits, ModelSize, check_size, measure
-from workers.processes.inspector import InspectionTurns, Taken, inspect
+from workers.processes.inspector import (
+    LARGE_BUILD_NICENESS,
+    InspectionTurns,
+    Taken,
+    inspect,
+)
 
 GIB = 1024**3
 
@@ -111,6 +118,37 @@ def test_an_inspection_refuses_a_huge_model_without_building_it(tmp_path: Any) -
     assert answer.status == 422
     assert "336,127,983,626 parameters" in answer.detail, answer.detail
     assert "use hidden <= 519" in answer.detail, answer.detail
+
+
+def _priority_after(request: InspectRequest, tmp_path: Any) -> tuple[int, int]:
+    """The priority of the thread that ran ``inspect(request)``, read in that thread right
+    after, and that of this thread."""
+    settings = Settings(redis_url="redis://127.0.0.1:1/0", data_dir=tmp_path)
+    limits = BuildLimits(settings.max_weights_bytes, settings.inspect_memory_limit)
+    found: list[int] = []
+
+    def run() -> None:
+        inspect(request, LocalStore(tmp_path / "store"), limits)
+        found.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return found[0], os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_a_large_build_lowers_its_own_thread_s_priority_and_a_small_one_does_not(
+    tmp_path: Any,
+) -> None:
+    """NOTE [ Large builds yield ]: a small build beside a large one takes the processor."""
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    small = InspectRequest(request_id="s", architecture="mlp", kwargs={"hidden": 16})
+    # 2048 x 2048 x 2: about 32 MiB of weights, three copies past SMALL_BUILD_BYTES.
+    large = InspectRequest(
+        request_id="l", architecture="mlp", kwargs={"in_features": 2048, "hidden": 2048}
+    )
+    assert _priority_after(small, tmp_path) == (before, before)
+    assert _priority_after(large, tmp_path) == (min(19, before + LARGE_BUILD_NICENESS), before)
 
 
 # --- Turns --------------------------------------------------------------------------------

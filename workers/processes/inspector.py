@@ -16,6 +16,7 @@ so the API can tell when no worker runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import logging
 import multiprocessing
@@ -264,6 +265,30 @@ def _out_of_memory(architecture: str, limits: BuildLimits) -> InspectFailure:
     )
 
 
+# NOTE [ Large builds yield ]
+# The lanes' builders share the machine's processors with each other and with the rest of the
+# worker. The scheduler divides a processor fairly between runnable threads, so a small build
+# that wakes while a large one runs beside it can wait in the run queue for a long time (seconds
+# on a shared processor, bench/RESULTS.md's registrations phase: the build itself takes
+# milliseconds; the wait is all queue). A build whose measured footprint is past
+# SMALL_BUILD_BYTES (or that the meta device cannot measure) therefore lowers the priority of
+# the thread it runs in by LARGE_BUILD_NICENESS: each request runs in a thread of its own
+# (``_answer_in_thread``), so the builder's process and its next build keep theirs; lowering a
+# thread's own priority needs no privilege. A small build then takes the processor when it
+# wakes, and the large one uses what is left. torch's intra-op threads, where a lane has more
+# than one processor, keep the priority they were started with.
+SMALL_BUILD_BYTES: Final = 64 * 2**20
+LARGE_BUILD_NICENESS: Final = 10
+
+
+def _yield_to_small_builds() -> None:
+    """Lowers this thread's scheduling priority (NOTE [ Large builds yield ])."""
+    with contextlib.suppress(OSError, AttributeError):  # where threads' priorities are not own
+        thread = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, current + LARGE_BUILD_NICENESS))
+
+
 def inspect(
     request: InspectRequest, store: Store, limits: BuildLimits
 ) -> InspectSuccess | InspectFailure:
@@ -273,7 +298,9 @@ def inspect(
     try:
         kwargs = resolve_kwargs(request.architecture, request.kwargs)
         arch = registry()[request.architecture]
-        check_size(request.architecture, kwargs, limits)
+        size = check_size(request.architecture, kwargs, limits)
+        if size is None or size.needed_bytes() > SMALL_BUILD_BYTES:
+            _yield_to_small_builds()
         renaming = None
         if request.weights_sha256 is None:
             torch.manual_seed(request.seed)
@@ -511,7 +538,22 @@ def _builder_main(conn: Connection, settings: Settings, parent_pid: int) -> None
         except EOFError:
             return
         request = InspectRequest.model_validate_json(raw)
-        conn.send_bytes(_answer(request, store, limits).model_dump_json().encode())
+        reply = _answer_in_thread(request, store, limits)
+        conn.send_bytes(reply.model_dump_json().encode())
+
+
+def _answer_in_thread(
+    request: InspectRequest, store: Store, limits: BuildLimits
+) -> InspectSuccess | InspectFailure:
+    """``_answer`` in a thread of its own, whose priority the build may lower for itself
+    (NOTE [ Large builds yield ])."""
+    replies: list[InspectSuccess | InspectFailure] = []
+    thread = threading.Thread(
+        target=lambda: replies.append(_answer(request, store, limits)), name="build"
+    )
+    thread.start()
+    thread.join()
+    return replies[0]
 
 
 def _processors() -> int:
