@@ -59,7 +59,7 @@ def split_s3_source(url: str) -> tuple[str, str]:
     or ``""`` for the whole bucket. ``ValueError`` for anything a client or server could read
     as another key than the one written: a ``.`` or ``..`` segment (an HTTP client may remove
     dot segments from a path), an empty segment, a backslash, a control character
-    (NOTE [ Import sources ] in service/records/import_sources.py)."""
+    (NOTE [ Import sources ] in service/records/tenancy/import_sources.py)."""
     how = "write s3://BUCKET/KEY (an object) or s3://BUCKET/PREFIX/ (a folder)"
     if not url.startswith("s3://"):
         raise ValueError(f"a source is an S3 URL: {how}")

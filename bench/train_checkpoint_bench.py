@@ -1,5 +1,5 @@
 """What a training checkpoint costs a train job (NOTE [ Training checkpoints ] in
-workers/running/train_state.py): its time against a training step's, its bytes against the
+workers/training/train_state.py): its time against a training step's, its bytes against the
 weights', and what writing one every ``--every`` steps does to the whole training.
 
 Each row trains the resnet architecture (``--depth``, ``--width``) on random 3x32x32 images
@@ -41,8 +41,8 @@ if str(REPO_ROOT) not in sys.path:
 from service.store.local import LocalStore  # noqa: E402
 from workers.models.architectures import build_model  # noqa: E402
 from workers.running.saving import weights_bytes  # noqa: E402
-from workers.running.train_state import TrainState, state_bytes  # noqa: E402
-from workers.running.training import Checkpointing, Optimizer, train_model  # noqa: E402
+from workers.training.train_state import TrainState, state_bytes  # noqa: E402
+from workers.training.training import Checkpointing, Optimizer, train_model  # noqa: E402
 
 
 @dataclass(frozen=True)

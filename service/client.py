@@ -596,7 +596,7 @@ def _rate_wait_s(response: httpx.Response) -> int | None:
         detail = str(response.json().get("detail", ""))
     except (ValueError, AttributeError):
         return None
-    # Every quota's 429 names it first (QuotaSpec.exceeded in service/records/quotas.py).
+    # Every quota's 429 names it first (QuotaSpec.exceeded in service/records/tenancy/quotas.py).
     return int(retry_after) if detail.startswith("quota rate_per_s ") else None
 
 

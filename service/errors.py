@@ -9,10 +9,10 @@ Exception tree::
     ├── ArrayFileError           a dataset file is unreadable or breaks the dataset rules
     │   └── ArrayLimitError      it would take more memory to read than the limits allow
     ├── InvalidPageTokenError    a page token this service did not hand out
-    ├── QuotaExceededError       a tenant is at one of its quotas (service/records/quotas.py)
-    ├── WeightsFileError         a weights file is not an acceptable safetensors file
-    └── EmbeddedServerError      the private Redis-compatible server (service/local/embedded.py)
-        ├── ServerBinaryNotFoundError  no server binary to run
+    ├── QuotaExceededError       a tenant is at one of its quotas
+    (service/records/tenancy/quotas.py) ├── WeightsFileError         a weights file is not an
+    acceptable safetensors file └── EmbeddedServerError      the private Redis-compatible server
+        (service/local/embedded.py) ├── ServerBinaryNotFoundError  no server binary to run
         ├── DataDirInUseError          another server holds the data directory
         └── ServerStartError           the server exited, or did not answer in time
 
@@ -74,9 +74,9 @@ class InvalidPageTokenError(BnadaptError):
 
 
 class QuotaExceededError(BnadaptError):
-    """A tenant is at one of its quotas (NOTE [ Tenant quotas ] in service/records/quotas.py):
-    the message names the limit, its value and what to do; ``retry_after_s`` is when trying
-    again may succeed."""
+    """A tenant is at one of its quotas (NOTE [ Tenant quotas ] in
+    service/records/tenancy/quotas.py): the message names the limit, its value and what to do;
+    ``retry_after_s`` is when trying again may succeed."""
 
     def __init__(self, message: str, quota: str, limit: float, retry_after_s: int) -> None:
         super().__init__(message)

@@ -194,8 +194,8 @@ class Settings(BaseSettings):
     # the last result in between (NOTE [ Cheap readiness ] in service/api/routes/health.py).
     ready_check_s: float = Field(default=5.0, gt=0)
 
-    # Quotas per tenant (NOTE [ Tenant quotas ] in service/records/quotas.py), each answered 429
-    # with Retry-After; 0 means no limit. `bnadapt tenants set-quota` gives a tenant its own.
+    # Quotas per tenant (NOTE [ Tenant quotas ] in service/records/tenancy/quotas.py), each answered
+    # 429 with Retry-After; 0 means no limit. `bnadapt tenants set-quota` gives a tenant its own.
     # Active (queued + running) jobs; bytes of the models and datasets a tenant holds; open
     # uploads (resumable and direct); open job event streams; requests per second, a token
     # bucket shared by every API process, holding up to tenant_rate_burst requests (0: as many

@@ -62,5 +62,5 @@ class JobCanceled(WorkerError):  # noqa: N818 - a request honoured, not an error
 
 class JobInterrupted(WorkerError):  # noqa: N818 - an interruption, not the job's own failure
     """A process the job ran on was killed from outside (a rank of a train job run in
-    several processes: workers/running/ranks.py); the attempt ends as an interruption, retried
-    (NOTE [ Job attempts ] in service/records/retries.py)."""
+    several processes: workers/training/ranks.py); the attempt ends as an interruption, retried
+    (NOTE [ Job attempts ] in service/records/job_life/retries.py)."""

@@ -20,7 +20,7 @@ every job), so that a test can aim at one child of a sharded job.
   rank of a train job in several processes allocates that many bytes before it loads the job
   and holds them while it trains, as a rank whose model or batch needs more than its share of
   the job's memory would (NOTE [ A job's memory among its processes ] in
-  workers/running/ranks.py). ``<text>`` is matched against the job's id (a rank runs no RQ
+  workers/training/ranks.py). ``<text>`` is matched against the job's id (a rank runs no RQ
   job). Read by :func:`rank_allocation`, called by ``run_rank``.
 """
 

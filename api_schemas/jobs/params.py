@@ -46,7 +46,7 @@ DEFAULT_MAX_ATTEMPTS: Final = 3
 MAX_ATTEMPTS: Final = 10
 # The order of a tenant's own queued jobs: higher first, first in first out within one
 # priority. It never moves the tenant's turn among other tenants (NOTE [ Fair turns ] in
-# service/records/turns.py).
+# service/records/tenancy/turns.py).
 MIN_PRIORITY: Final = -10
 MAX_PRIORITY: Final = 10
 JobPriority = Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)]

@@ -24,11 +24,11 @@ class NotePublic(BaseModel):
     created_at: datetime
 EOF
 cat > service/records/notes.py <<'EOF'
-"""Tenants' notes (a probe), in the layout of service/records/resources.py."""
+"""Tenants' notes (a probe), in the layout of service/records/stored/resources.py."""
 
 from api_schemas import Page
 from api_schemas.notes import NotePublic
-from service.records.resources import TenantResources
+from service.records.stored.resources import TenantResources
 
 
 class NoteRecords(TenantResources):
@@ -88,8 +88,8 @@ def edit(p, old, new):
     open(p, "w").write(s.replace(old, new, 1))
 edit("service/records/keys.py", 'ResourceKind = Literal["model", "dataset", "job"]',
      'ResourceKind = Literal["model", "dataset", "job", "note"]')
-edit("service/records/sync.py", "from service.records.models import ModelRecords\n",
-     "from service.records.models import ModelRecords\nfrom service.records.notes import NoteRecords\n")
+edit("service/records/sync.py", "from service.records.stored.models import ModelRecords\n",
+     "from service.records.stored.models import ModelRecords\nfrom service.records.notes import NoteRecords\n")
 edit("service/records/sync.py", "    IdempotencyKeys,\n):", "    IdempotencyKeys,\n    NoteRecords,\n):")
 edit("service/api/app.py", "        direct_uploads.router,\n    ):", "        direct_uploads.router,\n        notes.router,\n    ):")
 s = open("service/api/app.py").read()

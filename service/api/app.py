@@ -37,8 +37,8 @@ from service.api.routes import (
 from service.log_format import configure_logging
 from service.records.aio import AsyncRecords, async_redis_client
 from service.records.connection import redis_client
-from service.records.quotas import AsyncTenantQuotas
 from service.records.sync import Records
+from service.records.tenancy.quotas import AsyncTenantQuotas
 from service.settings import Settings, get_settings
 from service.store import open_store
 from service.upkeep.housekeeping import Housekeeping

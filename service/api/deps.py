@@ -13,8 +13,8 @@ from api_schemas import ID_PATTERN, DatasetPublic, JobPublic, ModelPublic
 from service.api.offload import HeavyWork
 from service.api.problems import invalid_key, missing_key, not_found
 from service.records.aio import AsyncRecords
-from service.records.quotas import AsyncTenantQuotas
 from service.records.sync import Records
+from service.records.tenancy.quotas import AsyncTenantQuotas
 from service.settings import Settings
 from service.store.base import Store
 
@@ -102,7 +102,7 @@ def _known(tenant_id: str | None, request: Request) -> str:
 
 async def within_rate(request: Request, tenant_id: str) -> None:
     """The tenant's request rate: one token of its bucket per request, shared by every API
-    process (NOTE [ Tenant quotas ] in service/records/quotas.py); 429 when it is empty. The
+    process (NOTE [ Tenant quotas ] in service/records/tenancy/quotas.py); 429 when it is empty. The
     auth dependencies (``get_tenant``, ``owned_job``) call it once the tenant is known, so every
     authenticated route is limited, once a request, with no lookup of its own."""
     if getattr(request.state, "rate_checked", False):

@@ -17,7 +17,7 @@ from api_schemas.inspection import InspectFailure, InspectRequest, InspectSucces
 from service.api.problems import ApiError
 from service.records import keys
 from service.records.connection import REDIS_BLOCK_SLICE_S
-from service.records.turns import BELL_TOKENS_MAX
+from service.records.tenancy.turns import BELL_TOKENS_MAX
 
 __all__ = ["inspect_model", "published_catalog"]
 

@@ -57,7 +57,7 @@ from service.api.problems import ApiError
 from service.records import keys
 from service.records.format import text
 from service.records.sync import Records
-from service.records.turns import Turns
+from service.records.tenancy.turns import Turns
 from service.settings import Settings
 from service.sockets import sockets_of
 from service.store.base import Store

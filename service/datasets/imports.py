@@ -1,5 +1,5 @@
 """``POST /v1/datasets:import``: a dataset from a bucket the tenant was allowed to import from
-(NOTE [ Import sources ] in service/records/import_sources.py): one object copied
+(NOTE [ Import sources ] in service/records/tenancy/import_sources.py): one object copied
 server-side, or a folder of images streamed into the store as a tar (NOTE [ Folders of
 images ] in service/formats/folder_tars.py), then registered as any upload is.
 
@@ -26,8 +26,8 @@ from service.errors import (
     StoreTooLargeError,
 )
 from service.formats.folder_tars import plan_folder, write_folder_tar
-from service.records.quotas import open_upload, release_upload
 from service.records.sync import Records
+from service.records.tenancy.quotas import open_upload, release_upload
 from service.settings import Settings
 from service.store.base import DirectTransfers, Store
 

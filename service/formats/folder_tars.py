@@ -69,7 +69,7 @@ class FolderPlan:
 
 def _check_key(key: str, root: str) -> None:
     """A key under ``root`` whose segments could be read as another key (NOTE [ Import
-    sources ] in service/records/import_sources.py)."""
+    sources ] in service/records/tenancy/import_sources.py)."""
     relative = key[len(root) :]
     if not relative:
         return  # the folder itself (an empty "folder" object some consoles make)

@@ -1,12 +1,12 @@
 """Which RQ queue a job waits in, and what it shows while it waits there (NOTE [ Queues by
-device ] in service/settings.py, NOTE [ Fair turns ] in service/records/turns.py)."""
+device ] in service/settings.py, NOTE [ Fair turns ] in service/records/tenancy/turns.py)."""
 
 from __future__ import annotations
 
 from rq import Queue
 
 from api_schemas import Progress, utc_now
-from service.records.turns import turn_queue
+from service.records.tenancy.turns import turn_queue
 from service.settings import Settings
 
 __all__ = ["job_queue", "tenant_queue", "waiting_progress"]

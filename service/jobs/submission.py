@@ -35,10 +35,10 @@ from service.errors import QuotaExceededError
 from service.jobs.idempotency import IDEMPOTENCY_TTL_S, body_sha256, existing_for_key
 from service.jobs.queues import job_queue, waiting_progress
 from service.records import keys
-from service.records.capacity import WorkerMemory
-from service.records.queue import enqueue_run
-from service.records.quotas import CHECKPOINT_BYTES_FIELD
+from service.records.job_life.capacity import WorkerMemory
+from service.records.job_life.queue import enqueue_run
 from service.records.sync import Records
+from service.records.tenancy.quotas import CHECKPOINT_BYTES_FIELD
 from service.settings import Settings
 
 __all__ = [
@@ -161,8 +161,8 @@ def check_room_for_output(
 ) -> None:
     """429 naming ``max_stored_bytes`` for a job that registers a model (train, adapt) while
     its tenant has no room left for one of its input's size: the model a job registers is
-    never refused once the job runs (NOTE [ Tenant quotas ] in service/records/quotas.py), so
-    the quota holds here. A job that only measures (evaluate) is not refused."""
+    never refused once the job runs (NOTE [ Tenant quotas ] in service/records/tenancy/quotas.py),
+    so the quota holds here. A job that only measures (evaluate) is not refused."""
     if JOB_KINDS[request.kind].registers_model:
         records.check_stored_bytes(tenant, model.size_bytes, settings.tenant_max_stored_bytes)
 
@@ -257,7 +257,7 @@ def _check_train_fit(params: TrainParams, dataset: DatasetPublic) -> None:
             f"samples of shape {dataset.sample_shape}; drop augmentation, or use an image "
             "dataset",
         )
-    # As workers/running/training.py splits and batches (split_indices, batch_bounds).
+    # As workers/training/training.py splits and batches (split_indices, batch_bounds).
     num_val = max(1, int(dataset.num_samples * params.validation_fraction))
     train = dataset.num_samples - (num_val if params.validation_fraction > 0 else 0)
     batches = num_batches(train, params.batch_size)
@@ -281,7 +281,7 @@ _RESUME_SAME: Final = (
     "validation_fraction",
     "optimizer",
     # A checkpoint holds each rank's own RNG and loss sums, of its world size (NOTE [ Ranks
-    # in a checkpoint ] in workers/running/train_state.py).
+    # in a checkpoint ] in workers/training/train_state.py).
     "processes",
 )
 
@@ -420,7 +420,7 @@ def job_timeout(request: AnyJobCreate, settings: Settings) -> int:
 #   the tensors alone come to (a hook on every leaf module). The peak counts what tensors
 #   miss: a 3x3 convolution of 8 channels at 512x512 holds about 1.4 times its input and
 #   output on the CPU while it runs. A job's model inherits its parent's figures.
-# - each worker publishes the memory it offers a job (service/records/capacity.py): its
+# - each worker publishes the memory it offers a job (service/records/job_life/capacity.py): its
 #   BNADAPT_WORKER_MEMORY_BYTES when set, else its machine's (or cgroup's) memory, or its
 #   GPU's for a CUDA worker (workers/running/capacity.py); the API takes the smallest a
 #   live worker of the job's queue published, else its own BNADAPT_WORKER_MEMORY_BYTES, else
@@ -475,7 +475,7 @@ def needed_memory(request: AnyJobCreate, model: ModelPublic) -> tuple[float, int
     params = request.params
     if not isinstance(params, TrainParams) or params.processes == 1:
         return per_element, weights
-    # Ranks (NOTE [ A job's memory among its processes ] in workers/running/ranks.py): each
+    # Ranks (NOTE [ A job's memory among its processes ] in workers/training/ranks.py): each
     # holds its own weights, gradients and moments and its slice of the batch. On CUDA each
     # rank has a GPU to itself: one rank's slice and copy against one GPU. Elsewhere they share
     # the worker's memory with the job's own process (one more copy of the weights): every

@@ -56,7 +56,7 @@ from service.local.up import (
     fresh_metrics_dir,
     worker_command,
 )
-from service.records.turns import MAX_WEIGHT
+from service.records.tenancy.turns import MAX_WEIGHT
 from service.settings import get_settings
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_tenants_set_quota(args: argparse.Namespace) -> int:
-    from service.records.quotas import parse_quota_value
+    from service.records.tenancy.quotas import parse_quota_value
 
     try:
         value = parse_quota_value(args.name, args.value)
@@ -180,7 +180,7 @@ def cmd_tenants_set_quota(args: argparse.Namespace) -> int:
 
 
 def cmd_tenants_quotas(args: argparse.Namespace) -> int:
-    from service.records.quotas import QUOTAS
+    from service.records.tenancy.quotas import QUOTAS
 
     records, tenant_id = _tenant_records(args)
     own = records.quota_overrides(tenant_id)
@@ -216,7 +216,7 @@ def _tenant_records(args: argparse.Namespace) -> tuple[Records, str]:
 
 
 def _source_prefix(text: str) -> str:
-    from service.records.import_sources import normalize_prefix
+    from service.records.tenancy.import_sources import normalize_prefix
 
     try:
         bucket, prefix = normalize_prefix(text)
@@ -226,7 +226,7 @@ def _source_prefix(text: str) -> str:
 
 
 def cmd_tenants_allow_import(args: argparse.Namespace) -> int:
-    from service.records.import_sources import normalize_prefix
+    from service.records.tenancy.import_sources import normalize_prefix
 
     records, tenant_id = _tenant_records(args)
     store_url = get_settings().store_url
@@ -268,7 +268,7 @@ def cmd_tenants_set_weight(args: argparse.Namespace) -> int:
     from service.records import keys
     from service.records.connection import redis_client
     from service.records.format import text
-    from service.records.turns import Turns
+    from service.records.tenancy.turns import Turns
 
     client = redis_client(args.redis_url or get_settings().redis_url)
     tenant_id = client.get(keys.tenant_by_name(args.tenant))
@@ -289,7 +289,7 @@ def cmd_tenants_weights(args: argparse.Namespace) -> int:
     from service.records import keys
     from service.records.connection import redis_client
     from service.records.format import text
-    from service.records.turns import Turns
+    from service.records.tenancy.turns import Turns
 
     client = redis_client(args.redis_url or get_settings().redis_url)
     for tenant_id, weight in sorted(Turns(client).weights().items()):
@@ -452,7 +452,7 @@ def _parser() -> argparse.ArgumentParser:
     revoke_import.add_argument("prefix", type=_source_prefix, help=source_help)
     revoke_import.set_defaults(func=cmd_tenants_revoke_import)
 
-    # Quotas per tenant (NOTE [ Tenant quotas ] in service/records/quotas.py).
+    # Quotas per tenant (NOTE [ Tenant quotas ] in service/records/tenancy/quotas.py).
     set_quota = tenant_command("set-quota", "give a tenant its own value of a quota (0: no limit)")
     set_quota.add_argument(
         "name",

@@ -107,8 +107,8 @@ STORE_WRITTEN: Final = f"{PREFIX}:store:written"
 STORE_GC_LOCK: Final = f"{PREFIX}:store:gc-lock"
 # Present (with a TTL of the collection interval) once a collection started.
 STORE_GC_STARTED: Final = f"{PREFIX}:store:gc-started"
-# Hash: tenant id -> the weight of its turns (NOTE [ Fair turns ] in service/records/turns.py);
-# a tenant not in it has weight 1.
+# Hash: tenant id -> the weight of its turns (NOTE [ Fair turns ] in
+# service/records/tenancy/turns.py); a tenant not in it has weight 1.
 TURN_WEIGHTS: Final = f"{PREFIX}:turns:weights"
 
 
@@ -127,7 +127,8 @@ def tenant_by_name(name: str) -> str:
 
 
 def tenant_quotas(tenant_id: str) -> str:
-    """Hash: quota name -> the tenant's own value, where it has one (service/records/quotas.py)."""
+    """Hash: quota name -> the tenant's own value, where it has one
+    (service/records/tenancy/quotas.py)."""
     return f"{PREFIX}:tenant:{tenant_id}:quota-overrides"
 
 
@@ -192,7 +193,7 @@ def tenant_rate(tenant_id: str) -> str:
 
 def tenant_import_sources(tenant_id: str) -> str:
     """Set: the ``s3://BUCKET/PREFIX/`` sources the tenant may import datasets from
-    (service/records/import_sources.py)."""
+    (service/records/tenancy/import_sources.py)."""
     return f"{PREFIX}:tenant:{tenant_id}:import-sources"
 
 
@@ -272,7 +273,8 @@ def rq_job_unheld_since(rq_id: str) -> str:
 
 
 def job_shards(job_id: str) -> str:
-    """Hash: the state of each shard and merge job of a sharded job (service.records.shards)."""
+    """Hash: the state of each shard and merge job of a sharded job
+    (service.records.job_life.shards)."""
     return f"{PREFIX}:job:{job_id}:shards"
 
 
@@ -300,7 +302,7 @@ def upload_parts(upload_id: str) -> str:
 def upload_part_holders(sha256: str) -> str:
     """Sorted set: the ids of the upload sessions that sent a part with these bytes, each
     scored by the session's expiry (NOTE [ Upload parts in the store ] in
-    service/records/uploads.py); expires with the latest of them."""
+    service/records/stored/uploads.py); expires with the latest of them."""
     return f"{PREFIX}:upload-part:{sha256}:holders"
 
 
@@ -330,12 +332,12 @@ def inspect_busy(tenant_id: str) -> str:
 
 def turns(base_queue: str) -> str:
     """Prefix of the keys that take turns between the tenants of the RQ queue ``base_queue``
-    (NOTE [ Fair turns ] in service/records/turns.py): ``<prefix>:tenants``, ``<prefix>:clock``,
-    ``<prefix>:bell``, ``<prefix>:queues:<tenant id>``."""
+    (NOTE [ Fair turns ] in service/records/tenancy/turns.py): ``<prefix>:tenants``,
+    ``<prefix>:clock``, ``<prefix>:bell``, ``<prefix>:queues:<tenant id>``."""
     return f"{PREFIX}:turns:{base_queue}"
 
 
 def worker_memory(queue: str) -> str:
     """Hash: worker name -> ``<bytes> <expires at, epoch s>``, the memory each live worker
-    serving ``queue`` offers a job (service/records/capacity.py)."""
+    serving ``queue`` offers a job (service/records/job_life/capacity.py)."""
     return f"{PREFIX}:worker-memory:{queue}"

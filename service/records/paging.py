@@ -1,4 +1,4 @@
-"""Cursor pagination over a tenant's index of resources (service/records/resources.py)."""
+"""Cursor pagination over a tenant's index of resources (service/records/stored/resources.py)."""
 
 from __future__ import annotations
 

@@ -4,24 +4,24 @@
 concerns; each class is usable alone, over a client of its own, like RQ's registries (their
 root, ``RedisRecords``, is in base.py):
 
-- :class:`~service.records.api_keys.ApiKeys` (api_keys.py): tenants and API keys;
-- :class:`~service.records.import_sources.ImportSources` (import_sources.py): the S3 prefixes
-  each tenant may import datasets from;
-- :class:`~service.records.models.ModelRecords` (models.py) and
-  :class:`~service.records.datasets.DatasetRecords` (datasets.py): tenants' resources, in the
+- :class:`~service.records.tenancy.api_keys.ApiKeys` (api_keys.py): tenants and API keys;
+- :class:`~service.records.tenancy.import_sources.ImportSources` (import_sources.py): the S3
+  prefixes each tenant may import datasets from;
+- :class:`~service.records.stored.models.ModelRecords` (models.py) and
+  :class:`~service.records.stored.datasets.DatasetRecords` (datasets.py): tenants' resources, in the
   layout of resources.py;
-- :class:`~service.records.store_refs.StoreRefs` (store_refs.py): which records use each
+- :class:`~service.records.stored.store_refs.StoreRefs` (store_refs.py): which records use each
   store object;
-- :class:`~service.records.jobs.JobRecords` (jobs.py): the job life cycle, through a
+- :class:`~service.records.job_life.jobs.JobRecords` (jobs.py): the job life cycle, through a
   compare-and-set of the status;
-- :class:`~service.records.retries.JobAttempts` (retries.py): the retry policy (NOTE [ Retry
-  policy ], NOTE [ Job attempts ]);
-- :class:`~service.records.logs.JobLogs` (logs.py), :class:`~service.records.signals.JobSignals`
-  (signals.py: heartbeats, progress, cancel requests) and
-  :class:`~service.records.idempotency.IdempotencyKeys` (idempotency.py);
-- :class:`~service.records.train_checkpoints.TrainCheckpoints` (train_checkpoints.py): a
+- :class:`~service.records.job_life.retries.JobAttempts` (retries.py): the retry policy (NOTE [
+  Retry policy ], NOTE [ Job attempts ]);
+- :class:`~service.records.job_life.logs.JobLogs` (logs.py),
+  :class:`~service.records.job_life.signals.JobSignals` (signals.py: heartbeats, progress, cancel
+  requests) and :class:`~service.records.job_life.idempotency.IdempotencyKeys` (idempotency.py);
+- :class:`~service.records.stored.train_checkpoints.TrainCheckpoints` (train_checkpoints.py): a
   train job's latest training checkpoint (NOTE [ Train checkpoint records ]);
-- :class:`~service.records.quotas.TenantQuotas` (quotas.py): tenants' own quota values and
+- :class:`~service.records.tenancy.quotas.TenantQuotas` (quotas.py): tenants' own quota values and
   what they use (NOTE [ Tenant quotas ]).
 
 The records of a sharded job's children (shards.py) and of what RQ workers took from their
@@ -33,19 +33,19 @@ from __future__ import annotations
 from api_schemas import DatasetPublic, ModelPublic
 from api_schemas.jobs.public import JobLogEntry
 from service.records import keys
-from service.records.api_keys import ApiKey, ApiKeys
-from service.records.datasets import DatasetRecords
 from service.records.format import RESOURCE_FIELDS, owned_resource
-from service.records.idempotency import IdempotencyKeys
-from service.records.import_sources import ImportSources
-from service.records.jobs import JobFilter, JobRecords
-from service.records.logs import JOB_LOG_MAX_ENTRIES, JobLogs
-from service.records.models import ModelRecords
-from service.records.quotas import TenantQuotas
-from service.records.retries import JobAttempts
-from service.records.signals import JobSignals
-from service.records.store_refs import StoreRefs, release_sha_ref
-from service.records.train_checkpoints import TrainCheckpoints
+from service.records.job_life.idempotency import IdempotencyKeys
+from service.records.job_life.jobs import JobFilter, JobRecords
+from service.records.job_life.logs import JOB_LOG_MAX_ENTRIES, JobLogs
+from service.records.job_life.retries import JobAttempts
+from service.records.job_life.signals import JobSignals
+from service.records.stored.datasets import DatasetRecords
+from service.records.stored.models import ModelRecords
+from service.records.stored.store_refs import StoreRefs, release_sha_ref
+from service.records.stored.train_checkpoints import TrainCheckpoints
+from service.records.tenancy.api_keys import ApiKey, ApiKeys
+from service.records.tenancy.import_sources import ImportSources
+from service.records.tenancy.quotas import TenantQuotas
 
 __all__ = [
     "JOB_LOG_MAX_ENTRIES",

@@ -223,7 +223,7 @@ class SourcePage(NamedTuple):
 class SourceFolders(Protocol):
     """A bucket read with the service's credentials as a tree of folders, for importing a
     folder of images; never the store's own objects (NOTE [ Import sources ] in
-    service/records/import_sources.py)."""
+    service/records/tenancy/import_sources.py)."""
 
     def pages(self, prefix: str) -> Iterator[SourcePage]:
         """The folder ``prefix`` (ending in ``/``, or ``""``), a page at a time; nothing

@@ -28,7 +28,7 @@ time between writing an object, or reading a record, and registering the referen
 clock difference between the machines that share the store (on NFS, also the attribute cache
 time, ``actimeo``, after which a collector sees another machine's fresh mtime). A sharded
 job's merged weights wait for its evaluation children under a reference of the merge's own
-(service/records/shards.py ``hold_weights``), dropped when the job ends.
+(service/records/job_life/shards.py ``hold_weights``), dropped when the job ends.
 
 One collection runs at a time in the whole deployment (a Redis lock, renewed before each batch
 of objects); the API and every worker supervisor start one when it is due

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import redis
 
 from service.records.sync import Records
-from service.records.turns import Turns
+from service.records.tenancy.turns import Turns
 from service.settings import Settings
 from service.store.base import Store
 from service.store.gc import collect_if_due

@@ -7,7 +7,7 @@ RQ's view of it (:func:`reap_lost_queued_jobs`): its process may have died after
 and before it marked itself running. Verdicts are compare-and-sets, so the API and every
 worker supervisor may sweep at once. How fast: NOTE [ Heartbeat bound ]. What becomes of a
 lost run, a new attempt or a failure, is the retry policy's (NOTE [ Retry policy ] in
-service/records/retries.py).
+service/records/job_life/retries.py).
 
 A sharded job (see NOTE [ Sharded adaptation ] in workers/sharding/compute.py) has no process of
 its own once its shards are queued: it is judged by its children instead (:func:`judge_sharded`). It
@@ -32,10 +32,10 @@ from rq.job import JobStatus as RqStatus
 
 from api_schemas import JobStatus, utc_now
 from service.records import keys
-from service.records.dequeues import DequeueHolds, Taken
 from service.records.format import text
-from service.records.retries import enqueue_attempt
-from service.records.shards import (
+from service.records.job_life.dequeues import DequeueHolds, Taken
+from service.records.job_life.retries import enqueue_attempt
+from service.records.job_life.shards import (
     ChildState,
     ShardRecords,
     child_job_id,
@@ -166,8 +166,8 @@ def _aware(moment: datetime) -> datetime:
 def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
     """Enqueues the attempts whose backoff has passed, and ends the current attempt of every
     queued job that RQ will never run or whose process died between RQ's fork and the job
-    marking itself running (NOTE [ Job attempts ] in service/records/retries.py); returns the
-    ids of the jobs it changed.
+    marking itself running (NOTE [ Job attempts ] in service/records/job_life/retries.py); returns
+    the ids of the jobs it changed.
 
     The record and the RQ job of a first attempt are written in one MULTI
     (service/jobs/submission.py); the job's process moves the record to running within
@@ -231,15 +231,15 @@ def reap_lost_queued_jobs(records: Records, settings: Settings) -> list[str]:
 # queued but that is in no queue list: RQ's own cleanups pass over it (the started registry's
 # handles started jobs only, the intermediate list's runs every 10 minutes and fails it), so
 # no worker would run it. So each RQ worker process records what it took
-# (service/records/dequeues.py): right after the pop it names itself the job's holder, and a
-# thread of it keeps ``keys.rq_worker_holds`` (the RQ id it holds) alive with the heartbeat
+# (service/records/job_life/dequeues.py): right after the pop it names itself the job's holder, and
+# a thread of it keeps ``keys.rq_worker_holds`` (the RQ id it holds) alive with the heartbeat
 # TTL until it is done with the job. A sweep counts a job that RQ still calls queued as lost
 # when its holder no longer holds it (the worker died: its key expired; or it went on
 # without it), or, with no holder (the worker died, or Redis was lost, between the pop and
 # that write), once sweeps have seen it taken for a heartbeat TTL. Both are decided in one
 # script, so a sweep never reads a half-done hand-over. A job's attempt then ends as an
-# interrupted one (NOTE [ Job attempts ] in service/records/retries.py); a sharded job's child
-# goes back to the front of its queue (NOTE [ Retried children ] in workers/sharding/jobs.py).
+# interrupted one (NOTE [ Job attempts ] in service/records/job_life/retries.py); a sharded job's
+# child goes back to the front of its queue (NOTE [ Retried children ] in workers/sharding/jobs.py).
 # With a holder, that happens within the heartbeat bound: the holds key is gone a TTL after the
 # worker died, and a sweep follows within a sweep interval (NOTE [ Heartbeat bound ]). With
 # none (the pop's moment is recorded nowhere), the first sweep that sees the job taken starts

@@ -5,7 +5,7 @@ DELETE /v1/jobs/{id} does: its record, progress, logs, and its uses of store obj
 report, its inputs), which the store's collector then deletes if nothing else uses them. The
 models a job registered are resources of their own and stay. The default is 30 days: until
 then an ended job's inputs and training checkpoint count in its tenant's stored bytes (NOTE
-[ Tenant quotas ] in service/records/quotas.py). Unset (None), jobs are kept until deleted.
+[ Tenant quotas ] in service/records/tenancy/quotas.py). Unset (None), jobs are kept until deleted.
 """
 
 from __future__ import annotations

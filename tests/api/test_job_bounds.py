@@ -16,8 +16,8 @@ from rq.job import Job
 
 from api_schemas.models import ModelPublic
 from service.records import keys
-from service.records.capacity import WorkerMemory
 from service.records.connection import redis_client
+from service.records.job_life.capacity import WorkerMemory
 from service.settings import GIB, MIB
 from tests.e2e.test_e2e import created, digits_npz, problem
 from tests.inprocess import InProcessApi, running_api

@@ -1,5 +1,5 @@
 """Quotas that hold under load and bytes counted while anything holds them (NOTE [ Tenant
-quotas ] in service/records/quotas.py), on the real API in this process over a real
+quotas ] in service/records/tenancy/quotas.py), on the real API in this process over a real
 Redis-compatible server, through HTTP: many concurrent submitters of one tenant get only 202
 and 429 and leave the active-job count exact; a dataset's bytes stay counted while a job that
 used it is kept; the same bytes count once; open uploads reserve their size until they end or

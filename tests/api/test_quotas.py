@@ -1,5 +1,5 @@
-"""Quotas per tenant (NOTE [ Tenant quotas ] in service/records/quotas.py), on an API in this
-process whose settings make every quota small: active jobs, stored bytes, open uploads, event
+"""Quotas per tenant (NOTE [ Tenant quotas ] in service/records/tenancy/quotas.py), on an API in
+this process whose settings make every quota small: active jobs, stored bytes, open uploads, event
 streams and the request rate, each answered 429 with Retry-After and a problem body naming the
 limit; a tenant's own values (``bnadapt tenants set-quota``); counts that hold under racing
 requests; and one token bucket shared by two API processes."""
@@ -27,8 +27,8 @@ from service.local.up import api_command
 from service.records import keys
 from service.records.aio import async_redis_client
 from service.records.connection import redis_client
-from service.records.quotas import AsyncTenantQuotas, parse_quota_value
 from service.records.sync import Records
+from service.records.tenancy.quotas import AsyncTenantQuotas, parse_quota_value
 from tests.e2e.test_e2e import created, digits, digits_npz, problem
 from tests.inprocess import InProcessApi, running_api
 from tests.servers import stop_process, wait_for

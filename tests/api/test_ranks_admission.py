@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.records.capacity import WorkerMemory
 from service.records.connection import redis_client
+from service.records.job_life.capacity import WorkerMemory
 from service.settings import MIB
 from tests.e2e.test_e2e import created, digits, problem
 from tests.inprocess import InProcessApi, running_api

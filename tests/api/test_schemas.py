@@ -239,7 +239,7 @@ def test_extra_fields_rejected(body: dict[str, Any]) -> None:
 @pytest.mark.parametrize("priority", [-11, 11, 1.5, "1", True])
 def test_priority_is_a_small_integer(priority: Any) -> None:
     """A tenant orders its own jobs with -10..10 (NOTE [ Fair turns ] in
-    service/records/turns.py); 0 when left out."""
+    service/records/tenancy/turns.py); 0 when left out."""
     assert parse_job_create(job_body()).priority == 0
     assert parse_job_create(job_body(priority=-10)).priority == -10
     with pytest.raises(ValidationError) as exc:

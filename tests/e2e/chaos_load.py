@@ -42,7 +42,7 @@ from api_schemas import JobStatus
 from service.client import Client as ApiClient
 from service.local.embedded import RedisServer
 from service.records import keys
-from service.records.shards import ShardRecords
+from service.records.job_life.shards import ShardRecords
 from tests.e2e.test_e2e import created, digits_npz
 from tests.stack import Client, Stack
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.records.capacity import WorkerMemory
+from service.records.job_life.capacity import WorkerMemory
 from service.settings import MIB
 from tests.api.test_job_bounds import strip_footprint
 from tests.e2e.test_e2e import created, digits_npz, long_train, problem

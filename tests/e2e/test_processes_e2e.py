@@ -35,7 +35,7 @@ from workers.kinds.changing import compute
 from workers.passes.data import load_rows
 from workers.running.evaluation import compute_loss
 from workers.running.loading import load_job
-from workers.running.training import RankSlice, batch_bounds, split_indices
+from workers.training.training import RankSlice, batch_bounds, split_indices
 
 WORKER_THREADS = SHARED_STACK_THREADS
 
@@ -288,7 +288,7 @@ def test_nothing_a_job_opens_listens_beyond_loopback(stack: Stack) -> None:
     """Read from the kernel's socket table while a 2-process job trains: no process of the job
     (its own process, its ranks, anything under them) listens on an address other than the
     loopback, and the ranks' gloo connections run over the loopback (NOTE [ Ranks meet on
-    the loopback ] in workers/running/ranks.py)."""
+    the loopback ] in workers/training/ranks.py)."""
     client = stack.client("ranks-sockets")
     job_id = long_job(client, max_attempts=1)
     wait_training(client, job_id)

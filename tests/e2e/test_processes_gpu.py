@@ -3,7 +3,7 @@ skipped elsewhere: NCCL runs one rank a GPU). A 2-process train job with ``sync_
 normalises each step with the statistics of the whole global batch, so it equals, to 1e-5,
 the same job in one process on whole batches: weights, running statistics and
 num_batches_tracked, which grows by exactly one a step (every rank checks it of itself before
-the job succeeds: ``_check_one_update_a_step`` in workers/running/ranks.py). The MLP keeps the
+the job succeeds: ``_check_one_update_a_step`` in workers/training/ranks.py). The MLP keeps the
 comparison off TF32 convolutions, which would round differently for the two batch sizes."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Training checkpoints of train jobs in several processes (NOTE [ Ranks in a checkpoint ] in
-workers/running/train_state.py), through the real API, queue and worker on the CPU with gloo:
+workers/training/train_state.py), through the real API, queue and worker on the CPU with gloo:
 a rank SIGKILLed mid-training ends the attempt, and the retried attempt resumes every rank
 from the latest checkpoint and ends bitwise where the uninterrupted job ends; ``resume_from``
 continues an ended 2-process job bitwise as the whole run; a checkpoint resumes only with the
@@ -27,7 +27,7 @@ from tests.e2e.test_train_resume_e2e import (
     weights,
 )
 from tests.stack import Stack, running_stack
-from workers.running.train_state import load_state
+from workers.training.train_state import load_state
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """A job's memory is the job's, however many processes it has (issue 41, point 3; NOTE [ A
-job's memory among its processes ] in workers/running/ranks.py): on a worker that holds its
+job's memory among its processes ] in workers/training/ranks.py): on a worker that holds its
 jobs to 1 GiB, a 2-process train job whose ranks each allocate 768 MiB (within the whole cap,
 past a rank's share) fails as out of memory, saying the share, once (not retried), and the
 worker goes on to run other jobs; without that allocation a 2-process job runs under the same

@@ -23,7 +23,7 @@ from service.local.embedded import RedisServer, free_port
 from service.local.up import api_command
 from service.records import keys
 from service.records.connection import redis_client
-from service.records.shards import ChildState, ShardRecords, child_job_id
+from service.records.job_life.shards import ChildState, ShardRecords, child_job_id
 from tests.e2e.test_e2e import created, digits_npz, problem
 from tests.e2e.test_shards_e2e import SHARDS, registered_by_jobs, shard_process
 from tests.servers import stop_process, wait_for

@@ -23,7 +23,7 @@ from rq import Queue
 
 from service.records import keys
 from service.records.format import text
-from service.records.turns import turn_queue_name
+from service.records.tenancy.turns import turn_queue_name
 from tests.e2e.test_e2e import created, digits_npz, long_train
 from tests.servers import S3Server, wait_for
 from tests.stack import Client, Stack, job_payload, running_stack
@@ -120,7 +120,8 @@ def test_cancel_and_a_cuda_job_waits_for_a_cuda_worker(s3_stack: S3Stack) -> Non
     dataset = created(client.add_dataset(digits_npz(n=200)))
     cuda = created(client.submit(job("adapt", model, dataset, device="cuda:0")), 202)
     assert cuda["progress"]["phase"] == "waiting for a cuda worker"
-    # Its tenant's queue among the CUDA jobs (NOTE [ Fair turns ] in service/records/turns.py).
+    # Its tenant's queue among the CUDA jobs (NOTE [ Fair turns ] in
+    # service/records/tenancy/turns.py).
     tenant = job_payload(stack, cuda["id"]).tenant_id
     cuda_queue = Queue(
         turn_queue_name("bnadapt-cuda", tenant, 0),

@@ -17,7 +17,7 @@ import torch
 from api_schemas.reports import Report
 from service.local.summary import diagnostic_lines
 from service.records import keys
-from service.records.shards import FINISH, MERGE, ChildState, ShardRecords
+from service.records.job_life.shards import FINISH, MERGE, ChildState, ShardRecords
 from tests.e2e.test_e2e import created, digits, digits_npz
 from tests.servers import stop_process, wait_for
 from tests.stack import Client, Stack, npz_bytes, running_stack

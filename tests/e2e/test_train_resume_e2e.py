@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 
 from service.records import keys
-from service.records.train_checkpoints import CHECKPOINT_FIELD
+from service.records.stored.train_checkpoints import CHECKPOINT_FIELD
 from tests.e2e.test_e2e import created, digits_npz, problem, store_of
 from tests.servers import wait_for
 from tests.stack import Client, Stack, npz_bytes, running_stack

@@ -1,5 +1,6 @@
-"""A job's attempts (NOTE [ Job attempts ] in service/records/retries.py) on a real Redis-compatible
-server, with real RQ jobs that no worker takes: the sweep's part is played by calling it."""
+"""A job's attempts (NOTE [ Job attempts ] in service/records/job_life/retries.py) on a real
+Redis-compatible server, with real RQ jobs that no worker takes: the sweep's part is played by
+calling it."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from rq.job import Job
 from api_schemas import AdaptParams, JobPublic, JobStatus, new_id, utc_now
 from service.records import keys
 from service.records.connection import redis_client
-from service.records.dequeues import DequeueHolds
-from service.records.queue import enqueue_run
-from service.records.retries import RETRY_BACKOFF_BASE_S
+from service.records.job_life.dequeues import DequeueHolds
+from service.records.job_life.queue import enqueue_run
+from service.records.job_life.retries import RETRY_BACKOFF_BASE_S
 from service.records.sync import Records
-from service.records.turns import turn_queue_name
+from service.records.tenancy.turns import turn_queue_name
 from service.settings import Settings
 from service.store.local import LocalStore
 from service.upkeep.reaper import heartbeat_key_ttl_s, reap_lost_queued_jobs
@@ -114,7 +115,8 @@ def test_a_queued_job_whose_queue_entry_is_gone_is_retried(
 
 
 def own_queue(settings: Settings) -> str:
-    """The queue the jobs of TENANT wait in (NOTE [ Fair turns ] in service/records/turns.py)."""
+    """The queue the jobs of TENANT wait in (NOTE [ Fair turns ] in
+    service/records/tenancy/turns.py)."""
     return turn_queue_name(settings.queue, TENANT, 0)
 
 

@@ -1,4 +1,4 @@
-"""Active-job slots (NOTE [ Tenant quotas ] in service/records/quotas.py) on a real
+"""Active-job slots (NOTE [ Tenant quotas ] in service/records/tenancy/quotas.py) on a real
 Redis-compatible server: every script that ends a job frees its slot, an interrupted job
 that goes back to the queue keeps it, and a slot reserved for a submission whose record never
 came lapses after its grace period."""
@@ -14,8 +14,8 @@ from api_schemas import JobStatus
 from service.errors import QuotaExceededError
 from service.records import keys
 from service.records.connection import redis_client
-from service.records.quotas import reserve_job_slot
 from service.records.sync import Records
+from service.records.tenancy.quotas import reserve_job_slot
 from service.settings import Settings
 from tests.service.test_attempts import TENANT, queued_job
 

@@ -23,10 +23,10 @@ from api_schemas import (
 )
 from service.records import keys
 from service.records.connection import redis_client
-from service.records.dequeues import DequeueHolds
-from service.records.shards import FINISH, MERGE, ChildState, ShardRecords, child_job_id
+from service.records.job_life.dequeues import DequeueHolds
+from service.records.job_life.shards import FINISH, MERGE, ChildState, ShardRecords, child_job_id
 from service.records.sync import Records
-from service.records.turns import Turns, turn_queue_name
+from service.records.tenancy.turns import Turns, turn_queue_name
 from service.settings import Settings
 from service.store.local import LocalStore
 from service.upkeep.reaper import enqueue_ready_children, reap_stale_jobs
@@ -36,7 +36,8 @@ from workers.running.runtime import JobRuntime
 from workers.sharding.jobs import start_shards
 
 TENANT = "tn_shards"
-# Where the children wait: their tenant's queue (NOTE [ Fair turns ] in service/records/turns.py).
+# Where the children wait: their tenant's queue (NOTE [ Fair turns ] in
+# service/records/tenancy/turns.py).
 QUEUE = turn_queue_name("shard-tests", TENANT, 0)
 TIMEOUT_S = 0.5  # heartbeat timeout: short, so the tests can outwait it
 
@@ -101,7 +102,7 @@ def rq_status(records: Records, job_id: str, child: str) -> str:
 def test_children_wait_in_their_tenants_queue_of_the_jobs_priority(
     records: Records, redis_url: str, tmp_path: Path
 ) -> None:
-    """NOTE [ Fair turns ] in service/records/turns.py: a sharded job's children take the
+    """NOTE [ Fair turns ] in service/records/tenancy/turns.py: a sharded job's children take the
     turns of its tenant, at its priority."""
     store = LocalStore(tmp_path / "store")
     params = AdaptParams(estimator="precise", batch_size=4, shards=2)

@@ -1,4 +1,4 @@
-"""Fair turns between tenants (NOTE [ Fair turns ] in service/records/turns.py) on a real
+"""Fair turns between tenants (NOTE [ Fair turns ] in service/records/tenancy/turns.py) on a real
 Redis-compatible server: jobs queued as the API and the sweep queue them (``enqueue_run``),
 taken as a worker takes them (``Turns.take``, what the RQ worker's dequeue runs), with no
 worker running them."""
@@ -13,9 +13,9 @@ from rq import Queue
 
 from service.local.cli import main
 from service.records.connection import redis_client
-from service.records.queue import enqueue_run
+from service.records.job_life.queue import enqueue_run
 from service.records.sync import Records
-from service.records.turns import Turns, turn_queue_name
+from service.records.tenancy.turns import Turns, turn_queue_name
 
 BASE = "turn-tests"
 CUDA = "turn-tests-cuda"

@@ -1,6 +1,6 @@
 """Upload parts under several sessions (NOTE [ Upload parts in the store ] in
-service/records/uploads.py): a part's bytes stay in the store while any live session holds them,
-whichever session ends first, and go once none does. On a real directory store, a real
+service/records/stored/uploads.py): a part's bytes stay in the store while any live session holds
+them, whichever session ends first, and go once none does. On a real directory store, a real
 Redis-compatible server and the real collector."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import redis
 from service.local.embedded import RedisServer
 from service.records import keys
 from service.records.connection import redis_client
-from service.records.store_refs import release_sha_ref
-from service.records.uploads import UploadRecords
+from service.records.stored.store_refs import release_sha_ref
+from service.records.stored.uploads import UploadRecords
 from service.store.gc import collect_garbage
 from service.store.local import LocalStore
 

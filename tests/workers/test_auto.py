@@ -44,7 +44,6 @@ from workers.passes.predictions import split_target
 from workers.running.compute import JobOutcome
 from workers.running.loading import load_job
 from workers.running.saving import weights_bytes
-from workers.running.training import train_model
 from workers.sharding.compute import (
     ShardPlan,
     ShardResult,
@@ -53,6 +52,7 @@ from workers.sharding.compute import (
     merge_statistics,
     plan_shards,
 )
+from workers.training.training import train_model
 
 TRAIN_EPOCHS = 6
 

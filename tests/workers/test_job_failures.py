@@ -19,9 +19,9 @@ import torch
 from rq.job import Job
 from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
 
-from service.records.capacity import WorkerMemory
 from service.records.connection import redis_client
-from service.records.retries import JobAttempts, enqueue_attempt
+from service.records.job_life.capacity import WorkerMemory
+from service.records.job_life.retries import JobAttempts, enqueue_attempt
 from service.settings import MIB, Settings
 from tests.stack import REPO
 from workers.models.architectures import activation_footprint, build_model

@@ -1,5 +1,5 @@
 """Training checkpoints of two gloo ranks, in this machine's processes, without the service
-(NOTE [ Ranks in a checkpoint ] in workers/running/train_state.py): checkpoints by time are
+(NOTE [ Ranks in a checkpoint ] in workers/training/train_state.py): checkpoints by time are
 taken at the steps rank 0's clock picks, on every rank, even when another rank's own clock
 would pick none; the checkpoint holds each rank's own RNG and loss sum; two ranks resumed from
 a mid-training checkpoint, and from the final checkpoint of a shorter run (``resume_from``),
@@ -23,8 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.workers.test_training import SETTINGS, digits_cnn
 from workers.errors import TrainError
 from workers.passes.data import to_tensors
-from workers.running.train_state import TrainState, load_state, state_bytes
-from workers.running.training import Checkpointing, RankSlice, train_model
+from workers.training.train_state import TrainState, load_state, state_bytes
+from workers.training.training import Checkpointing, RankSlice, train_model
 
 pytestmark = pytest.mark.slow  # two processes that import torch, three runs each
 

@@ -1,6 +1,6 @@
 """The pieces of a train job in several processes that need no process group: each rank's
 slice of a global batch is DistributedSampler's deal (NOTE [ Ranks' batches ] in
-workers/running/ranks.py), the worker's ``--device`` names the GPUs it serves, and the ranks
+workers/training/ranks.py), the worker's ``--device`` names the GPUs it serves, and the ranks
 find the machine's loopback interface."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from workers.processes.supervisor import gpu_indices, worker_commands
-from workers.running.ranks import loopback_interface
-from workers.running.training import RankSlice, batch_bounds
+from workers.training.ranks import loopback_interface
+from workers.training.training import RankSlice, batch_bounds
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -62,7 +62,7 @@ def test_device_names_the_gpus_a_worker_serves() -> None:
 
 def test_the_loopback_interface_is_read_from_the_system() -> None:
     """The interface a job's ranks name to gloo and NCCL (NOTE [ Ranks meet on the loopback ]
-    in workers/running/ranks.py): the machine's loopback, whatever its name."""
+    in workers/training/ranks.py): the machine's loopback, whatever its name."""
     name = loopback_interface()
     assert name in {n for _, n in socket.if_nameindex()}
     flags = Path("/sys/class/net") / name / "flags"

@@ -23,9 +23,9 @@ from api_schemas.jobs.train import Augmentation
 from tests.workers.test_training import SETTINGS, assert_same_state, digits, digits_cnn, nbt
 from workers.errors import TrainError
 from workers.passes.augmentation import augment, batch_generator
-from workers.running.schedules import Schedule
-from workers.running.train_state import TrainState, load_state, state_bytes
-from workers.running.training import (
+from workers.training.schedules import Schedule
+from workers.training.train_state import TrainState, load_state, state_bytes
+from workers.training.training import (
     Checkpointing,
     Recipe,
     batch_bounds,

@@ -13,8 +13,8 @@ import torch
 
 from tests.workers.test_recipe import Saved
 from tests.workers.test_training import SETTINGS, digits, digits_cnn
-from workers.running.train_state import load_state
-from workers.running.training import Checkpointing, Recipe, train_model
+from workers.training.train_state import load_state
+from workers.training.training import Checkpointing, Recipe, train_model
 
 __all__ = ["digits"]  # the fixture, imported for its name
 

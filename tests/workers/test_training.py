@@ -17,7 +17,7 @@ from workers.models.architectures import build_model, registry
 from workers.models.policy import apply_checkpoint_policy
 from workers.passes.data import iter_batches, num_batches, to_tensors
 from workers.running.evaluation import Metrics, evaluate_sums, loss_for
-from workers.running.training import EpochLog, TrainStats, batch_bounds, train_model
+from workers.training.training import EpochLog, TrainStats, batch_bounds, train_model
 
 SETTINGS: dict[str, Any] = {
     "epochs": 2,

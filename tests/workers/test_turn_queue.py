@@ -1,4 +1,4 @@
-"""The RQ worker's side of fair turns (NOTE [ Fair turns ] in service/records/turns.py): its
+"""The RQ worker's side of fair turns (NOTE [ Fair turns ] in service/records/tenancy/turns.py): its
 dequeue and its maintenance, on a real Redis-compatible server with RQ's own worker class."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from rq import Queue
 from rq.exceptions import DequeueTimeout
 
 from service.records.connection import redis_client
-from service.records.queue import enqueue_run
-from service.records.turns import turn_queue_name
+from service.records.job_life.queue import enqueue_run
+from service.records.tenancy.turns import turn_queue_name
 from workers.processes.rq_worker import TurnQueue, _Worker
 
 BASE = "turn-worker-tests"

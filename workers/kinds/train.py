@@ -1,7 +1,7 @@
 """The ``train`` row's runner and its change to the model: every parameter trained on the
-labelled dataset with the job's recipe (workers/running/training.py), in one process or in
-several (workers/running/ranks.py), resuming from the latest training checkpoint
-(workers/running/resumption.py); then the new model is saved and registered."""
+labelled dataset with the job's recipe (workers/training/training.py), in one process or in
+several (workers/training/ranks.py), resuming from the latest training checkpoint
+(workers/training/resumption.py); then the new model is saved and registered."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from workers.running.compute import (
     batchnorm_names,
     one_sample_batch_explained,
 )
-from workers.running.ranks import train_in_ranks
-from workers.running.resumption import StoredCheckpoints
-from workers.running.training import Checkpointing, train_with_params
+from workers.training.ranks import train_in_ranks
+from workers.training.resumption import StoredCheckpoints
+from workers.training.training import Checkpointing, train_with_params
 
 __all__ = ["Training", "change", "run"]
 
@@ -41,7 +41,7 @@ class Training(ModelChange):
         checkpoints: StoredCheckpoints | None = None,
     ) -> None:
         self.params = params
-        self.payload = payload  # what ranks load the job from (workers/running/ranks.py)
+        self.payload = payload  # what ranks load the job from (workers/training/ranks.py)
         self.checkpoints = checkpoints
 
     @property

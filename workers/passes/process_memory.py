@@ -1,5 +1,5 @@
 """A process's part of its job's memory (NOTE [ A job's memory among its processes ] in
-workers/running/ranks.py): what a process may still allocate under its ``RLIMIT_DATA``, a
+workers/training/ranks.py): what a process may still allocate under its ``RLIMIT_DATA``, a
 share of it given to a process it starts, and the loader processes of a pass holding
 themselves to theirs.
 

@@ -298,8 +298,8 @@ def inspect(
     try:
         kwargs = resolve_kwargs(request.architecture, request.kwargs)
         arch = registry()[request.architecture]
-        size = check_size(request.architecture, kwargs, limits)
-        if size is None or size.needed_bytes() > SMALL_BUILD_BYTES:
+        measured = check_size(request.architecture, kwargs, limits)
+        if measured is None or measured.needed_bytes() > SMALL_BUILD_BYTES:
             _yield_to_small_builds()
         renaming = None
         if request.weights_sha256 is None:
@@ -400,7 +400,7 @@ def publish(client: redis.Redis, catalog_json: str) -> bool:
 # keys.INSPECT_REQUESTS, then, over the tenants in the order of their turns, from the first
 # that has a request waiting and none in flight (no keys.inspect_busy mark): the head of its
 # list (first in, first out within a tenant). Taking marks the tenant busy with a lease and
-# moves its turn past the clock, as NOTE [ Fair turns ] in service/records/turns.py does for
+# moves its turn past the clock, as NOTE [ Fair turns ] in service/records/tenancy/turns.py does for
 # jobs: a tenant's turn is max(its score, the clock); a take sets the clock to that turn and
 # the tenant's score to the turn plus one. So a tenant that had nothing waiting comes back at
 # the clock (no credit saved up while idle), ahead of every tenant taken since; behind

@@ -30,11 +30,11 @@ from rq.worker import WorkerStatus
 
 from api_schemas import JobStatus
 from service.log_format import configure_logging
-from service.records.capacity import WorkerMemory
 from service.records.connection import redis_client
-from service.records.dequeues import DequeueHolds
+from service.records.job_life.capacity import WorkerMemory
+from service.records.job_life.dequeues import DequeueHolds
 from service.records.sync import Records
-from service.records.turns import Turns
+from service.records.tenancy.turns import Turns
 from service.settings import DEVICE_CLASSES, get_settings
 from service.store import open_store
 from service.upkeep.parent_death import SUPERVISOR_PID_ENV, die_with_supervisor
@@ -71,7 +71,7 @@ TURN_POLL_S: Final = 1.0
 
 class TurnQueue(Queue):
     """RQ's queue, but a worker's dequeue takes the next job by the tenants' turns of its
-    device queues (NOTE [ Fair turns ] in service/records/turns.py) instead of popping the
+    device queues (NOTE [ Fair turns ] in service/records/tenancy/turns.py) instead of popping the
     queues' own lists in order."""
 
     @classmethod

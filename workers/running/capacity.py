@@ -9,7 +9,7 @@ a job that needs more gets an allocation failure, its own failure, instead of th
 out-of-memory killer.
 
 A job's memory is the job's, however many processes it has (NOTE [ A job's memory among its
-processes ] in workers/running/ranks.py): a process that starts others (a train job's ranks,
+processes ] in workers/training/ranks.py): a process that starts others (a train job's ranks,
 a pass's loader processes) divides what it has left under its limit among them
 (``memory_left`` in workers/passes/process_memory.py), and each holds itself to its share
 (``hold_process_to``; NOTE [ Loader processes' memory ] there). The
@@ -19,8 +19,8 @@ a cgroup v2 with the memory controller (the machine these tests run on delegates
 process holds when it starts (the interpreter and torch, imported) is not counted.
 
 A job's process that dies without raising is an interruption, retried (NOTE [ Retry policy ]
-in service/records/retries.py), unless :func:`killed_for_its_own_reasons` finds it killed for
-memory (the cgroup counted an out-of-memory kill meanwhile) or for its timeout (RQ kills a
+in service/records/job_life/retries.py), unless :func:`killed_for_its_own_reasons` finds it killed
+for memory (the cgroup counted an out-of-memory kill meanwhile) or for its timeout (RQ kills a
 job a minute past it when its timeout exception did not stop it).
 """
 

@@ -124,7 +124,7 @@ class ChangeResult:
     attempts: list[TrainAttempt] = field(default_factory=list)
     best_epoch: int | None = None
     resumed_from_job: str | None = None
-    # A change run by several ranks (workers/running/ranks.py): their count and each one's
+    # A change run by several ranks (workers/training/ranks.py): their count and each one's
     # step timings, in rank order; the report's `steps` is then rank 0's.
     world_size: int = 1
     rank_steps: list[StepTimings] = field(default_factory=list)

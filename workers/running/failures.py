@@ -1,7 +1,7 @@
 """What a job's own failure says: the error a failed job's record shows, with the failures a
 user can act on (out of memory, a timeout) said in words, not in an allocator's.
 
-NOTE [ Retry policy ] in service/records/retries.py: an exception in a job is the job's own
+NOTE [ Retry policy ] in service/records/job_life/retries.py: an exception in a job is the job's own
 failure, never retried. Running out of memory is one too, however it shows: an exception
 (``MemoryError``, ``torch.OutOfMemoryError``, CPU allocation failures that torch raises as
 ``RuntimeError``) here, or the kernel's out-of-memory killer, which the RQ worker tells apart

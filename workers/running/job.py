@@ -102,7 +102,7 @@ def _run_started(
         status = records.interrupt(job.job_id, (JobStatus.RUNNING,), _LOST_REDIS, _rq_id(job))
         return {"job_id": job.job_id, "status": str(status)}
     except JobInterrupted as exc:
-        # A process of the job killed from outside (a rank: workers/running/ranks.py): an
+        # A process of the job killed from outside (a rank: workers/training/ranks.py): an
         # interruption, as the job's own process killed would be (NOTE [ Job attempts ]).
         log.warning("job %s interrupted: %s", job.job_id, exc)
         status = records.interrupt(job.job_id, (JobStatus.RUNNING,), str(exc), _rq_id(job))
@@ -131,7 +131,7 @@ def _timeout_s(job: JobPayload) -> int | None:
 
 
 def _rq_id(job: JobPayload) -> str:
-    """The RQ id of this attempt (NOTE [ Job attempts ] in service/records/retries.py)."""
+    """The RQ id of this attempt (NOTE [ Job attempts ] in service/records/job_life/retries.py)."""
     current = get_current_job()
     return current.id if current is not None else job.job_id
 

@@ -108,7 +108,7 @@ def register_output(
 ) -> SavedOutcome:
     """Writes the report to the store and registers the new model with ``weights``; at most
     one model per job, whatever its attempts: a later attempt reuses the model an earlier one
-    registered (NOTE [ Job attempts ] in service/records/retries.py)."""
+    registered (NOTE [ Job attempts ] in service/records/job_life/retries.py)."""
     model_id = records.claim_output(job.job_id, new_id("mdl"))
     report = weights.report.model_copy(update={"output_model_id": model_id})
     report_sha256 = store.put_bytes(report.model_dump_json(indent=2).encode())

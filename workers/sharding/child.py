@@ -17,7 +17,7 @@ from rq import get_current_job
 from api_schemas import JobStatus, Progress
 from service.public_text import opaque_name, worker_label
 from service.records.connection import redis_client
-from service.records.shards import (
+from service.records.job_life.shards import (
     FINISH,
     MERGE,
     ChildState,

@@ -80,8 +80,8 @@ R = TypeVar("R")
 # rounding (cumulative: float64 sums against torch's float32 running average, below 1e-6).
 #
 # Jobs: the parent is the user's job; the worker that takes it only plans K contiguous runs of
-# whole batches, records every child queued (service/records/shards.py), enqueues K shard jobs,
-# a merge job that depends on them and, with labels, the evaluation children and the finish
+# whole batches, records every child queued (service/records/job_life/shards.py), enqueues K shard
+# jobs, a merge job that depends on them and, with labels, the evaluation children and the finish
 # (see "evaluation" below; RQ ids `<parent>-shard-<i>`, `<parent>-merge`, `<parent>-eval-<i>`,
 # `<parent>-finish`) and returns: waiting for the shards would deadlock a single worker.
 # Children have no job record, so they never show in `GET /v1/jobs`; the parent's report lists

@@ -21,8 +21,8 @@ from rq.job import Dependency, Job
 
 from api_schemas import AdaptParams, JobPayload, JobStatus, Progress, utc_now
 from service.formats.arrays import locate_arrays
-from service.records.retries import child_retry, rerun_killed_child
-from service.records.shards import (
+from service.records.job_life.retries import child_retry, rerun_killed_child
+from service.records.job_life.shards import (
     FINISH,
     MERGE,
     ChildState,
@@ -33,7 +33,7 @@ from service.records.shards import (
     shard_name,
 )
 from service.records.sync import Records
-from service.records.turns import announce, turn_queue
+from service.records.tenancy.turns import announce, turn_queue
 from service.settings import Settings
 from service.store.base import Store
 from workers.errors import AdaptError, JobCanceled
@@ -126,7 +126,7 @@ def start_shards(
     shard_records.plan(job.job_id, [shard.batches for shard in plan], progress, after_merge)
     spec = ShardedJob(payload=job, plan=plan, evaluation=evaluation).model_dump(mode="json")
     # The children wait for workers of the class the job asked for (NOTE [ Queues by device ]),
-    # in the job's own queue there (NOTE [ Fair turns ] in service/records/turns.py).
+    # in the job's own queue there (NOTE [ Fair turns ] in service/records/tenancy/turns.py).
     base = settings.job_queue(job.params.device)
     queue = turn_queue(records.client, base, job.tenant_id, job.priority)
     options: dict[str, Any] = {
@@ -280,8 +280,8 @@ def _succeed(run: ChildRun, sharded: ShardedJob, saved: SavedOutcome) -> None:
 
 # NOTE [ Retried children ]
 # A child whose process dies (SIGKILL, out of memory) while its parent runs is run again, as a
-# job's attempt is (NOTE [ Job attempts ] in service/records/retries.py): each child's RQ job is
-# enqueued with RQ's ``Retry`` of the job's ``max_attempts`` - 1, so when the RQ worker sees
+# job's attempt is (NOTE [ Job attempts ] in service/records/job_life/retries.py): each child's RQ
+# job is enqueued with RQ's ``Retry`` of the job's ``max_attempts`` - 1, so when the RQ worker sees
 # the process die, ``fail_killed_child`` marks the child queued again (with its heartbeat
 # gone) and RQ puts the same RQ job back on the queue at once. Its dependents (the merge, the
 # finish) keep waiting on that RQ id, so nothing else changes: the rerun's claim succeeds,

@@ -33,8 +33,8 @@ from service.datasets.registration import register_dataset
 from service.errors import StoreError, StoreTooLargeError
 from service.records import keys
 from service.records.format import text
-from service.records.quotas import open_upload, release_upload
 from service.records.sync import Records
+from service.records.tenancy.quotas import open_upload, release_upload
 from service.settings import Settings
 from service.store.base import DirectTransfers, DirectUpload, Store
 

@@ -47,9 +47,9 @@ from service.errors import ObjectNotFoundError
 from service.jobs.queues import tenant_queue
 from service.jobs.submission import submit_job
 from service.records.aio import AsyncRecords
-from service.records.queue import JOB_FUNCTION
-from service.records.quotas import STREAM_LEASE_S, AsyncTenantQuotas
+from service.records.job_life.queue import JOB_FUNCTION
 from service.records.sync import JobFilter
+from service.records.tenancy.quotas import STREAM_LEASE_S, AsyncTenantQuotas
 
 __all__ = ["JOB_FUNCTION", "router"]
 

@@ -8,7 +8,7 @@ again after a dropped connection, then joined into a dataset.
     DELETE /v1/uploads/{id}                           -> 204
 
 Parts are store objects kept while the session lasts (NOTE [ Upload parts in the store ] in
-service/records/uploads.py); each is streamed like any upload (NOTE [ Streamed uploads ] in
+service/records/stored/uploads.py); each is streamed like any upload (NOTE [ Streamed uploads ] in
 service/api/transfers.py). Completing joins parts 1..n in order into one store object, checks
 it like ``POST /v1/datasets`` and registers it.
 
@@ -51,8 +51,8 @@ from service.api.problems import ApiError, refuse_other_methods
 from service.api.transfers import CHUNK_BYTES, SHA256_HEADER_PARAMETER, store_body, too_large
 from service.datasets.registration import DATASET_BYTES_SETTING, register_dataset
 from service.errors import ObjectNotFoundError, StoreDigestMismatchError, StoreTooLargeError
+from service.records.stored.uploads import UploadRecords, UploadSession
 from service.records.sync import Records
-from service.records.uploads import UploadRecords, UploadSession
 from service.settings import Settings
 from service.store.base import Store
 

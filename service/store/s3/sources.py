@@ -1,6 +1,6 @@
 """Buckets a dataset is imported from, read with the store's credentials: a folder's listing a
 page at a time, and an object's bytes as a stream. The store's own prefix is never read here
-(NOTE [ Import sources ] in service/records/import_sources.py)."""
+(NOTE [ Import sources ] in service/records/tenancy/import_sources.py)."""
 
 from __future__ import annotations
 

@@ -495,7 +495,7 @@ class S3Store:
 
     def owns(self, bucket: str, key: str) -> bool:
         """Whether ``s3://bucket/key`` is under this store's prefix: never a source to import
-        from (NOTE [ Import sources ] in service/records/import_sources.py)."""
+        from (NOTE [ Import sources ] in service/records/tenancy/import_sources.py)."""
         return bucket == self.bucket and key.startswith(self.prefix)
 
     def import_object(self, url: str, max_bytes: int | None) -> tuple[str, int]:

@@ -1,9 +1,9 @@
 """A worker's side of a train job's training checkpoints and epochs: the latest checkpoint read
 back for a retried attempt (or the one ``resume_from`` named), each new one written to the
 store, named in the job's record and counted in its tenant's stored bytes (NOTE [ Train
-checkpoint records ] in service/records/train_checkpoints.py), and each validated epoch
+checkpoint records ] in service/records/stored/train_checkpoints.py), and each validated epoch
 published for the job's events stream (NOTE [ Job events ] in service/api/routes/jobs.py).
-A job in several processes does all of it from rank 0 (workers/running/ranks.py)."""
+A job in several processes does all of it from rank 0 (workers/training/ranks.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from service.errors import QuotaExceededError
 from service.records.sync import Records
 from service.store.base import Store
 from workers.errors import TrainError
-from workers.running.train_state import (
+from workers.training.train_state import (
     EpochLog,
     TrainState,
     load_state,

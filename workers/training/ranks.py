@@ -14,7 +14,7 @@ NOTE [ Ranks' batches ]
 Each epoch is one global permutation drawn from the job's seed, the same on every rank; it is
 cut into global batches of ``batch_size`` as in one process, and rank r of N trains on the
 r-th of every N samples of each global batch (``RankSlice.take`` in
-workers/running/training.py): DistributedSampler's deal, batch by batch. A short last batch is
+workers/training/training.py): DistributedSampler's deal, batch by batch. A short last batch is
 cut to a multiple of N (the samples over are left out of that epoch's step), and dropped when
 it leaves a rank fewer than 2 samples. DDP averages the ranks' gradients, each the gradient of
 the mean loss over its slice: with equal slices, the gradient of the global batch's mean loss
@@ -27,10 +27,10 @@ NOTE [ What the ranks share with the job's process ]
 
 The ranks read the job's inputs from the store, and the training checkpoint to resume from
 that the job's process chose (the job's latest, NOTE [ Ranks in a checkpoint ] in
-workers/running/train_state.py). Rank 0 alone writes to the store and Redis, through its own
+workers/training/train_state.py). Rank 0 alone writes to the store and Redis, through its own
 client, what one process would write while it trains: the job's training checkpoints
 (every rank takes part in gathering each, at the same step) and its epochs for the events
-stream (workers/running/resumption.py). They share a private temporary directory with the
+stream (workers/training/resumption.py). They share a private temporary directory with the
 job's process (``_Workdir``): rank 0 writes its progress
 there after each step and the trained state (safetensors) at the end; a rank that fails writes
 its error's kind and message there; the job's process creates a ``stop`` file there when the
@@ -66,7 +66,7 @@ Failures: the ranks of a job live and die together. The launcher runs with ``max
 0; when one rank ends with an error or is killed, its agent ends the others and raises, and
 the job's attempt ends with it: a rank's own error (bad data, NaN) fails the job with its
 message, as does a rank killed for memory; a rank killed by a signal otherwise is an
-interruption (retried as one attempt, NOTE [ Job attempts ] in service/records/retries.py).
+interruption (retried as one attempt, NOTE [ Job attempts ] in service/records/job_life/retries.py).
 Each rank asks the kernel for SIGKILL when the job's process dies, so a job process killed by
 RQ (stop, timeout) leaves no rank behind.
 """
@@ -124,9 +124,9 @@ from workers.running.compute import one_sample_batch_explained
 from workers.running.evaluation import loss_for
 from workers.running.failures import is_out_of_memory, out_of_memory_message
 from workers.running.loading import LoadedJob, load_job, resolve_device
-from workers.running.resumption import StoredCheckpoints
-from workers.running.train_state import TrainState, load_state
-from workers.running.training import Checkpointing, RankSlice, train_with_params
+from workers.training.resumption import StoredCheckpoints
+from workers.training.train_state import TrainState, load_state
+from workers.training.training import Checkpointing, RankSlice, train_with_params
 
 __all__ = ["RankOutcome", "loopback_interface", "run_rank", "train_in_ranks"]
 
@@ -358,7 +358,7 @@ def _out_of_memory_in_rank(rank: int, world_size: int, share: int | None, what: 
 
 def _written_by_rank_0(state: TrainState) -> None:
     """Ranks other than 0 take part in each checkpoint (NOTE [ Ranks in a checkpoint ] in
-    workers/running/train_state.py) and write nothing."""
+    workers/training/train_state.py) and write nothing."""
 
 
 def _train_rank(
@@ -506,7 +506,7 @@ def train_in_ranks(
     returns what each rank trained, in rank order, or raises what ended the ranks (module
     docstring: failures). The ranks resume from the stored training checkpoint
     ``resume_sha256``; with ``keep_checkpoints`` (a worker's run) rank 0 writes the job's
-    checkpoints and epochs (workers/running/resumption.py)."""
+    checkpoints and epochs (workers/training/resumption.py)."""
     processes = params.processes
     _processes_fit(processes, job.device)
     threads = max(1, torch.get_num_threads() // processes)

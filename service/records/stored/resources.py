@@ -19,8 +19,8 @@ from service.records import keys
 from service.records.base import RedisRecords
 from service.records.format import RESOURCE_FIELDS, index_member, owned_resource
 from service.records.paging import newest_first
-from service.records.quotas import ensure_stored_bytes_counted, hold_record, release_objects
-from service.records.store_refs import release_sha_ref
+from service.records.stored.store_refs import release_sha_ref
+from service.records.tenancy.quotas import ensure_stored_bytes_counted, hold_record, release_objects
 
 __all__ = ["StoredResource", "TenantResources"]
 
@@ -43,7 +43,7 @@ class TenantResources(RedisRecords):
         object's bytes in the tenant's count, in one script; with ``max_stored_bytes`` (the
         setting; the tenant's own value wins) only if they fit, else
         :class:`~service.errors.QuotaExceededError` (NOTE [ Tenant quotas ] in
-        service/records/quotas.py). Writing the same record again (a job's attempts racing)
+        service/records/tenancy/quotas.py). Writing the same record again (a job's attempts racing)
         holds the object once."""
         hold_record(
             self.client,

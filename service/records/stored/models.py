@@ -1,10 +1,11 @@
-"""Tenants' models (``keys.record("model", id)``, the layout of service/records/resources.py);
-each holds a use of its weights in the store (service/records/store_refs.py)."""
+"""Tenants' models (``keys.record("model", id)``, the layout of
+service/records/stored/resources.py); each holds a use of its weights in the store
+(service/records/stored/store_refs.py)."""
 
 from __future__ import annotations
 
 from api_schemas import ModelPublic, Page
-from service.records.resources import TenantResources
+from service.records.stored.resources import TenantResources
 
 __all__ = ["ModelRecords"]
 
@@ -16,7 +17,7 @@ class ModelRecords(TenantResources):
         self, tenant_id: str, model: ModelPublic, max_stored_bytes: float | None = None
     ) -> None:
         """With ``max_stored_bytes``: only within the tenant's stored-bytes quota (NOTE
-        [ Tenant quotas ] in service/records/quotas.py)."""
+        [ Tenant quotas ] in service/records/tenancy/quotas.py)."""
         self._put_stored(tenant_id, "model", model, max_stored_bytes)
 
     def get_model(self, tenant_id: str, model_id: str) -> ModelPublic | None:

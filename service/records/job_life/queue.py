@@ -1,6 +1,6 @@
 """Putting a job's run on the RQ queue: by the API for a job's first attempt, by the sweep for
-each later one (NOTE [ Job attempts ] in service/records/retries.py), in the queue of its
-tenant and priority (NOTE [ Fair turns ] in service/records/turns.py)."""
+each later one (NOTE [ Job attempts ] in service/records/job_life/retries.py), in the queue of its
+tenant and priority (NOTE [ Fair turns ] in service/records/tenancy/turns.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Final
 import redis
 from rq import Queue
 
-from service.records.turns import announce, turn_queue
+from service.records.tenancy.turns import announce, turn_queue
 
 __all__ = ["JOB_FUNCTION", "RQ_FAILURE_TTL_S", "RQ_RESULT_TTL_S", "enqueue_run"]
 

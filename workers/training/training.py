@@ -13,7 +13,7 @@ statistics update. ``accumulate_steps`` consecutive micro-batches of an epoch ma
 whose gradients add up before one optimizer step; each micro-batch's mean loss is weighted by
 its share of the group's samples, so the step takes the mean gradient over the group's
 samples (the last group of an epoch may hold fewer micro-batches). The learning rate of
-optimizer step t is set from t alone (workers/running/schedules.py), just before the step. A
+optimizer step t is set from t alone (workers/training/schedules.py), just before the step. A
 training checkpoint is taken after a step, so a resumed run starts at a group's first
 micro-batch: at (epoch, batch) it draws the epoch's order again from the data-order generator
 as it was at the epoch's start and skips ``batch`` micro-batches.
@@ -46,8 +46,8 @@ from workers.running.evaluation import (
     compute_loss,
     evaluate_sums,
 )
-from workers.running.schedules import Schedule
-from workers.running.train_state import EpochLog, RankState, TrainState
+from workers.training.schedules import Schedule
+from workers.training.train_state import EpochLog, RankState, TrainState
 
 __all__ = [
     "Checkpointing",
@@ -171,7 +171,7 @@ def batch_bounds(num_samples: int, batch_size: int) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class RankSlice:
     """The part of each global batch this process trains on, one of ``world_size`` ranks of a
-    data-parallel job (NOTE [ Ranks' batches ] in workers/running/ranks.py); the default is the
+    data-parallel job (NOTE [ Ranks' batches ] in workers/training/ranks.py); the default is the
     whole batch."""
 
     rank: int = 0
@@ -205,7 +205,7 @@ class RankSlice:
     def agree(self, decided: bool, device: torch.device) -> bool:
         """Rank 0's ``decided``, on every rank (all ranks call it together): a decision taken
         on one clock, as when to write a checkpoint by time (NOTE [ Ranks in a checkpoint ]
-        in workers/running/train_state.py)."""
+        in workers/training/train_state.py)."""
         if self.world_size == 1:
             return decided
         flag = torch.tensor([int(decided)], dtype=torch.int32, device=device)  # (1,)
@@ -269,7 +269,7 @@ def _checkpoint_due(
 ) -> bool:
     """Whether to write a checkpoint after optimizer step ``steps``: by steps, the same count
     on every rank; by time, rank 0's clock, agreed by all ranks after every step (NOTE [ Ranks
-    in a checkpoint ] in workers/running/train_state.py)."""
+    in a checkpoint ] in workers/training/train_state.py)."""
     due = bool(checkpointing.every_steps and steps % checkpointing.every_steps == 0)
     if checkpointing.every_s:
         late = time.monotonic() - saved_at >= checkpointing.every_s
@@ -309,13 +309,13 @@ def train_model(
     each micro-batch, raising :class:`JobCanceled` when it answers True; ``on_epoch`` with
     each epoch's log once it is validated. Every module's training flag is restored at the
     end. ``checkpointing``: training checkpoints written through its ``save`` (NOTE [
-    Training checkpoints ] in workers/running/train_state.py), and the one to resume from.
+    Training checkpoints ] in workers/training/train_state.py), and the one to resume from.
 
     ``forward`` runs the train steps' forward passes (default ``model``; a compiled
     ``model``, workers/passes/steps.py); validation runs ``model`` itself, in float32.
     ``clock`` times each optimizer step, from reading its first batch to the update.
 
-    ``ranks``: this process is one rank of a data-parallel job (workers/running/ranks.py):
+    ``ranks``: this process is one rank of a data-parallel job (workers/training/ranks.py):
     each micro-batch trains on its slice of the global micro-batch, ``forward`` is the DDP
     model, and only rank 0 validates. The epochs' train loss is averaged over the ranks.
     """
@@ -582,7 +582,7 @@ def train_with_params(
     ranks: RankSlice | None = None,
 ) -> TrainStats:
     """:func:`train_model` as a train job's ``params`` ask, in one process or as one of its
-    ranks (workers/running/ranks.py); ``loss``: the params' or the one the labels call for."""
+    ranks (workers/training/ranks.py); ``loss``: the params' or the one the labels call for."""
     return train_model(
         model,
         x,

@@ -21,9 +21,9 @@ from api_schemas import JobStatus, utc_now
 from service.records import keys
 from service.records.base import RedisRecords
 from service.records.format import text
-from service.records.jobs import status_keys
-from service.records.queue import enqueue_run
-from service.records.shards import ChildState, ShardRecords
+from service.records.job_life.jobs import status_keys
+from service.records.job_life.queue import enqueue_run
+from service.records.job_life.shards import ChildState, ShardRecords
 from service.settings import Settings
 
 __all__ = [

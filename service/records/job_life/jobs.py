@@ -1,11 +1,11 @@
 """The life cycle of jobs: a job's record, its status, and the sets the sweeps read.
 
-A job is a tenant's resource (the layout of service/records/resources.py) whose hash adds the
+A job is a tenant's resource (the layout of service/records/stored/resources.py) whose hash adds the
 fields that change while it runs (``status``, ``started_at``, ``finished_at``, ``error``,
 ``result``), changed only through :meth:`JobRecords.transition`, a compare-and-set in Lua
 that keeps each job id in the set of its status (``keys.QUEUED_JOBS``, ``keys.RUNNING_JOBS``)
 and an ended job in ``keys.FINISHED_JOBS``. How an interrupted run becomes a new attempt is
-the retry policy's (service/records/retries.py).
+the retry policy's (service/records/job_life/retries.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ import redis
 from api_schemas import JobPayload, JobPublic, JobResultLinks, JobStatus, Page, utc_now
 from service.records import keys
 from service.records.format import job_from_fields, text
-from service.records.idempotency import IDEMPOTENCY_FIELD, IdempotencyKeys
+from service.records.job_life.idempotency import IDEMPOTENCY_FIELD, IdempotencyKeys
 from service.records.paging import newest_first
-from service.records.quotas import (
+from service.records.stored.resources import TenantResources
+from service.records.stored.store_refs import release_sha_ref
+from service.records.stored.train_checkpoints import CHECKPOINT_FIELD
+from service.records.tenancy.quotas import (
     HELD_FIELD,
     ensure_stored_bytes_counted,
     hold_objects,
@@ -32,9 +35,6 @@ from service.records.quotas import (
     release_objects,
     reserve_job_slot,
 )
-from service.records.resources import TenantResources
-from service.records.store_refs import release_sha_ref
-from service.records.train_checkpoints import CHECKPOINT_FIELD
 
 __all__ = ["JobFilter", "JobRecords", "status_keys"]
 
@@ -71,7 +71,7 @@ return current
 
 def status_keys(job_id: str) -> list[str]:
     """What a change of the job's status touches, as the KEYS of the scripts that make one
-    (here and in service/records/retries.py): its hash and the sets of jobs by status."""
+    (here and in service/records/job_life/retries.py): its hash and the sets of jobs by status."""
     return [keys.record("job", job_id), keys.RUNNING_JOBS, keys.QUEUED_JOBS, keys.FINISHED_JOBS]
 
 

@@ -3,15 +3,15 @@ kept in the job's record hash.
 
 NOTE [ Train checkpoint records ]
 The checkpoint itself is a store object (NOTE [ Training checkpoints ] in
-workers/running/train_state.py); the job's hash names the latest in ``train_checkpoint``, and
+workers/training/train_state.py); the job's hash names the latest in ``train_checkpoint``, and
 the job holds a use of it in ``keys.sha_refs`` like of its inputs and report. Replacing it is
-one script (``_REPLACE_CHECKPOINT_LUA`` in service/records/quotas.py): the new object's use
+one script (``_REPLACE_CHECKPOINT_LUA`` in service/records/tenancy/quotas.py): the new object's use
 is added and the field set before the old one's use is released, so the collector never
 deletes the checkpoint a retried attempt is about to read (an object just written and not
 yet referenced is younger than the collector's grace period, NOTE [ Store garbage
 collection ] in service/store/gc.py). The same script makes the job hold the new object in
 place of the old one in the tenant's stored bytes, within its quota (NOTE [ Tenant quotas ]
-in service/records/quotas.py). Deleting the job releases it, and its bytes, with the job's
+in service/records/tenancy/quotas.py). Deleting the job releases it, and its bytes, with the job's
 other objects (``JobRecords.delete_finished_job``). ``train_resumes`` is a JSON list, one
 entry an attempt: ``{"attempt": n, "resumed_from_step": s}``; only the job's running attempt
 writes it.
@@ -25,7 +25,11 @@ from typing import Any, cast
 from service.records import keys
 from service.records.base import RedisRecords
 from service.records.format import text
-from service.records.quotas import CHECKPOINT_BYTES_FIELD, CHECKPOINT_SHA_FIELD, replace_checkpoint
+from service.records.tenancy.quotas import (
+    CHECKPOINT_BYTES_FIELD,
+    CHECKPOINT_SHA_FIELD,
+    replace_checkpoint,
+)
 
 __all__ = ["TrainCheckpoints"]
 

@@ -15,9 +15,9 @@ retries: a WATCH that loses to every concurrent writer can only give up):
   without WATCH (RQ's enqueue is a pipeline: it cannot go into Lua), which also scores the id
   +inf; if that MULTI fails the slot is released. A crash between the two steps leaves a
   reservation that lapses after the grace period. A job's end (``_TRANSITION_LUA`` in
-  service/records/jobs.py, ``_INTERRUPT_LUA`` in service/records/retries.py) removes its id
-  in the script that ends it, so the set is exactly the tenant's queued and running jobs
-  plus submissions in flight. At the limit the script also drops members whose job is not
+  service/records/job_life/jobs.py, ``_INTERRUPT_LUA`` in service/records/job_life/retries.py)
+  removes its id in the script that ends it, so the set is exactly the tenant's queued and running
+  jobs plus submissions in flight. At the limit the script also drops members whose job is not
   queued or running, before refusing; the set an earlier release kept (``...:active-jobs``,
   read by status) is moved in by the first reservation.
 - stored bytes: the bytes of the DISTINCT store objects the tenant holds. A holder is a

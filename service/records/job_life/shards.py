@@ -33,7 +33,7 @@ from rq.job import JobStatus as RQStatus
 from api_schemas import Progress
 from service.records import keys
 from service.records.format import text
-from service.records.store_refs import release_sha_ref
+from service.records.stored.store_refs import release_sha_ref
 
 __all__ = [
     "FINISH",

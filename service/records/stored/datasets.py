@@ -1,11 +1,11 @@
 """Tenants' datasets (``keys.record("dataset", id)``, the layout of
-service/records/resources.py); each holds a use of its file in the store
-(service/records/store_refs.py)."""
+service/records/stored/resources.py); each holds a use of its file in the store
+(service/records/stored/store_refs.py)."""
 
 from __future__ import annotations
 
 from api_schemas import DatasetPublic, Page
-from service.records.resources import TenantResources
+from service.records.stored.resources import TenantResources
 
 __all__ = ["DatasetRecords"]
 
@@ -17,7 +17,7 @@ class DatasetRecords(TenantResources):
         self, tenant_id: str, dataset: DatasetPublic, max_stored_bytes: float | None = None
     ) -> None:
         """With ``max_stored_bytes``: only within the tenant's stored-bytes quota (NOTE
-        [ Tenant quotas ] in service/records/quotas.py)."""
+        [ Tenant quotas ] in service/records/tenancy/quotas.py)."""
         self._put_stored(tenant_id, "dataset", dataset, max_stored_bytes)
 
     def get_dataset(self, tenant_id: str, dataset_id: str) -> DatasetPublic | None:

@@ -20,7 +20,7 @@ A checkpoint is written after an optimizer step (every ``save_every_steps`` step
   (1 when absent, as in checkpoints of earlier releases).
 
 NOTE [ Ranks in a checkpoint ]
-A job in several processes (workers/running/ranks.py) writes one checkpoint, rank 0's, at a
+A job in several processes (workers/training/ranks.py) writes one checkpoint, rank 0's, at a
 step all ranks agree on: ``save_every_steps`` counts the same steps on every rank, and the
 ``save_every_s`` clock is rank 0's, its decision broadcast to the others after each step
 (``RankSlice.agree``). The model, the optimizer, the data-order generator and the position are

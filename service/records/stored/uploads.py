@@ -28,7 +28,7 @@ from typing import Final
 import redis
 
 from service.records import keys
-from service.records.quotas import hold_upload_objects, open_upload, release_upload
+from service.records.tenancy.quotas import hold_upload_objects, open_upload, release_upload
 
 __all__ = ["UploadRecords", "UploadSession"]
 
@@ -77,7 +77,7 @@ class UploadRecords:
         tenant may open one more, and with ``max_stored_bytes`` only if ``expected_bytes``
         fit, which the upload reserves until it ends; else
         :class:`~service.errors.QuotaExceededError` (NOTE [ Tenant quotas ] in
-        service/records/quotas.py)."""
+        service/records/tenancy/quotas.py)."""
         now = time.time()
         fields: dict[str, str | int | float] = {
             "tenant": tenant,

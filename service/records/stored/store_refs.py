@@ -20,7 +20,7 @@ def release_sha_ref(pipe: redis.client.Pipeline, sha256: str, owner_id: str) -> 
     (NOTE [ Store garbage collection ] in service/store/gc.py)."""
     pipe.srem(keys.sha_refs(sha256), owner_id)
     # GT: a live upload session may protect the same bytes until later (NOTE [ Upload parts
-    # in the store ] in service/records/uploads.py); a release never shortens that.
+    # in the store ] in service/records/stored/uploads.py); a release never shortens that.
     pipe.zadd(keys.STORE_RELEASED, {sha256: time.time()}, gt=True)
 
 
