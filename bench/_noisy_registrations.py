@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
+from harness.servers import new_s3_server
 from service.client import ApiClientError, Client
-from tests.servers import new_s3_server
 
 # B registers one small model and one small dataset every REGISTER_INTERVAL_S (or as soon as
 # the last answered, when that took longer): some 8 requests a second, within its rate limit.

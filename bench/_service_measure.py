@@ -16,7 +16,7 @@ from typing import Any
 from _service_report import CpuUse, JobTiming, LoadResult
 from _service_stack import BenchStack, cpu_seconds, machine_busy_seconds
 
-from tests.stack import Client
+from harness.stack import Client
 
 __all__ = ["CONCURRENCY", "CpuWatch", "merge", "run_job", "run_load"]
 

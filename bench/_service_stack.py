@@ -1,4 +1,4 @@
-"""The whole service as processes for bench/service_bench.py: tests/stack.py's ``Stack``, with
+"""The whole service as processes for bench/service_bench.py: harness/stack.py's ``Stack``, with
 the API under ``uvicorn --workers N`` when asked, and the CPU time each part of it used."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tests.servers import wait_for
-from tests.stack import Stack
+from harness.servers import wait_for
+from harness.stack import Stack
 
 __all__ = ["BenchStack", "cpu_seconds", "machine_busy_seconds", "process_tree"]
 

@@ -24,8 +24,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from api_schemas import JobPayload, Report, TrainParams  # noqa: E402
 from api_schemas.jobs.public import JobPayloadDataset, JobPayloadModel  # noqa: E402
+from harness.stack import npz_bytes  # noqa: E402
 from service.store.local import LocalStore  # noqa: E402
-from tests.stack import npz_bytes  # noqa: E402
 from workers.kinds.changing import compute  # noqa: E402
 from workers.models.architectures import build_model  # noqa: E402
 from workers.running.saving import weights_bytes  # noqa: E402

@@ -18,7 +18,7 @@ bare loop's from its first batch to its last: both include starting the loader p
 
 Each set is (N, 3, 224, 224) uint8 images with int64 labels, written as an uncompressed npz
 (what np.savez writes) without holding it in memory. The whole service runs as processes
-(tests/stack.py); the job measurements rerun the payload the API enqueued in a fresh process
+(harness/stack.py); the job measurements rerun the payload the API enqueued in a fresh process
 that samples its own anonymous memory (RssAnon in /proc/self/status) every 5 ms. RssAnon, not
 RSS: the pages of a memory-mapped file count in RSS as soon as they are read, although the
 kernel can drop them at any time, so RSS would charge the job with the dataset it maps.
@@ -47,8 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from api_schemas import JobStatus  # noqa: E402
+from harness.stack import Stack, job_payload, running_stack  # noqa: E402
 from service.client import Client  # noqa: E402
-from tests.stack import Stack, job_payload, running_stack  # noqa: E402
 
 SHAPE = (3, 224, 224)
 MIB = 1024 * 1024

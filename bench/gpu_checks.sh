@@ -23,10 +23,10 @@ fi
 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "on", torch.cuda.get_device_name(0))'
 status=0
 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -o log_level=WARNING \
-    tests/checkpoint/test_checkpoint_gpu.py tests/e2e/test_compile_e2e.py \
-    tests/e2e/test_processes_gpu.py tests/checkpoint/test_sync_batchnorm.py \
-    tests/workers/test_device_batches.py tests/workers/test_gpu_decoding.py \
-    tests/workers/test_adapt_precision.py || status=$?
+    tests/checkpoint/test_checkpoint_gpu.py tests/e2e/training/test_compile_e2e.py \
+    tests/e2e/training/test_processes_gpu.py tests/checkpoint/test_sync_batchnorm.py \
+    tests/workers/passes/test_device_batches.py tests/workers/passes/test_gpu_decoding.py \
+    tests/workers/estimators/test_adapt_precision.py || status=$?
 if "$PYTHON" -c 'import torchvision' 2>/dev/null; then
     timeout 240 "$PYTHON" bench/adapt_record_bench.py --images 10000 --large-images 256 \
         || status=$?

@@ -3,7 +3,7 @@
     python bench/noisy_neighbour_bench.py                  # 20 uploads of 64 MiB, 30 s phases
     python bench/noisy_neighbour_bench.py --upload-mib 4 --seconds 5   # a quick look
 
-The whole service runs as processes (tests/stack.py: Redis, one worker, the API), with the
+The whole service runs as processes (harness/stack.py: Redis, one worker, the API), with the
 default quotas (BNADAPT_TENANT_RATE_PER_S 50 with a burst of 100, 10 event streams, 20 open
 uploads, 100 active jobs). Tenant B reads its job's status 20 times a second (within its own rate
 limit) for ``--seconds``: once alone (quiet), once while tenant A
@@ -38,7 +38,7 @@ over and over, and registers built-in ``mlp`` models of ``--model-in-features`` 
 registers a small ``mlp`` and a small dataset in turn (4 of each a second) and ``/healthz`` is
 read 20 times a second; each timed, once alone (quiet) and once under A's load. Imports need
 the store on S3: with ``--imports`` above 0 the stack's store is a SeaweedFS bucket
-(tests/servers.py), in both runs. Target (issue 41): B's registrations' p50 and p99 within 2x
+(harness/servers.py), in both runs. Target (issue 41): B's registrations' p50 and p99 within 2x
 of the quiet run.
 """
 
@@ -75,12 +75,12 @@ from _noisy_registrations import (  # noqa: E402
 )
 
 from api_schemas import JobPublic  # noqa: E402
+from harness.servers import stop_process, wait_for  # noqa: E402
+from harness.stack import REPO as STACK_REPO  # noqa: E402
+from harness.stack import npz_bytes, running_stack  # noqa: E402
 from service.client import ApiClientError, Client  # noqa: E402
 from service.local.embedded import free_port  # noqa: E402
 from service.local.up import api_command  # noqa: E402
-from tests.servers import stop_process, wait_for  # noqa: E402
-from tests.stack import REPO as STACK_REPO  # noqa: E402
-from tests.stack import npz_bytes, running_stack  # noqa: E402
 
 MIB = 1024 * 1024
 

@@ -8,7 +8,7 @@ from this one, one at a time.
 Two settings of ``BNADAPT_API_COPY_THREADS`` in one run, each on a fresh stack: the default
 (4), and 40, as many as the request path's pool, which is how many copies ran at once when
 they shared it (before the pool of their own, 40 copies also took every thread of the request
-path: a wait no ratio shows, measured by tests/api/test_heavy_work.py instead).
+path: a wait no ratio shows, measured by tests/api/tenancy/test_heavy_work.py instead).
 
     .venv/bin/python bench/offload_bench.py [--mib 64] [--registrations 20] [--quiet 300]
 
@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.stack import npz_bytes, running_stack
+from harness.stack import npz_bytes, running_stack
 
 MIB = 1024 * 1024
 COPY_THREADS = (4, 40)

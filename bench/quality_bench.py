@@ -77,9 +77,9 @@ from _service_stack import BenchStack, cpu_seconds  # noqa: E402
 
 from api_schemas import JobPublic, JobStatus  # noqa: E402
 from api_schemas.reports import Metrics  # noqa: E402
+from harness.servers import new_redis_server  # noqa: E402
 from service.client import Client, new_model_id  # noqa: E402
 from service.local.demo import TRAIN_PARAMS, digits_split, train_digits_cnn, write_npz  # noqa: E402
-from tests.servers import new_redis_server  # noqa: E402
 
 # The default seed of the noise and the adapt jobs; the split, the model's init and training use 0.
 SEED: Final = 0

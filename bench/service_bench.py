@@ -2,7 +2,7 @@
 adaptation throughput inside a job against a bare loop.
 
 Everything runs on this machine over loopback: a Redis-compatible server, the API under uvicorn
-and a worker (``python -m workers.processes.supervisor --device cpu``), started as tests/stack.py
+and a worker (``python -m workers.processes.supervisor --device cpu``), started as harness/stack.py
 does. Three measurements:
 
 1. Per-job overhead: a tiny adapt job (``digits_cnn`` width 8 on 64 digits samples) submitted
@@ -76,9 +76,9 @@ from _service_report import (  # noqa: E402
 from _service_stack import BenchStack  # noqa: E402
 
 from api_schemas import JobPayload, new_id  # noqa: E402
+from harness.servers import new_redis_server  # noqa: E402
+from harness.stack import Client, npz_bytes  # noqa: E402
 from service.store.local import LocalStore  # noqa: E402
-from tests.servers import new_redis_server  # noqa: E402
-from tests.stack import Client, npz_bytes  # noqa: E402
 from workers.kinds.changing import compute  # noqa: E402
 from workers.models.architectures import build_model  # noqa: E402
 

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.stack import Client, npz_bytes, running_stack
+from harness.stack import Client, npz_bytes, running_stack
 
 ARCH = {"in_channels": 1, "depth": 4, "width": 32}
 BATCH = 64

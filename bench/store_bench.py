@@ -49,13 +49,13 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness.servers import S3Server, new_redis_server, new_s3_server
+from harness.stack import Client, running_stack
 from service.records.connection import redis_client
 from service.settings import Settings
 from service.store.cache import ObjectCache
 from service.store.s3 import S3Store
 from tests.e2e.test_e2e import digits_npz
-from tests.servers import S3Server, new_redis_server, new_s3_server
-from tests.stack import Client, running_stack
 
 MIB = 1024 * 1024
 

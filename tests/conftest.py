@@ -1,4 +1,4 @@
-"""Shared fixtures: real servers on free ports. The helpers live in ``tests/servers.py``."""
+"""Shared fixtures: real servers on free ports. The helpers live in ``harness/servers.py``."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from harness.servers import S3Server, new_redis_server, new_s3_server
 from service.local.embedded import RedisServer
-from tests.servers import S3Server, new_redis_server, new_s3_server
 
 if TYPE_CHECKING:
     # Imported where used: collecting the checkpoint suite must not depend on the service.
-    from tests.inprocess import InProcessApi
-    from tests.stack import Stack
+    from harness.inprocess import InProcessApi
+    from harness.stack import Stack
 
 
 @pytest.fixture
@@ -77,8 +77,8 @@ def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
 @pytest.fixture(scope="session")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessApi]:
     """The API in this process over its own Redis-compatible server, with an inspector and no
-    worker (``tests/inprocess.py``), shared by the session: take a new tenant per test."""
-    from tests.inprocess import MAX_DATASET_BYTES, running_api
+    worker (``harness/inprocess.py``), shared by the session: take a new tenant per test."""
+    from harness.inprocess import MAX_DATASET_BYTES, running_api
 
     data_dir = tmp_path_factory.mktemp("api")
     with running_api(data_dir, max_dataset_bytes=MAX_DATASET_BYTES) as running:
@@ -90,7 +90,7 @@ def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """One whole stack (Redis, the API under uvicorn, a worker) for every test that only needs
     jobs to run: boots once per session. Take a new tenant per test; a test that kills,
     restarts or reconfigures processes starts its own with ``running_stack``."""
-    from tests.stack import SHARED_STACK_THREADS, running_stack
+    from harness.stack import SHARED_STACK_THREADS, running_stack
 
     threads = {"BNADAPT_WORKER_THREADS": str(SHARED_STACK_THREADS)}
     with running_stack(tmp_path_factory.mktemp("shared-stack"), threads) as stack:

@@ -1,5 +1,5 @@
 """Fault injection, for tests only: hooks that hold a worker's process still at the moment a
-reliability test must kill it (tests/e2e/test_reliability.py).
+reliability test must kill it (tests/e2e/chaos/test_reliability.py).
 
 Only tests set the ``BNADAPT_FAULT_*`` variables, in the environment of the stack they start;
 unset, as in every deployment, each hook reads one variable and returns. Each value is

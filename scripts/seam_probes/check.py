@@ -1,5 +1,5 @@
 """A probe's change at work (scripts/seam_probes/*.sh run it in their scratch worktree): the API
-in process over a real Redis-compatible server (tests/inprocess.py), and, where a job must
+in process over a real Redis-compatible server (harness/inprocess.py), and, where a job must
 run, a real RQ worker in this process taking it from the queue.
 
     python scripts/seam_probes/check.py kind|estimator|resource
@@ -18,10 +18,10 @@ import numpy as np
 import safetensors.torch
 from rq import SimpleWorker
 
+from harness.inprocess import InProcessApi, running_api
+from harness.stack import Client, npz_bytes
 from service.records.connection import redis_client
 from service.settings import get_settings
-from tests.inprocess import InProcessApi, running_api
-from tests.stack import Client, npz_bytes
 from workers.models.architectures import build_model
 from workers.processes.rq_worker import TurnQueue
 

@@ -43,7 +43,7 @@ A JPEG whose resize target is at most half its size in both sides is decoded at 
 target), then resized to the target exactly as any image is. Measured here on a 4000 x 3000
 photo to 256 then 224: 92 ms a decode instead of 619 (6.7x); the pixels differ from a
 full-size decode by at most 5 levels of 255 and by under 0.8 on average
-(tests/service/test_reduced_decoding.py). Targets larger than half the image (a 500 x 375
+(tests/service/store/test_reduced_decoding.py). Targets larger than half the image (a 500 x 375
 photo to 256: what the libraries' own transforms are checked against, within 1/255) and PNGs
 decode at full size, as before.
 """

@@ -13,9 +13,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
+from harness.stack import Stack, running_stack
 from service.api.app import create_app
 from service.settings import Settings
-from tests.stack import Stack, running_stack
 
 pytestmark = pytest.mark.slow
 

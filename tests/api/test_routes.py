@@ -1,6 +1,6 @@
 """The routes and the contract, in process: the app object under uvicorn over a real
 Redis-compatible server, with the model inspector in a thread and no worker
-(``tests/inprocess.py``). Jobs are accepted and stay queued; what running them does is in
+(``harness/inprocess.py``). Jobs are accepted and stay queued; what running them does is in
 tests/e2e/."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
+from harness.inprocess import MAX_DATASET_BYTES, InProcessApi
+from harness.stack import Client, npz_bytes
 from tests.e2e.test_e2e import (
     created,
     digits,
@@ -22,8 +24,6 @@ from tests.e2e.test_e2e import (
     problem,
     weights_of,
 )
-from tests.inprocess import MAX_DATASET_BYTES, InProcessApi
-from tests.stack import Client, npz_bytes
 
 
 def test_architectures_catalog(api: InProcessApi) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from harness.servers import wait_for
+from harness.stack import REPO, Stack
 from tests.e2e.test_e2e import created, digits_npz
-from tests.servers import wait_for
-from tests.stack import REPO, Stack
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The guarantee of workers/checkpoint.py, NOTE [ Buffers and the recomputation ]: after any
+"""The guarantee of bnadapt/checkpoint.py, NOTE [ Buffers and the recomputation ]: after any
 sequence of calls, outputs, gradients and the full state_dict of the checkpointed model are
 bitwise equal to those of the same model run without checkpointing."""
 
@@ -15,14 +15,14 @@ from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
 import bnadapt.checkpoint
-from bnadapt.sync_batchnorm import convert_sync_batchnorm
-from tests.checkpoint.checkpoint_harness import assert_same, check_equivalent, run
-from workers.checkpoint import (
+from bnadapt.checkpoint import (
     CheckpointWrapper,
     apply_checkpointing,
     checkpoint,
     checkpoint_wrapper,
 )
+from bnadapt.sync_batchnorm import convert_sync_batchnorm
+from tests.checkpoint.checkpoint_harness import assert_same, check_equivalent, run
 
 
 class Block(nn.Module):

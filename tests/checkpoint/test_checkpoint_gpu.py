@@ -1,4 +1,4 @@
-"""CUDA paths of workers/checkpoint.py; skipped without CUDA. Run on a GPU machine with
+"""CUDA paths of bnadapt/checkpoint.py; skipped without CUDA. Run on a GPU machine with
 ``pytest -m gpu``."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch._inductor.config
 import torch.distributed as dist
 from torch import nn
 
+from bnadapt.checkpoint import apply_checkpointing
 from tests.checkpoint.checkpoint_harness import assert_same
 from tests.checkpoint.test_checkpoint_compile import (
     PREPARES,
@@ -20,7 +21,6 @@ from tests.checkpoint.test_checkpoint_compile import (
     max_difference,
     run_steps,
 )
-from workers.checkpoint import apply_checkpointing
 
 pytestmark = [
     pytest.mark.gpu,

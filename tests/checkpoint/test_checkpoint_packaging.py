@@ -11,9 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import workers.checkpoint
-from bnadapt import checkpoint as library
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Top-level modules that bnadapt.checkpoint must never pull in: this distribution's service
@@ -95,9 +92,3 @@ print(json.dumps({"service": service.MARK, "workers": workers.MARK}))
 """
     result = run_python(code, cwd=project, pythonpath=library_only(tmp_path))
     assert result == {"service": "user service", "workers": "user workers"}
-
-
-def test_the_old_import_path_is_the_library() -> None:
-    for name in workers.checkpoint.__all__:
-        assert getattr(workers.checkpoint, name) is getattr(library, name)
-    assert set(workers.checkpoint.__all__) <= set(library.__all__)

@@ -1,4 +1,4 @@
-"""Why workers/checkpoint.py exists: the other wrappers, on the same model, get the statistics
+"""Why bnadapt/checkpoint.py exists: the other wrappers, on the same model, get the statistics
 wrong. These tests document the measured bug; if torch or fairscale ever fix it, they fail and
 the README's claims need revisiting."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from workers.checkpoint import checkpoint_wrapper
+from bnadapt.checkpoint import checkpoint_wrapper
 
 
 def conv_bn() -> nn.Sequential:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import safetensors.torch
 import torch
 
+from harness.stack import Stack
 from tests.e2e.test_e2e import created, digits_npz, in_process
-from tests.stack import Stack
-from tests.workers.test_adapt_precision import BF16_BOUND, statistics_distance
+from tests.workers.estimators.test_adapt_precision import BF16_BOUND, statistics_distance
 
 
 def test_a_bf16_channels_last_job_runs_as_asked(shared_stack: Stack) -> None:

@@ -18,8 +18,8 @@ import safetensors.torch
 import torch
 from sklearn.datasets import load_digits
 
+from harness.stack import SHARED_STACK_THREADS, Client, Stack, job_payload, npz_bytes
 from service.store.local import LocalStore
-from tests.stack import SHARED_STACK_THREADS, Client, Stack, job_payload, npz_bytes
 from workers.kinds.changing import compute
 from workers.models.architectures import build_model
 
@@ -192,7 +192,7 @@ def test_cancel_queued_and_running(stack: Stack) -> None:
     body = long_train(client)
     running = created(client.submit(body), 202)
     queued = created(client.submit({**body, "params": {"epochs": 1}}), 202)
-    from tests.servers import wait_for
+    from harness.servers import wait_for
 
     wait_for(
         lambda: client.http.get(f"/v1/jobs/{running['id']}").json()["status"] == "running",

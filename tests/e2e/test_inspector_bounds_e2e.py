@@ -21,9 +21,9 @@ from typing import Any, Final
 import httpx
 import pytest
 
+from harness.servers import wait_for
+from harness.stack import REPO, Client, Stack, running_stack
 from service.records import keys
-from tests.servers import wait_for
-from tests.stack import REPO, Client, Stack, running_stack
 from workers.models.sizing import BuildLimits, ModelSize, measure
 
 pytestmark = pytest.mark.slow

@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from harness.servers import wait_for
+from harness.stack import Client, Stack, npz_bytes, running_stack
 from service.records.job_life.capacity import WorkerMemory
 from service.settings import MIB
-from tests.api.test_job_bounds import strip_footprint
+from tests.api.jobs.test_job_bounds import strip_footprint
+from tests.e2e.chaos.test_failures import small_job_succeeds
 from tests.e2e.test_e2e import created, digits_npz, long_train, problem
-from tests.e2e.test_failures import small_job_succeeds
-from tests.servers import wait_for
-from tests.stack import Client, Stack, npz_bytes, running_stack
 
 pytestmark = pytest.mark.slow
 

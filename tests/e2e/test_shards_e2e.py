@@ -15,13 +15,13 @@ import safetensors.torch
 import torch
 
 from api_schemas.reports import Report
+from harness.servers import stop_process, wait_for
+from harness.stack import Client, Stack, npz_bytes, running_stack
 from service.local.summary import diagnostic_lines
 from service.records import keys
 from service.records.job_life.shards import FINISH, MERGE, ChildState, ShardRecords
 from tests.e2e.test_e2e import created, digits, digits_npz
-from tests.servers import stop_process, wait_for
-from tests.stack import Client, Stack, npz_bytes, running_stack
-from tests.workers.test_auto import assert_rule_holds, assert_same_choice, trained_digits
+from tests.workers.estimators.test_auto import assert_rule_holds, assert_same_choice, trained_digits
 from tests.workers.test_shards import assert_same_adaptation
 
 pytestmark = pytest.mark.slow
@@ -292,8 +292,8 @@ def test_a_killed_shard_is_run_again_and_its_job_succeeds_once(stack: Stack) -> 
 
 @pytest.fixture(scope="module")
 def trained() -> dict[str, Any]:
-    """The digits CNN trained on the demo's split (tests/workers/test_auto.py), so that auto
-    has a source model worth keeping or adapting."""
+    """The digits CNN trained on the demo's split (tests/workers/estimators/test_auto.py), so that
+    auto has a source model worth keeping or adapting."""
     return trained_digits()
 
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from api_schemas.inspection import InspectRequest
+from harness.servers import wait_for
+from harness.stack import Client, Stack, running_stack
 from service.records import keys
 from tests.e2e.test_e2e import created, digits_npz
-from tests.servers import wait_for
-from tests.stack import Client, Stack, running_stack
 
 pytestmark = pytest.mark.slow
 

@@ -21,6 +21,7 @@ from redis.retry import Retry
 from rq import Queue, SimpleWorker
 from rq.job import JobStatus
 
+from harness.servers import wait_for
 from service.errors import BnadaptError
 from service.local.embedded import (
     SERVER_BINARY_ENV,
@@ -30,7 +31,6 @@ from service.local.embedded import (
     ServerStartError,
     find_server_binary,
 )
-from tests.servers import wait_for
 
 PASSWORD = "s3cret-for-tests"
 

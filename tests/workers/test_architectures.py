@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from workers.checkpoint import CheckpointWrapper
+from bnadapt.checkpoint import CheckpointWrapper
 from workers.errors import ArchitectureError, PolicyError
 from workers.models import architectures as arch_mod
 from workers.models.architectures import (

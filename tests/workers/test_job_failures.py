@@ -19,11 +19,11 @@ import torch
 from rq.job import Job
 from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
 
+from harness.stack import REPO
 from service.records.connection import redis_client
 from service.records.job_life.capacity import WorkerMemory
 from service.records.job_life.retries import JobAttempts, enqueue_attempt
 from service.settings import MIB, Settings
-from tests.stack import REPO
 from workers.models.architectures import activation_footprint, build_model
 from workers.running.capacity import killed_for_its_own_reasons, machine_memory, oom_kills
 from workers.running.failures import failure_message, is_out_of_memory

@@ -14,11 +14,11 @@ import pytest
 import redis
 
 from api_schemas.inspection import InspectFailure, InspectRequest
+from harness.servers import wait_for
 from service.records import keys
 from service.records.connection import redis_client
 from service.settings import Settings
 from service.store.local import LocalStore
-from tests.servers import wait_for
 from workers.errors import ArchitectureError
 from workers.models.architectures import (
     ACTIVATION_PROBE_SIDE,

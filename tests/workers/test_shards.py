@@ -12,9 +12,9 @@ import torch
 from pydantic import ValidationError
 
 from api_schemas import AdaptParams, JobPayload, JobPayloadDataset, JobPayloadModel
+from harness.stack import npz_bytes
 from service.store.local import LocalStore
 from tests.e2e.test_e2e import digits
-from tests.stack import npz_bytes
 from workers.errors import AdaptError
 from workers.kinds.changing import compute
 from workers.models.architectures import build_model
@@ -193,7 +193,8 @@ def assert_same_adaptation(
     sharded: dict[str, torch.Tensor], single: dict[str, torch.Tensor], batches: int
 ) -> None:
     """Running statistics within 1e-6 relative (a mean near 0 measured against the spread, as
-    in tests/workers/test_precise.py), counters exact, every other tensor bitwise equal."""
+    in tests/workers/estimators/test_precise.py), counters exact, every other tensor bitwise
+    equal."""
     assert set(sharded) == set(single)  # safetensors keeps no key order
     layers = [key.removesuffix(".running_mean") for key in single if key.endswith("running_mean")]
     assert layers

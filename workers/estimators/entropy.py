@@ -11,7 +11,7 @@ by them alone. Dropout and the other modules stay in eval mode, and every other 
 buffer keeps its value bit for bit.
 
 Unlike the other estimators this one needs gradients: it runs under ``enable_grad`` whatever
-the caller's mode, and a model wrapped by workers/checkpoint.py gives bitwise the same
+the caller's mode, and a model wrapped by bnadapt/checkpoint.py gives bitwise the same
 parameters, statistics and outputs as without wrapping (NOTE [ Buffers and the recomputation ]
 there): each step updates the running statistics once, not once more in the recomputation.
 """

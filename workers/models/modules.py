@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from workers.checkpoint import CheckpointWrapper
+from bnadapt.checkpoint import CheckpointWrapper
 
 __all__ = ["model_device", "named_modules", "training_flags"]
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from torch import nn
 
-from workers.checkpoint import CheckpointWrapper, apply_checkpointing
+from bnadapt.checkpoint import CheckpointWrapper, apply_checkpointing
 from workers.errors import PolicyError
 from workers.models.architectures import Architecture
 from workers.models.modules import named_modules

@@ -18,7 +18,7 @@ decodes on the CPU. Images that are not JPEGs (PNG members), and a spec whose in
 torch lacks (``lanczos``), decode on the CPU in the job's process whatever the setting.
 
 How close: on the same images within 2/255 per pixel of the CPU path (Pillow) where the CPU
-decodes at full size (tests/workers/test_gpu_decoding.py; the differences are the IDCTs' and
+decodes at full size (tests/workers/passes/test_gpu_decoding.py; the differences are the IDCTs' and
 the resize filters' rounding). Where the CPU path decodes a large JPEG reduced in the DCT
 domain (NOTE [ Reduced-size JPEG decoding ] in service/formats/images.py) the GPU decodes it
 whole: measured on the CPU's libjpeg (12 photos of 4000 x 3000, 3000 x 4000 and 1600 x 1200 to

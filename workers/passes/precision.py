@@ -14,9 +14,9 @@ sees and of the layers before it, and the estimators accumulate as in fp32: prec
 (NOTE [ Precise statistics ] in workers/estimators/precise.py), the moving averages in the
 float32 buffers.
 
-How far from fp32, measured (tests/workers/test_adapt_precision.py, ``pytest -s`` prints them;
-torch 2.13, CPU): the largest difference of a running mean or variance between the bf16 and the
-fp32 pass, relative to that layer's largest fp32 value, over all adapted layers; 96 samples in
+How far from fp32, measured (tests/workers/estimators/test_adapt_precision.py, ``pytest -s`` prints
+them; torch 2.13, CPU): the largest difference of a running mean or variance between the bf16 and
+the fp32 pass, relative to that layer's largest fp32 value, over all adapted layers; 96 samples in
 batches of 32, inputs shifted from the initial statistics. The test asserts each is above 1e-4
 (far above float32's rounding: the pass ran in bf16) and within the bound, four times the
 largest measured; on CUDA (``-m gpu``) with channels_last too, against the same bound.

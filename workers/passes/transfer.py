@@ -9,7 +9,7 @@ device is as small as it can be:
   bytes. Scaling by 1/255 and the spec's mean and std run on the device
   (:func:`~workers.passes.images.pixels_to_floats`). On the CPU that is the same float32
   arithmetic the loader's numpy path does, so a CPU job's statistics are bit for bit what they
-  were when the loader made floats (tests/workers/test_device_batches.py).
+  were when the loader made floats (tests/workers/passes/test_device_batches.py).
 - Arrays cross as the float32 rows :class:`~workers.passes.data.Samples` makes: their
   preprocessing (a resize of uint8 arrays) is torch's on the CPU, and stays there so that a
   job's numbers do not depend on its device.

@@ -5,7 +5,7 @@ report; no Redis here.
 in-process to check the worker's output bitwise: it loads the job (workers/running/loading.py),
 measures the model, runs the kind's own :class:`ModelChange`, checks what it left, measures
 again and draws up the report (NOTE [ A kind's change to the model ]). The model always runs
-through workers/checkpoint.py with the job's checkpoint policy, so its statistics are right
+through bnadapt/checkpoint.py with the job's checkpoint policy, so its statistics are right
 whatever the policy.
 
 What the computation reports to and asks the outside: workers/passes/hooks.py.

@@ -48,7 +48,7 @@ directory: one node, no socket), each rank joins the process group through anoth
 each rank names the loopback interface to gloo and NCCL (``GLOO_SOCKET_IFNAME``,
 ``NCCL_SOCKET_IFNAME``: :func:`loopback_interface`, read from the system) before it joins, so
 the connections between ranks are on 127.0.0.1 and their listening sockets bound to it
-(tests/e2e/test_processes_e2e.py reads the kernel's socket table while a job trains).
+(tests/e2e/training/test_processes_e2e.py reads the kernel's socket table while a job trains).
 
 NOTE [ A job's memory among its processes ]
 

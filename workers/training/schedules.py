@@ -3,7 +3,7 @@
 A function of the step count alone, not a torch scheduler object: a resumed job sets the rate
 of step t from t, so a training checkpoint needs no scheduler state beyond the step count, and
 the rates cannot drift from torch's chained multiplications. docs/training.md gives the
-formulas; tests/workers/test_recipe.py checks them against a hand-written loop.
+formulas; tests/workers/training/test_recipe.py checks them against a hand-written loop.
 """
 
 from __future__ import annotations

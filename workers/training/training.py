@@ -5,7 +5,7 @@ The seed fixes the train/validation split and each epoch's order (one ``torch.Ge
 :func:`epoch_order`) and the global RNG that Dropout and friends draw from, forked so the
 caller's RNG state is left as it was. With a checkpoint wrapper applied, the resulting
 ``state_dict`` is bitwise that of the unwrapped model, ``num_batches_tracked`` included (NOTE
-in workers/checkpoint.py).
+in bnadapt/checkpoint.py).
 
 NOTE [ Micro-batches and steps ]
 ``batch_size`` samples make a micro-batch: one forward and backward pass, one BatchNorm
