@@ -31,8 +31,7 @@ and how it is kept.
 
 Where the code lives (a decision, not an accident): this file is the library. The service's
 packages (``service``, ``workers``, ``api_schemas``) stay top-level in the same distribution
-for now; ``workers/checkpoint.py`` only re-exports this module, so old imports keep working.
-Nothing here may import them.
+for now, and import this module as ``bnadapt.checkpoint``. Nothing here may import them.
 
 One module on purpose, like torch's own checkpoint.py: a user may take this file alone, and its
 NOTE blocks map it.
