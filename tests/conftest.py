@@ -17,6 +17,28 @@ if TYPE_CHECKING:
     from harness.stack import Stack
 
 
+# NOTE [ Test tiers ]
+# Plain `pytest` runs the quick tier: every test not marked `slow`. The whole suite is asked
+# for by name, `pytest --whole` (what .ci/run runs); an explicit `-m` expression chooses for
+# itself (`-m slow`, `-m zoo`). Deselected tests are reported as such, so a run that selects
+# nothing still exits 5 (no tests ran) and fails CI.
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--whole",
+        action="store_true",
+        help="run the whole suite, the slow tier included (plain pytest runs the quick tier)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--whole") or config.getoption("markexpr"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A fresh password-protected Redis-compatible server for one test, stopped afterwards."""
