@@ -4,7 +4,8 @@
 - :mod:`api_schemas.jobs.adapt`, :mod:`~api_schemas.jobs.train`,
   :mod:`~api_schemas.jobs.evaluate` — each kind's parameters and request; the estimator table
   is in ``adapt`` (NOTE [ The estimator table ]);
-- :mod:`api_schemas.jobs.params` — the pieces every kind shares;
+- :mod:`api_schemas.jobs.params` — what every kind shares: the base classes of its params and
+  request (NOTE [ Shared job fields ]) and the pieces they are made of;
 - :mod:`api_schemas.jobs.public` — the job record, its progress and the worker's payload.
 """
 
@@ -31,7 +32,10 @@ from api_schemas.jobs.params import (
     DEVICE_PATTERN,
     MAX_BATCH_SIZE,
     MAX_SHARDS,
+    BaseJobCreate,
+    BaseJobParams,
     CheckpointPolicy,
+    ModelJobParams,
     ModulePattern,
     num_batches,
 )
@@ -59,6 +63,8 @@ __all__ = [
     "AdaptJobCreate",
     "AdaptParams",
     "AnyJobCreate",
+    "BaseJobCreate",
+    "BaseJobParams",
     "CheckpointPolicy",
     "EpochEvent",
     "EstimatorName",
@@ -76,6 +82,7 @@ __all__ = [
     "JobPublic",
     "JobResultLinks",
     "JobStatus",
+    "ModelJobParams",
     "ModulePattern",
     "Progress",
     "TrainJobCreate",

@@ -13,29 +13,18 @@ from typing import TYPE_CHECKING, Annotated, Final, Literal, Self
 
 from pydantic import Field, model_validator
 
-from api_schemas.common import RequestModel, ResourceId
 from api_schemas.jobs.params import (
-    DEFAULT_MAX_ATTEMPTS,
     MAX_LR,
     MAX_NUM_BATCHES,
     MAX_SHARDS,
     MAX_STEPS,
-    BatchSize,
-    CheckpointPolicy,
-    CompileBackend,
-    Device,
-    JobPreprocessing,
-    JobPriority,
-    JobTags,
-    JobTimeout,
-    MaxAttempts,
+    BaseJobCreate,
+    ModelJobParams,
     ModulePattern,
     NumBatches,
     PatternList,
-    compile_backend_fits,
     num_batches,
 )
-from api_schemas.models import Seed
 
 __all__ = [
     "AUTO_HOLDOUT",
@@ -173,7 +162,7 @@ else:
     EstimatorName = Literal[ESTIMATOR_NAMES]
 
 
-class AdaptParams(RequestModel):
+class AdaptParams(ModelJobParams):
     """Re-estimate normalization statistics on a dataset.
 
     Estimators (:data:`ESTIMATORS`): ``ema`` (the layers' own momentum), ``ema_momentum``
@@ -231,7 +220,6 @@ class AdaptParams(RequestModel):
     prediction diagnostics on the held-out samples (on the estimation samples when nothing is
     held out)."""
 
-    batch_size: BatchSize = 64
     max_batches: NumBatches | None = Field(
         default=None,
         description=f"At most this many batches (1 to {MAX_NUM_BATCHES}); null: all the dataset's.",
@@ -282,11 +270,6 @@ class AdaptParams(RequestModel):
     # GroupNorm layers; "batchnorm" (as TENT): BatchNorm layers only. Both select by
     # include/exclude.
     affine_norms: Literal["all", "batchnorm"] = "all"
-    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
-    seed: Seed = 0
-    device: Device = "auto"
-    # A spec for this job's images in place of the dataset's, or "model" (JobPreprocessing).
-    preprocessing: JobPreprocessing = None
     shards: int = Field(
         default=1,
         ge=1,
@@ -306,9 +289,6 @@ class AdaptParams(RequestModel):
     )
     # auto: may try candidates that need backward passes (entropy).
     allow_backward: bool = False
-    # NOTE [ Compiled jobs ] in api_schemas/jobs/params.py.
-    compile: bool = False
-    compile_backend: CompileBackend = "inductor"
     precision: AdaptPrecision = Field(
         default="fp32",
         description="fp32 (exact statistics); bf16: the estimator's forward passes under "
@@ -372,7 +352,6 @@ class AdaptParams(RequestModel):
                 "layerwise runs one pass per layer, each with other layers in train mode, and "
                 "would compile the model anew for each; drop compile, or drop layerwise"
             )
-        compile_backend_fits(self.compile, self.compile_backend)
         return self
 
     @model_validator(mode="after")
@@ -450,14 +429,8 @@ def holdout_sizes(
     return used, max(min(max(round(fraction * used), 1), used - 1), 0)
 
 
-class AdaptJobCreate(RequestModel):
+class AdaptJobCreate(BaseJobCreate):
     """Asks for BatchNorm adaptation of a model on a dataset."""
 
     kind: Literal["adapt"]
-    model_id: ResourceId
-    dataset_id: ResourceId
     params: AdaptParams = Field(default_factory=AdaptParams)
-    max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
-    tags: JobTags = Field(default_factory=dict)
-    priority: JobPriority = 0
-    timeout_s: JobTimeout = None

@@ -4,33 +4,35 @@ NOTE [ The job-kind table ]
 :data:`JOB_KINDS` is the one list of job kinds. The API validates a job's body by it (the
 ``kind`` picks the request and params classes), the worker runs its ``runner`` (a
 ``module:function`` path, imported by the worker only, so the API never imports torch), and
-the CLI offers its names. A new kind is its schema module (params + create request), its
-runner (the module its row names), and one row here: ``JobKind``, ``JobParams`` and
-``AnyJobCreate`` are built from the rows (NOTE [ Types read from the table ]), the OpenAPI
-document's job schemas and the texts about kinds are written from them, and the web UI reads
-the kinds from that document.
+the CLI offers its names. A new kind is its schema module (params + create request, derived
+from the bases of NOTE [ Shared job fields ] in api_schemas/jobs/params.py), its runner (the
+module its row names), and one row here: ``JobKind``, ``JobParams`` and ``AnyJobCreate`` are
+built from the rows (NOTE [ Types read from the table ]), the OpenAPI document's job schemas
+and the texts about kinds are written from them, and the web UI reads the kinds from that
+document.
 
 NOTE [ Types read from the table ]
 At run time ``JobKind`` is the ``Literal`` of the table's names and ``JobParams`` and
 ``AnyJobCreate`` are the unions of its ``params`` and ``create`` classes, in the table's order
 (which is the order the OpenAPI document lists them in). A type checker cannot read a dict, so
-under ``TYPE_CHECKING`` they are what every kind shares: ``str`` and the two protocols below,
-which each row's classes are checked against when the table is built (``JobKindSpec``).
-Code that needs one kind's fields narrows with ``isinstance`` (``AdaptParams``, ...), as it
-had to with the unions too.
+under ``TYPE_CHECKING`` they are what every kind derives from: ``str``, ``BaseJobParams`` and
+``BaseJobCreate`` (NOTE [ Shared job fields ] in api_schemas/jobs/params.py), which the row's
+classes are typed as. Code that needs one kind's fields narrows with ``isinstance``
+(``AdaptParams``, ...), and code that needs the fields of every kind that changes a model,
+with ``ModelJobParams``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, Union
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Union
 
 from pydantic import Field, TypeAdapter, ValidationInfo
 
 from api_schemas.common import RequestModel
 from api_schemas.jobs.adapt import AdaptJobCreate, AdaptParams
 from api_schemas.jobs.evaluate import EvaluateJobCreate, EvaluateParams
-from api_schemas.jobs.params import JobPreprocessing
+from api_schemas.jobs.params import BaseJobCreate, BaseJobParams
 from api_schemas.jobs.train import TrainJobCreate, TrainParams
 
 __all__ = [
@@ -45,63 +47,18 @@ __all__ = [
 ]
 
 
-# Plain attributes where every kind declares the same type; read-only properties where the
-# kinds narrow it (``kind: Literal["adapt"]``), since a protocol's plain attribute is
-# invariant.
-class SharedParams(Protocol):
-    """What the params of every kind have (NOTE [ Types read from the table ])."""
-
-    batch_size: int
-    device: str
-    preprocessing: JobPreprocessing
-
-
-class SharedJobCreate(Protocol):
-    """What the create request of every kind has (NOTE [ Types read from the table ])."""
-
-    model_id: str
-    dataset_id: str
-    max_attempts: int
-    tags: dict[str, str]
-    priority: int
-    timeout_s: int | None
-
-    @property
-    def kind(self) -> str: ...
-    @property
-    def params(self) -> SharedParams: ...
-    def model_dump_json(self) -> str: ...
-
-
-def _fields(protocol: type) -> set[str]:
-    """The names a protocol above requires: its attributes and its properties."""
-    names = set(protocol.__annotations__)
-    return names | {name for name, value in vars(protocol).items() if isinstance(value, property)}
-
-
 @dataclass(frozen=True)
 class JobKindSpec:
     """One kind's row; see NOTE [ The job-kind table ]."""
 
     summary: str
-    create: type[RequestModel]
-    params: type[RequestModel]
+    create: type[BaseJobCreate]
+    params: type[BaseJobParams]
     # `module:function` the worker calls with (payload, records, store, settings).
     runner: str
     # Whether a succeeded job registers a new model (else its report is the whole result).
     registers_model: bool
     needs_labels: bool
-
-    def __post_init__(self) -> None:
-        # The API reads these fields of any kind (submission, listing): a row whose classes
-        # lack one fails here, when the table is built, not as a 500 on the first job.
-        for cls, protocol in ((self.params, SharedParams), (self.create, SharedJobCreate)):
-            missing = sorted(_fields(protocol) - set(cls.model_fields))
-            if missing:
-                raise ValueError(
-                    f"{cls.__name__} lacks {missing}, which every kind's "
-                    f"{protocol.__name__} has (NOTE [ Types read from the table ]); add them"
-                )
 
 
 JOB_KINDS: Final[dict[str, JobKindSpec]] = {
@@ -134,8 +91,8 @@ JOB_KINDS: Final[dict[str, JobKindSpec]] = {
 
 if TYPE_CHECKING:
     JobKind = str
-    JobParams = SharedParams
-    AnyJobCreate = SharedJobCreate
+    JobParams = BaseJobParams
+    AnyJobCreate = BaseJobCreate
 else:
     JobKind = Literal[tuple(JOB_KINDS)]
     JobParams = Union[tuple(spec.params for spec in JOB_KINDS.values())]  # noqa: UP007

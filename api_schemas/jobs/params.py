@@ -1,11 +1,28 @@
-"""The parameter pieces every job kind shares: batch sizes, devices, checkpoint policies."""
+"""What every job kind shares: the base classes of its params and of its create request
+(NOTE [ Shared job fields ]), and the pieces they are made of (batch sizes, devices, bounds,
+checkpoint policies).
 
-from typing import Annotated, Any, Final, Literal
+NOTE [ Shared job fields ]
+A field that every kind has is declared once, here: :class:`BaseJobParams` holds what the
+params of every kind have (the API reads them of any job: its queue, its preprocessing),
+:class:`ModelJobParams` adds what the kinds that change a model have (what the worker's
+loading and shared computation read: workers/running/), and :class:`BaseJobCreate` is the
+create request with everything but the kind. A kind's classes derive from them
+(api_schemas/jobs/adapt.py, ...): its request only narrows ``kind`` to its name and
+``params`` to its params class, and its params class adds its own fields, or declares a
+shared one again only to change its default (``evaluate``'s larger ``batch_size``). pydantic
+flattens inherited fields into each class's schema, so the OpenAPI document shows every
+field in every kind, with no schema for the bases. Inherited fields come first in a class's
+fields (and so in its JSON).
+"""
 
-from pydantic import Discriminator, Field, StringConstraints, Tag
+from typing import Annotated, Any, Final, Literal, Self
 
-from api_schemas.common import RequestModel
+from pydantic import Discriminator, Field, StringConstraints, Tag, model_validator
+
+from api_schemas.common import RequestModel, ResourceId
 from api_schemas.datasets import Preprocessing
+from api_schemas.models import Seed
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -20,6 +37,8 @@ __all__ = [
     "MAX_STEPS",
     "MIN_PRIORITY",
     "TAG_KEY_PATTERN",
+    "BaseJobCreate",
+    "BaseJobParams",
     "BatchSize",
     "CheckpointPolicy",
     "CompileBackend",
@@ -29,10 +48,10 @@ __all__ = [
     "JobTags",
     "JobTimeout",
     "MaxAttempts",
+    "ModelJobParams",
     "ModulePattern",
     "NumBatches",
     "PatternList",
-    "compile_backend_fits",
     "num_batches",
 ]
 
@@ -185,11 +204,48 @@ class CheckpointPolicy(RequestModel):
 CompileBackend = Literal["inductor", "aot_eager"]
 
 
-def compile_backend_fits(compile: bool, backend: str) -> None:
-    """A backend other than the default without ``compile: true`` is refused (it would be
-    ignored). The default itself passes: stored params carry every field, defaults included."""
-    if backend != "inductor" and not compile:
-        raise ValueError(
-            f"compile_backend {backend!r} is an option of compiled jobs; add compile: true, "
-            "or drop compile_backend"
-        )
+class BaseJobParams(RequestModel):
+    """What the params of every kind have (NOTE [ Shared job fields ])."""
+
+    batch_size: BatchSize = 64
+    device: Device = "auto"
+    # A spec for this job's images in place of the dataset's, or "model" (JobPreprocessing).
+    preprocessing: JobPreprocessing = None
+
+
+class ModelJobParams(BaseJobParams):
+    """What the params of every kind that changes a model have (``AdaptParams``,
+    ``TrainParams``): what loading the job and the computation all such kinds share read
+    (NOTE [ Shared job fields ])."""
+
+    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
+    seed: Seed = 0
+    # NOTE [ Compiled jobs ].
+    compile: bool = False
+    compile_backend: CompileBackend = "inductor"
+
+    @model_validator(mode="after")
+    def _compile_backend_fits(self) -> Self:
+        # A backend other than the default without `compile: true` would be ignored, so it is
+        # refused. The default itself passes: stored params carry every field, defaults
+        # included.
+        if self.compile_backend != "inductor" and not self.compile:
+            raise ValueError(
+                f"compile_backend {self.compile_backend!r} is an option of compiled jobs; add "
+                "compile: true, or drop compile_backend"
+            )
+        return self
+
+
+class BaseJobCreate(RequestModel):
+    """What the create request of every kind has (NOTE [ Shared job fields ]); a kind's
+    request narrows ``kind`` to its name and ``params`` to its params class."""
+
+    kind: str
+    model_id: ResourceId
+    dataset_id: ResourceId
+    params: BaseJobParams
+    max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
+    tags: JobTags = Field(default_factory=dict)
+    priority: JobPriority = 0
+    timeout_s: JobTimeout = None

@@ -7,22 +7,7 @@ from typing import Final, Literal, Self
 from pydantic import Field, model_validator
 
 from api_schemas.common import RequestModel, ResourceId
-from api_schemas.jobs.params import (
-    DEFAULT_MAX_ATTEMPTS,
-    MAX_LR,
-    MAX_STEPS,
-    BatchSize,
-    CheckpointPolicy,
-    CompileBackend,
-    Device,
-    JobPreprocessing,
-    JobPriority,
-    JobTags,
-    JobTimeout,
-    MaxAttempts,
-    compile_backend_fits,
-)
-from api_schemas.models import Seed
+from api_schemas.jobs.params import MAX_LR, MAX_STEPS, BaseJobCreate, ModelJobParams
 
 __all__ = [
     "MAX_ACCUMULATE_STEPS",
@@ -114,7 +99,7 @@ class Augmentation(RequestModel):
         return self
 
 
-class TrainParams(RequestModel):
+class TrainParams(ModelJobParams):
     """Train all parameters with ``optimizer``. ``loss=None`` picks cross-entropy for class
     labels and MSE for float targets. Every field is described in docs/training.md.
 
@@ -130,7 +115,6 @@ class TrainParams(RequestModel):
     epochs: int = Field(
         default=1, ge=1, le=MAX_EPOCHS, description=f"Passes over the data, 1 to {MAX_EPOCHS}."
     )
-    batch_size: BatchSize = 64
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = Field(
         default=0.05,
@@ -161,13 +145,6 @@ class TrainParams(RequestModel):
         allow_inf_nan=False,
         description="Fraction of the samples kept out of training to validate on, 0 to 0.9.",
     )
-    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
-    seed: Seed = 0
-    device: Device = "auto"
-    # A spec for this job's images in place of the dataset's, or "model" (JobPreprocessing).
-    preprocessing: JobPreprocessing = None
-    compile: bool = False
-    compile_backend: CompileBackend = "inductor"
     # Data parallelism (docs/distributed.md): kept together, checked by _ranks_fit.
     processes: int = Field(
         default=1,
@@ -282,11 +259,6 @@ class TrainParams(RequestModel):
     )
 
     @model_validator(mode="after")
-    def _compile_backend_fits(self) -> Self:
-        compile_backend_fits(self.compile, self.compile_backend)
-        return self
-
-    @model_validator(mode="after")
     def _ranks_fit(self) -> Self:
         if self.batch_size % self.processes:
             raise ValueError(
@@ -344,14 +316,8 @@ class TrainParams(RequestModel):
         return self
 
 
-class TrainJobCreate(RequestModel):
+class TrainJobCreate(BaseJobCreate):
     """Asks for training of a model on a labelled dataset."""
 
     kind: Literal["train"]
-    model_id: ResourceId
-    dataset_id: ResourceId
     params: TrainParams = Field(default_factory=TrainParams)
-    max_attempts: MaxAttempts = DEFAULT_MAX_ATTEMPTS
-    tags: JobTags = Field(default_factory=dict)
-    priority: JobPriority = 0
-    timeout_s: JobTimeout = None

@@ -493,20 +493,3 @@ def test_compile_is_for_train_jobs_and_the_estimators_whose_passes_compile() -> 
         assert params.model_validate(params().model_dump()).compile is False
         with pytest.raises(ValidationError, match="compile_backend"):
             params.model_validate({"compile": True, "compile_backend": "cudagraphs"})
-
-
-def test_a_kind_row_whose_classes_lack_a_shared_field_is_refused_when_built() -> None:
-    from api_schemas.common import RequestModel
-    from api_schemas.jobs.kinds import JobKindSpec
-
-    class BareParams(RequestModel):
-        batch_size: int = 8
-
-    with pytest.raises(ValueError, match=r"BareParams lacks \['device', 'preprocessing'\]"):
-        JobKindSpec("probe", api_schemas.EvaluateJobCreate, BareParams, "m:run", False, False)
-
-    class BareCreate(RequestModel):
-        model_id: str
-
-    with pytest.raises(ValueError, match=r"BareCreate lacks \['dataset_id', 'kind'"):
-        JobKindSpec("probe", BareCreate, api_schemas.EvaluateParams, "m:run", False, False)
