@@ -23,7 +23,7 @@ from workers.running.compute import (
 )
 from workers.training.ranks import train_in_ranks
 from workers.training.resumption import StoredCheckpoints
-from workers.training.training import Checkpointing, train_with_params
+from workers.training.training import Checkpointing, TrainHooks, train_with_params
 
 __all__ = ["Training", "change", "run"]
 
@@ -84,11 +84,13 @@ class Training(ModelChange):
                 loss=loss,
                 device=job.device,
                 checkpointing=checkpointing,
-                progress=progress,
-                should_stop=hooks.should_stop,
-                on_epoch=on_epoch,
-                forward=task.forward,
-                clock=task.clock,
+                hooks=TrainHooks(
+                    progress=progress,
+                    should_stop=hooks.should_stop,
+                    on_epoch=on_epoch,
+                    forward=task.forward,
+                    clock=task.clock,
+                ),
             )
         return ChangeResult(
             batches=trained.batches,

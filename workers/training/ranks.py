@@ -126,7 +126,7 @@ from workers.running.failures import is_out_of_memory, out_of_memory_message
 from workers.running.loading import LoadedJob, load_job, resolve_device
 from workers.training.resumption import StoredCheckpoints
 from workers.training.train_state import TrainState, load_state
-from workers.training.training import Checkpointing, RankSlice, train_with_params
+from workers.training.training import Checkpointing, RankSlice, TrainHooks, train_with_params
 
 __all__ = ["RankOutcome", "loopback_interface", "run_rank", "train_in_ranks"]
 
@@ -398,13 +398,15 @@ def _train_rank(
             loss=loss,
             device=device,
             checkpointing=checkpointing,
-            progress=progress,
-            should_stop=shared.stop_requested,
-            on_epoch=None
-            if stored is None
-            else partial(stored.publish_epoch, epochs=params.epochs),
-            forward=ddp,
-            clock=clock,
+            hooks=TrainHooks(
+                progress=progress,
+                should_stop=shared.stop_requested,
+                on_epoch=None
+                if stored is None
+                else partial(stored.publish_epoch, epochs=params.epochs),
+                forward=ddp,
+                clock=clock,
+            ),
             ranks=ranks,
         )
     # Micro-batches, one BatchNorm update each (NOTE [ Micro-batches and steps ]).

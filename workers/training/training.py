@@ -26,7 +26,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,8 @@ __all__ = [
     "Optimizer",
     "RankSlice",
     "Recipe",
+    "TrainHooks",
+    "TrainSettings",
     "TrainStats",
     "batch_bounds",
     "epoch_order",
@@ -277,124 +279,385 @@ def _checkpoint_due(
     return due
 
 
+@dataclass(frozen=True)
+class TrainSettings:
+    """What a run trains for, checked when built: ``epochs`` over the data, ``batch_size`` the
+    micro-batch (NOTE [ Micro-batches and steps ]), ``validation_fraction`` of the samples held
+    out, split and ordered by ``seed``; ``device`` takes the model and, batch by batch, the
+    data."""
+
+    epochs: int
+    batch_size: int
+    optimizer: Optimizer
+    lr: float
+    momentum: float
+    weight_decay: float
+    loss: Loss
+    validation_fraction: float
+    seed: int
+    device: torch.device | str
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"epochs and batch_size must be >= 1, got {self.epochs} and {self.batch_size}"
+            )
+        if not 0 <= self.validation_fraction < 1:
+            raise ValueError(
+                f"validation_fraction must be in [0, 1), got {self.validation_fraction}"
+            )
+        if self.loss not in ("cross_entropy", "mse"):
+            raise TrainError(f"unknown loss {self.loss!r}; use 'cross_entropy' or 'mse'")
+
+    @classmethod
+    def of(cls, params: TrainParams, *, loss: Loss, device: torch.device) -> TrainSettings:
+        """A train job's settings; ``loss``: the params' or the one the labels call for."""
+        return cls(
+            epochs=params.epochs,
+            batch_size=params.batch_size,
+            optimizer=params.optimizer,
+            lr=params.lr,
+            momentum=params.momentum,
+            weight_decay=params.weight_decay,
+            loss=loss,
+            validation_fraction=params.validation_fraction,
+            seed=params.seed,
+            device=device,
+        )
+
+
+@dataclass(frozen=True)
+class TrainHooks:
+    """What the caller hears and lends: ``progress(steps_done, total_steps)`` after each
+    optimizer step; ``should_stop()`` before each micro-batch, which raises
+    :class:`JobCanceled` when it answers True; ``on_epoch`` with each epoch's log once it is
+    validated. ``forward`` runs the train steps' forward passes (default the model; a compiled
+    model, workers/passes/steps.py); validation runs the model itself, in float32. ``clock``
+    times each optimizer step, from reading its first batch to the update."""
+
+    progress: Callable[[int, int], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    on_epoch: Callable[[EpochLog], None] | None = None
+    forward: Forward | None = None
+    clock: StepClock | None = None
+
+
 def train_model(
     model: nn.Module,
     x: Data,
     y: torch.Tensor,
+    settings: TrainSettings,
     *,
-    epochs: int,
-    batch_size: int,
-    optimizer: Optimizer,
-    lr: float,
-    momentum: float,
-    weight_decay: float,
-    loss: Loss,
-    validation_fraction: float,
-    seed: int,
-    device: torch.device | str,
     recipe: Recipe | None = None,
     checkpointing: Checkpointing | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    on_epoch: Callable[[EpochLog], None] | None = None,
-    forward: Forward | None = None,
-    clock: StepClock | None = None,
+    hooks: TrainHooks | None = None,
     ranks: RankSlice | None = None,
 ) -> TrainStats:
     """Train ``model`` in place on ``x`` (N, ...) and ``y`` (N,) class labels or (N, ...)
-    targets; the model is moved to ``device``, the data goes there batch by batch.
-    ``batch_size`` is the micro-batch (NOTE [ Micro-batches and steps ]).
-
-    ``progress(steps_done, total_steps)`` after each optimizer step; ``should_stop()`` before
-    each micro-batch, raising :class:`JobCanceled` when it answers True; ``on_epoch`` with
-    each epoch's log once it is validated. Every module's training flag is restored at the
-    end. ``checkpointing``: training checkpoints written through its ``save`` (NOTE [
+    targets as ``settings`` and ``recipe`` ask; every module's training flag is restored at
+    the end. ``checkpointing``: training checkpoints written through its ``save`` (NOTE [
     Training checkpoints ] in workers/training/train_state.py), and the one to resume from.
 
-    ``forward`` runs the train steps' forward passes (default ``model``; a compiled
-    ``model``, workers/passes/steps.py); validation runs ``model`` itself, in float32.
-    ``clock`` times each optimizer step, from reading its first batch to the update.
-
     ``ranks``: this process is one rank of a data-parallel job (workers/training/ranks.py):
-    each micro-batch trains on its slice of the global micro-batch, ``forward`` is the DDP
-    model, and only rank 0 validates. The epochs' train loss is averaged over the ranks.
+    each micro-batch trains on its slice of the global micro-batch, ``hooks.forward`` is the
+    DDP model, and only rank 0 validates. The epochs' train loss is averaged over the ranks.
     """
-    recipe = recipe or Recipe()
-    ranks = ranks or RankSlice()
-    if epochs < 1 or batch_size < 1:
-        raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
-    if not 0 <= validation_fraction < 1:
-        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
-    if loss not in ("cross_entropy", "mse"):
-        raise TrainError(f"unknown loss {loss!r}; use 'cross_entropy' or 'mse'")
-    if x.shape[0] != y.shape[0]:
-        raise DataError(f"x has {x.shape[0]} samples but y has {y.shape[0]}; give one each")
-    generator = torch.Generator().manual_seed(seed)
-    train_idx, val_idx = split_indices(x.shape[0], validation_fraction, generator)
-    if train_idx.numel() < 2:
-        raise TrainError(
-            f"{x.shape[0]} samples with validation_fraction={validation_fraction} leave "
-            f"{train_idx.numel()} for training; BatchNorm needs at least 2: upload more data "
-            "or lower validation_fraction"
-        )
-    if recipe.keep_best and not val_idx.numel():
-        raise TrainError("keep_best needs a validation split; set validation_fraction above 0")
-    bounds = ranks.keep(batch_bounds(train_idx.numel(), batch_size))
-    if not bounds:
-        raise TrainError(
-            f"{train_idx.numel()} training samples over {ranks.world_size} processes leave "
-            "no rank 2 samples a step; upload more data or use fewer processes"
-        )
-    steps_per_epoch = -(-len(bounds) // recipe.accumulate_steps)
-    total_steps = epochs * steps_per_epoch
-    schedule = Schedule(
-        recipe.lr_schedule,
-        lr,
-        total_steps,
-        recipe.warmup_steps,
-        steps_per_epoch,
-        recipe.lr_step_epochs,
-        recipe.lr_gamma,
+    loop = _TrainLoop(
+        model, x, y, settings, recipe or Recipe(), checkpointing, hooks or TrainHooks(), ranks
     )
-    target = torch.device(device)
-    if recipe.precision == "fp16" and target.type != "cuda":
-        raise TrainError(f"precision fp16 runs on CUDA only, and this job runs on {target}")
-    model.to(target)
-    opt = _make_optimizer(model, optimizer, lr, momentum, weight_decay)
-    params = [p for group in opt.param_groups for p in group["params"]]
-    scaler = torch.amp.GradScaler("cuda") if recipe.precision == "fp16" else None
-    x_val, y_val = x[val_idx], y[val_idx]  # (V, ...): a view of x, read as it is evaluated
+    if checkpointing is not None and checkpointing.resume is not None:
+        loop.restore(checkpointing.resume)
+    return loop.run()
 
-    resume = checkpointing.resume if checkpointing is not None else None
-    logs: list[EpochLog] = []
-    steps = batches = samples = 0
-    first_epoch, first_batch = 1, 0
-    best: tuple[int, float, int, dict[str, torch.Tensor]] | None = None
-    if resume is not None:
+
+class _Best(NamedTuple):
+    """keep_best: the epoch whose weights are kept so far, and what a checkpoint says of it."""
+
+    epoch: int
+    loss: float
+    batches: int  # micro-batches up to the end of that epoch
+    model: dict[str, torch.Tensor]
+
+
+@dataclass
+class _Epoch:
+    """One epoch under way: its order of the samples, drawn from the data-order generator as
+    it was in ``order_rng``, and this rank's loss sum (float64, on the device) over the
+    ``samples`` of the global micro-batches trained so far."""
+
+    number: int
+    order_rng: torch.Tensor
+    order: torch.Tensor  # (N_train,) indices into x
+    loss_sum: torch.Tensor
+    samples: int
+
+
+class _TrainLoop:
+    """One :func:`train_model` run: what stays fixed (the split, the micro-batches, the
+    schedule, the optimizer) built and checked once, and the counters a training checkpoint
+    holds, which :meth:`restore` sets and each step advances. A step is a group of
+    micro-batches (NOTE [ Micro-batches and steps ]); an epoch ends with its validation."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        x: Data,
+        y: torch.Tensor,
+        settings: TrainSettings,
+        recipe: Recipe,
+        checkpointing: Checkpointing | None,
+        hooks: TrainHooks,
+        ranks: RankSlice | None,
+    ) -> None:
+        self.model, self.x, self.y = model, x, y
+        self.settings, self.recipe, self.hooks = settings, recipe, hooks
+        self.checkpointing = checkpointing
+        self.ranks = ranks or RankSlice()
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.train_idx, self.val_idx, self.bounds = _split(
+            x, y, settings, recipe, self.ranks, self.generator
+        )
+        steps_per_epoch = -(-len(self.bounds) // recipe.accumulate_steps)
+        self.total_steps = settings.epochs * steps_per_epoch
+        self.schedule = Schedule(
+            recipe.lr_schedule,
+            settings.lr,
+            self.total_steps,
+            recipe.warmup_steps,
+            steps_per_epoch,
+            recipe.lr_step_epochs,
+            recipe.lr_gamma,
+        )
+        self.target = torch.device(settings.device)
+        if recipe.precision == "fp16" and self.target.type != "cuda":
+            raise TrainError(
+                f"precision fp16 runs on CUDA only, and this job runs on {self.target}"
+            )
+        model.to(self.target)
+        self.opt = _make_optimizer(
+            model, settings.optimizer, settings.lr, settings.momentum, settings.weight_decay
+        )
+        self.params = [p for group in self.opt.param_groups for p in group["params"]]
+        self.scaler = torch.amp.GradScaler("cuda") if recipe.precision == "fp16" else None
+        # (V, ...): a view of x, read as it is evaluated
+        self.x_val, self.y_val = x[self.val_idx], y[self.val_idx]
+        self.resume: TrainState | None = None
+        self.logs: list[EpochLog] = []
+        self.steps = self.batches = self.samples = 0
+        self.first_epoch, self.first_batch = 1, 0
+        self.best: _Best | None = None
+        self.saved_at = 0.0
+        self.checked = False  # the targets checked against the first outputs
+
+    def restore(self, resume: TrainState) -> None:
+        """Goes on from the training checkpoint ``resume``: weights, optimizer, scaler, the
+        data order and the counters (the global RNGs are set when the run starts)."""
         # At epochs + 1 the checkpoint is the final one of this very job (an attempt lost
         # after training, while saving): nothing to redo, the weights are those.
-        if resume.epoch > epochs + 1:
+        if resume.epoch > self.settings.epochs + 1:
             raise TrainError(
                 f"the training checkpoint is past epoch {resume.epoch - 1} and the job asks "
-                f"for {epochs} epochs: nothing is left to train; ask for more epochs"
+                f"for {self.settings.epochs} epochs: nothing is left to train; ask for more "
+                "epochs"
             )
-        resume = resume.for_rank(ranks.rank, ranks.world_size)
-        model.load_state_dict(resume.model)
-        opt.load_state_dict(resume.optimizer)
-        if scaler is not None and resume.scaler is not None:
-            scaler.load_state_dict(resume.scaler)
-        generator.set_state(resume.order_rng)
-        logs = list(resume.logs)
-        steps, batches, samples = resume.step, resume.batches, resume.samples
-        first_epoch, first_batch = resume.epoch, resume.batch
+        resume = resume.for_rank(self.ranks.rank, self.ranks.world_size)
+        self.resume = resume
+        self.model.load_state_dict(resume.model)
+        self.opt.load_state_dict(resume.optimizer)
+        if self.scaler is not None and resume.scaler is not None:
+            self.scaler.load_state_dict(resume.scaler)
+        self.generator.set_state(resume.order_rng)
+        self.logs = list(resume.logs)
+        self.steps, self.batches, self.samples = resume.step, resume.batches, resume.samples
+        self.first_epoch, self.first_batch = resume.epoch, resume.batch
         # Only rank 0 validates, so only it keeps a best epoch (as in an uninterrupted run).
-        if resume.best_epoch is not None and resume.best_model is not None and ranks.rank == 0:
+        if resume.best_epoch is not None and resume.best_model is not None and self.ranks.rank == 0:
             assert resume.best_loss is not None
-            best = (resume.best_epoch, resume.best_loss, resume.best_batches, resume.best_model)
+            self.best = _Best(
+                resume.best_epoch, resume.best_loss, resume.best_batches, resume.best_model
+            )
 
-    def state_at(
-        epoch: int, batch: int, epoch_rng: torch.Tensor, loss_sum: torch.Tensor, seen: int
+    def run(self) -> TrainStats:
+        """The epochs left, under the seed's global RNG (the caller's is left as it was), and
+        the final checkpoint; keep_best's weights are loaded at the end."""
+        epochs = self.settings.epochs
+        self.saved_at = time.monotonic()
+        rng_devices = [self.target] if self.target.type == "cuda" else []
+        with training_flags(self.model), torch.random.fork_rng(devices=rng_devices):
+            torch.manual_seed(self.settings.seed)
+            if self.resume is not None:
+                torch.set_rng_state(self.resume.cpu_rng)
+                if self.resume.cuda_rng is not None and self.target.type == "cuda":
+                    torch.cuda.set_rng_state(self.resume.cuda_rng, self.target)
+            for number in range(self.first_epoch, epochs + 1):
+                self._validate(self._epoch(number))
+            if self.checkpointing is not None:
+                zero = torch.zeros((), dtype=torch.float64)
+                self.checkpointing.save(
+                    self._snapshot(epochs + 1, 0, self.generator.get_state(), zero, 0)
+                )
+        best_epoch = None
+        if self.recipe.keep_best and self.best is not None:
+            self.model.load_state_dict(self.best.model)
+            best_epoch, self.batches = self.best.epoch, self.best.batches
+        return TrainStats(
+            epochs=self.logs,
+            steps=self.steps,
+            samples=self.samples,
+            batches=self.batches,
+            best_epoch=best_epoch,
+            resumed_from_step=None if self.resume is None else self.resume.step,
+        )
+
+    def _epoch(self, number: int) -> _Epoch:
+        """Trains epoch ``number``'s steps, from the resumed micro-batch in the first one."""
+        self.model.train()
+        order_rng = self.generator.get_state()
+        order = epoch_order(self.train_idx, self.generator)
+        epoch = _Epoch(
+            number, order_rng, order, torch.zeros((), dtype=torch.float64, device=self.target), 0
+        )
+        if self.resume is not None and number == self.resume.epoch:
+            epoch.loss_sum = self.resume.epoch_loss_sum.to(self.target)
+            epoch.samples = self.resume.epoch_samples
+        skipped = self.first_batch if number == self.first_epoch else 0  # done before it
+        batches_of_epoch = epoch_batches(
+            self.x,
+            order,
+            self.bounds,
+            first=skipped,
+            augmentation=self.recipe.augmentation,
+            seed=self.settings.seed,
+            epoch=number,
+            workers=self.recipe.loader_workers,
+            take=self.ranks.take,
+        )
+        # Closed however the epoch ends: a cancel stops the loader processes too.
+        with contextlib.closing(batches_of_epoch) as reader:
+            for group in _groups(len(self.bounds), self.recipe.accumulate_steps):
+                if group.start >= skipped:
+                    self._step(epoch, group, reader)
+        return epoch
+
+    def _step(self, epoch: _Epoch, group: range, reader: Iterator[torch.Tensor]) -> None:
+        """One optimizer step on the micro-batches ``group`` of the epoch, and the
+        checkpoint after it when one is due."""
+        # Samples of the global micro-batches (all ranks), NOTE [ Micro-batches and steps ]:
+        # each rank weighs its slice's loss by its global batch's share.
+        group_samples = sum(self.ranks.global_size(*self.bounds[i]) for i in group)
+        clock = self.hooks.clock
+        if clock is not None:
+            clock.start()
+        self.opt.zero_grad(set_to_none=True)
+        for i in group:
+            self._micro_batch(epoch, i, len(group), group_samples, next_batch=reader)
+        self._update()
+        if clock is not None:
+            clock.stop(group_samples // self.ranks.world_size)  # this rank's
+        self.steps += 1
+        if self.hooks.progress is not None:
+            self.hooks.progress(self.steps, self.total_steps)
+        if self.checkpointing is not None and _checkpoint_due(
+            self.checkpointing, self.steps, self.saved_at, self.ranks, self.target
+        ):
+            self.checkpointing.save(
+                self._snapshot(
+                    epoch.number, group.stop, epoch.order_rng, epoch.loss_sum, epoch.samples
+                )
+            )
+            self.saved_at = time.monotonic()
+
+    def _micro_batch(
+        self,
+        epoch: _Epoch,
+        i: int,
+        group_size: int,
+        group_samples: int,
+        next_batch: Iterator[torch.Tensor],
+    ) -> None:
+        """Forward and backward of micro-batch ``i`` of the epoch, its loss weighted by its
+        global batch's share of the group's ``group_samples``."""
+        if self.hooks.should_stop is not None and self.hooks.should_stop():
+            raise JobCanceled(f"training canceled after {self.steps} of {self.total_steps} steps")
+        start, stop = self.bounds[i]
+        idx = self.ranks.take(epoch.order[start:stop])  # (B,), this rank's slice
+        xb, yb = next(next_batch).to(self.target), self.y[idx].to(self.target)  # (B, ...) each
+        with autocast(self.target, self.recipe.precision):
+            outputs = (self.hooks.forward or self.model)(xb)  # (B, num_classes) or (B, ...)
+        if not self.checked:
+            check_targets(outputs, self.y, self.settings.loss)
+            self.checked = True
+        batch_loss = _train_loss(outputs, yb, self.settings.loss, self.recipe.label_smoothing)
+        # NOTE [ Micro-batches and steps ]: the group's mean gradient.
+        trained = self.ranks.global_size(start, stop)  # the global batch's, all ranks
+        scaled = batch_loss if group_size == 1 else batch_loss * (trained / group_samples)
+        torch.autograd.backward(scaled if self.scaler is None else self.scaler.scale(scaled))
+        epoch.loss_sum += batch_loss.detach().double() * trained
+        epoch.samples += trained
+        self.batches += 1
+
+    def _update(self) -> None:
+        """The optimizer step at the schedule's rate, its gradients clipped as the recipe
+        asks (unscaled first under fp16's scaler)."""
+        for param_group in self.opt.param_groups:
+            param_group["lr"] = self.schedule.at(self.steps)
+        clip = self.recipe.clip_grad_norm
+        if self.scaler is not None:
+            if clip is not None:
+                self.scaler.unscale_(self.opt)
+                nn.utils.clip_grad_norm_(self.params, clip)
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            if clip is not None:
+                nn.utils.clip_grad_norm_(self.params, clip)
+            self.opt.step()
+
+    def _validate(self, epoch: _Epoch) -> None:
+        """The epoch's log: its train loss over all ranks, rank 0's validation; the best
+        epoch's weights kept when the recipe asks."""
+        self.samples += epoch.samples
+        # One device sync per epoch; averaged over the ranks into a copy: a checkpoint keeps
+        # this rank's own sum.
+        train_loss = self.ranks.average(epoch.loss_sum.clone()).item() / epoch.samples
+        if not math.isfinite(train_loss):
+            raise TrainError(
+                f"the training loss became {train_loss} in epoch {epoch.number}; lower lr "
+                f"(now {self.settings.lr}) or check the data for extreme values"
+            )
+        val = None
+        if self.val_idx.numel() and self.ranks.rank == 0:
+            val = evaluate_sums(
+                self.model,
+                self.x_val,
+                self.y_val,
+                batch_size=self.settings.batch_size,
+                loss=self.settings.loss,
+                device=self.target,
+            ).metrics()
+        log = EpochLog(
+            epoch=epoch.number,
+            train_loss=train_loss,
+            val_loss=None if val is None else val.loss,
+            val_accuracy=None if val is None else val.accuracy,
+            lr=self.schedule.at(self.steps - 1),
+            best=val is not None
+            and all(e.val_loss is None or val.loss < e.val_loss for e in self.logs),
+        )
+        self.logs.append(log)
+        if self.hooks.on_epoch is not None:
+            self.hooks.on_epoch(log)
+        best = self.best
+        if self.recipe.keep_best and val is not None and (best is None or val.loss < best.loss):
+            kept = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self.best = _Best(epoch.number, val.loss, self.batches, kept)
+
+    def _snapshot(
+        self, number: int, batch: int, order_rng: torch.Tensor, loss_sum: torch.Tensor, seen: int
     ) -> TrainState:
+        """The training checkpoint before micro-batch ``batch`` of epoch ``number``, whose
+        order was drawn from ``order_rng`` and whose ``seen`` samples sum to ``loss_sum``."""
+        ranks, target = self.ranks, self.target
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(target) if target.type == "cuda" else None
         other_ranks: list[RankState] = []
@@ -406,163 +669,60 @@ def train_model(
                 RankState(cpus[r], None if cudas is None else cudas[r], sums[r])
                 for r in range(1, ranks.world_size)
             ]
+        best = self.best
         return TrainState(
-            epoch=epoch,
+            epoch=number,
             batch=batch,
-            step=steps,
-            batches=batches,
-            samples=samples,
+            step=self.steps,
+            batches=self.batches,
+            samples=self.samples,
             epoch_samples=seen,
             epoch_loss_sum=loss_sum,
-            logs=list(logs),
-            model=model.state_dict(),
-            optimizer=opt.state_dict(),
-            order_rng=epoch_rng,
+            logs=list(self.logs),
+            model=self.model.state_dict(),
+            optimizer=self.opt.state_dict(),
+            order_rng=order_rng,
             cpu_rng=cpu_rng,
             cuda_rng=cuda_rng,
-            scaler=None if scaler is None else scaler.state_dict(),
-            best_epoch=None if best is None else best[0],
-            best_loss=None if best is None else best[1],
-            best_batches=0 if best is None else best[2],
-            best_model=None if best is None else best[3],
+            scaler=None if self.scaler is None else self.scaler.state_dict(),
+            best_epoch=None if best is None else best.epoch,
+            best_loss=None if best is None else best.loss,
+            best_batches=0 if best is None else best.batches,
+            best_model=None if best is None else best.model,
             world_size=ranks.world_size,
             other_ranks=other_ranks,
         )
 
-    saved_at = time.monotonic()
-    checked = False
-    rng_devices = [target] if target.type == "cuda" else []
-    with training_flags(model), torch.random.fork_rng(devices=rng_devices):
-        torch.manual_seed(seed)
-        if resume is not None:
-            torch.set_rng_state(resume.cpu_rng)
-            if resume.cuda_rng is not None and target.type == "cuda":
-                torch.cuda.set_rng_state(resume.cuda_rng, target)
-        for epoch in range(first_epoch, epochs + 1):
-            model.train()
-            epoch_rng = generator.get_state()
-            order = epoch_order(train_idx, generator)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=target)
-            epoch_samples = 0
-            if resume is not None and epoch == resume.epoch:
-                loss_sum = resume.epoch_loss_sum.to(target)
-                epoch_samples = resume.epoch_samples
-            skipped = first_batch if epoch == first_epoch else 0  # done before the checkpoint
-            batches_of_epoch = epoch_batches(
-                x,
-                order,
-                bounds,
-                first=skipped,
-                augmentation=recipe.augmentation,
-                seed=seed,
-                epoch=epoch,
-                workers=recipe.loader_workers,
-                take=ranks.take,
-            )
-            # Closed however the epoch ends: a cancel stops the loader processes too.
-            with contextlib.closing(batches_of_epoch) as reader:
-                for group in _groups(len(bounds), recipe.accumulate_steps):
-                    if group.start < skipped:
-                        continue
-                    # Samples of the global micro-batches (all ranks), NOTE [ Micro-batches
-                    # and steps ]: each rank weighs its slice's loss by its global batch's share.
-                    group_samples = sum(ranks.global_size(*bounds[i]) for i in group)
-                    if clock is not None:
-                        clock.start()
-                    opt.zero_grad(set_to_none=True)
-                    for i in group:
-                        if should_stop is not None and should_stop():
-                            raise JobCanceled(
-                                f"training canceled after {steps} of {total_steps} steps"
-                            )
-                        start, stop = bounds[i]
-                        idx = ranks.take(order[start:stop])  # (B,), this rank's slice
-                        xb, yb = next(reader).to(target), y[idx].to(target)  # (B, ...), (B, ...)
-                        with autocast(target, recipe.precision):
-                            outputs = (forward or model)(xb)  # (B, num_classes) or (B, ...)
-                        if not checked:
-                            check_targets(outputs, y, loss)
-                            checked = True
-                        batch_loss = _train_loss(outputs, yb, loss, recipe.label_smoothing)
-                        # NOTE [ Micro-batches and steps ]: the group's mean gradient.
-                        scaled = (
-                            batch_loss
-                            if len(group) == 1
-                            else batch_loss * (ranks.global_size(start, stop) / group_samples)
-                        )
-                        torch.autograd.backward(scaled if scaler is None else scaler.scale(scaled))
-                        trained = ranks.global_size(start, stop)  # the global batch's, all ranks
-                        loss_sum += batch_loss.detach().double() * trained
-                        epoch_samples += trained
-                        batches += 1
-                    for param_group in opt.param_groups:
-                        param_group["lr"] = schedule.at(steps)
-                    if scaler is not None:
-                        if recipe.clip_grad_norm is not None:
-                            scaler.unscale_(opt)
-                            nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
-                        scaler.step(opt)
-                        scaler.update()
-                    else:
-                        if recipe.clip_grad_norm is not None:
-                            nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
-                        opt.step()
-                    if clock is not None:
-                        clock.stop(group_samples // ranks.world_size)  # this rank's
-                    steps += 1
-                    if progress is not None:
-                        progress(steps, total_steps)
-                    if checkpointing is not None and _checkpoint_due(
-                        checkpointing, steps, saved_at, ranks, target
-                    ):
-                        checkpointing.save(
-                            state_at(epoch, group.stop, epoch_rng, loss_sum, epoch_samples)
-                        )
-                        saved_at = time.monotonic()
-            samples += epoch_samples
-            # One device sync per epoch; averaged over the ranks into a copy: a checkpoint keeps
-            # this rank's own sum.
-            train_loss = ranks.average(loss_sum.clone()).item() / epoch_samples
-            if not math.isfinite(train_loss):
-                raise TrainError(
-                    f"the training loss became {train_loss} in epoch {epoch}; lower lr "
-                    f"(now {lr}) or check the data for extreme values"
-                )
-            val = None
-            if val_idx.numel() and ranks.rank == 0:
-                val = evaluate_sums(
-                    model, x_val, y_val, batch_size=batch_size, loss=loss, device=target
-                ).metrics()
-            log = EpochLog(
-                epoch=epoch,
-                train_loss=train_loss,
-                val_loss=None if val is None else val.loss,
-                val_accuracy=None if val is None else val.accuracy,
-                lr=schedule.at(steps - 1),
-                best=val is not None
-                and all(e.val_loss is None or val.loss < e.val_loss for e in logs),
-            )
-            logs.append(log)
-            if on_epoch is not None:
-                on_epoch(log)
-            if recipe.keep_best and val is not None and (best is None or val.loss < best[1]):
-                kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                best = (epoch, val.loss, batches, kept)
-        if checkpointing is not None:
-            zero = torch.zeros((), dtype=torch.float64)
-            checkpointing.save(state_at(epochs + 1, 0, generator.get_state(), zero, 0))
-    best_epoch = None
-    if recipe.keep_best and best is not None:
-        model.load_state_dict(best[3])
-        best_epoch, batches = best[0], best[2]
-    return TrainStats(
-        epochs=logs,
-        steps=steps,
-        samples=samples,
-        batches=batches,
-        best_epoch=best_epoch,
-        resumed_from_step=None if resume is None else resume.step,
-    )
+
+def _split(
+    x: Data,
+    y: torch.Tensor,
+    settings: TrainSettings,
+    recipe: Recipe,
+    ranks: RankSlice,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """The (train, validation) indices of ``x`` drawn from ``generator``, and the [start,
+    stop) of each micro-batch of an epoch; errors that say what to change when they leave
+    too little to train on."""
+    if x.shape[0] != y.shape[0]:
+        raise DataError(f"x has {x.shape[0]} samples but y has {y.shape[0]}; give one each")
+    train_idx, val_idx = split_indices(x.shape[0], settings.validation_fraction, generator)
+    if train_idx.numel() < 2:
+        raise TrainError(
+            f"{x.shape[0]} samples with validation_fraction={settings.validation_fraction} "
+            f"leave {train_idx.numel()} for training; BatchNorm needs at least 2: upload more "
+            "data or lower validation_fraction"
+        )
+    if recipe.keep_best and not val_idx.numel():
+        raise TrainError("keep_best needs a validation split; set validation_fraction above 0")
+    bounds = ranks.keep(batch_bounds(train_idx.numel(), settings.batch_size))
+    if not bounds:
+        raise TrainError(
+            f"{train_idx.numel()} training samples over {ranks.world_size} processes leave "
+            "no rank 2 samples a step; upload more data or use fewer processes"
+        )
+    return train_idx, val_idx, bounds
 
 
 def train_with_params(
@@ -574,11 +734,7 @@ def train_with_params(
     loss: Loss,
     device: torch.device,
     checkpointing: Checkpointing | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    on_epoch: Callable[[EpochLog], None] | None = None,
-    forward: Forward | None = None,
-    clock: StepClock | None = None,
+    hooks: TrainHooks | None = None,
     ranks: RankSlice | None = None,
 ) -> TrainStats:
     """:func:`train_model` as a train job's ``params`` ask, in one process or as one of its
@@ -587,22 +743,9 @@ def train_with_params(
         model,
         x,
         y,
-        epochs=params.epochs,
-        batch_size=params.batch_size,
-        optimizer=params.optimizer,
-        lr=params.lr,
-        momentum=params.momentum,
-        weight_decay=params.weight_decay,
-        loss=loss,
-        validation_fraction=params.validation_fraction,
-        seed=params.seed,
-        device=device,
+        TrainSettings.of(params, loss=loss, device=device),
         recipe=Recipe.of(params),
         checkpointing=checkpointing,
-        progress=progress,
-        should_stop=should_stop,
-        on_epoch=on_epoch,
-        forward=forward,
-        clock=clock,
+        hooks=hooks,
         ranks=ranks,
     )

@@ -52,7 +52,7 @@ from workers.sharding.compute import (
     merge_statistics,
     plan_shards,
 )
-from workers.training.training import train_model
+from workers.training.training import TrainSettings, train_model
 
 TRAIN_EPOCHS = 6
 
@@ -71,16 +71,18 @@ def trained_digits() -> dict[str, Any]:
         model,
         torch.from_numpy(split.x_train),
         torch.from_numpy(split.y_train),
-        epochs=TRAIN_EPOCHS,
-        batch_size=32,
-        optimizer="sgd",
-        lr=0.05,
-        momentum=0.9,
-        weight_decay=0.0,
-        loss="cross_entropy",
-        validation_fraction=0.0,
-        seed=0,
-        device=torch.device("cpu"),
+        TrainSettings(
+            epochs=TRAIN_EPOCHS,
+            batch_size=32,
+            optimizer="sgd",
+            lr=0.05,
+            momentum=0.9,
+            weight_decay=0.0,
+            loss="cross_entropy",
+            validation_fraction=0.0,
+            seed=0,
+            device=torch.device("cpu"),
+        ),
     )
     return {"split": split, "weights": weights_bytes(model.state_dict())}
 

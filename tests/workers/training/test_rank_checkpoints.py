@@ -24,7 +24,13 @@ from tests.workers.training.test_training import SETTINGS, digits_cnn
 from workers.errors import TrainError
 from workers.passes.data import to_tensors
 from workers.training.train_state import TrainState, load_state, state_bytes
-from workers.training.training import Checkpointing, RankSlice, train_model
+from workers.training.training import (
+    Checkpointing,
+    RankSlice,
+    TrainHooks,
+    TrainSettings,
+    train_model,
+)
 
 pytestmark = pytest.mark.slow  # two processes that import torch, three runs each
 
@@ -51,9 +57,9 @@ def _train(
         model,
         x,
         y,
-        **(RANK_SETTINGS | {"epochs": epochs}),
+        TrainSettings(**(RANK_SETTINGS | {"epochs": epochs})),
         checkpointing=checkpointing,
-        forward=ddp,
+        hooks=TrainHooks(forward=ddp),
         ranks=RankSlice(rank, WORLD_SIZE),
     )
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
@@ -136,6 +142,6 @@ def test_two_ranks_checkpoint_together_and_resume_bitwise(tmp_path: Path) -> Non
             digits_cnn(),
             x,
             y,
-            **RANK_SETTINGS,
+            TrainSettings(**RANK_SETTINGS),
             checkpointing=Checkpointing(lambda state: None, resume=mid),
         )

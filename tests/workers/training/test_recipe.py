@@ -34,6 +34,8 @@ from workers.training.train_state import TrainState, load_state, state_bytes
 from workers.training.training import (
     Checkpointing,
     Recipe,
+    TrainHooks,
+    TrainSettings,
     batch_bounds,
     epoch_order,
     split_indices,
@@ -149,7 +151,7 @@ def test_each_schedule_with_warm_up_is_the_hand_written_loop(
     reference, trained = digits_cnn(), digits_cnn()
     reference_loop(reference, x, y, epochs=3, batch_size=32, lr_at=lr_at)
     recipe = Recipe(lr_schedule=kind, warmup_steps=W, **options)  # type: ignore[arg-type]
-    stats = train_model(trained, x, y, **(SETTINGS | {"epochs": 3}), recipe=recipe)
+    stats = train_model(trained, x, y, TrainSettings(**(SETTINGS | {"epochs": 3})), recipe=recipe)
     assert stats.steps == TOTAL
     for key, value in reference.state_dict().items():
         # The rates agree to the last bits, not always bitwise: the weights to float tolerance.
@@ -179,7 +181,7 @@ def test_accumulation_is_the_hand_written_loop_bitwise(
     x, y = digits
     reference, trained = digits_cnn(), digits_cnn()
     reference_loop(reference, x, y, epochs=2, batch_size=32, lr_at=lambda t: LR, accumulate=3)
-    stats = train_model(trained, x, y, **SETTINGS, recipe=Recipe(accumulate_steps=3))
+    stats = train_model(trained, x, y, TrainSettings(**SETTINGS), recipe=Recipe(accumulate_steps=3))
     assert_same_state(reference, trained)
     # 8 micro-batches an epoch in groups of 3, 3, 2: 3 optimizer steps, 8 statistics updates.
     assert (stats.steps, stats.batches) == (6, 16)
@@ -195,9 +197,13 @@ def test_accumulated_micro_batches_step_like_their_whole_batch() -> None:
     accumulated = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
     accumulated.load_state_dict(whole.state_dict())
     settings = SETTINGS | {"validation_fraction": 0.0, "epochs": 2}
-    train_model(whole, x, y, **(settings | {"batch_size": 32}))
+    train_model(whole, x, y, TrainSettings(**(settings | {"batch_size": 32})))
     stats = train_model(
-        accumulated, x, y, **(settings | {"batch_size": 8}), recipe=Recipe(accumulate_steps=4)
+        accumulated,
+        x,
+        y,
+        TrainSettings(**(settings | {"batch_size": 8})),
+        recipe=Recipe(accumulate_steps=4),
     )
     assert stats.steps == 16
     for key, value in whole.state_dict().items():
@@ -213,10 +219,10 @@ def test_label_smoothing_and_clipping_are_torchs_own(
         reference, x, y, epochs=2, batch_size=32, lr_at=lambda t: LR, label_smoothing=0.1, clip=0.5
     )
     recipe = Recipe(label_smoothing=0.1, clip_grad_norm=0.5)
-    train_model(trained, x, y, **SETTINGS, recipe=recipe)
+    train_model(trained, x, y, TrainSettings(**SETTINGS), recipe=recipe)
     assert_same_state(reference, trained)
     # The gradients were above 0.5: clipping changed the run (the test can fail).
-    train_model(unclipped, x, y, **SETTINGS, recipe=Recipe(label_smoothing=0.1))
+    train_model(unclipped, x, y, TrainSettings(**SETTINGS), recipe=Recipe(label_smoothing=0.1))
     assert not torch.equal(
         unclipped.state_dict()["head.weight"], trained.state_dict()["head.weight"]
     )
@@ -233,8 +239,8 @@ def test_keep_best_returns_the_best_epochs_weights(
     def snapshot(log: Any) -> None:
         snapshots[log.epoch] = {k: v.clone() for k, v in every.state_dict().items()}
 
-    last = train_model(every, x, y, **settings, on_epoch=snapshot)
-    stats = train_model(best, x, y, **settings, recipe=Recipe(keep_best=True))
+    last = train_model(every, x, y, TrainSettings(**settings), hooks=TrainHooks(on_epoch=snapshot))
+    stats = train_model(best, x, y, TrainSettings(**settings), recipe=Recipe(keep_best=True))
     losses = [log.val_loss for log in last.epochs]
     assert stats.epochs == last.epochs
     assert stats.best_epoch == 1 + losses.index(min(losses))  # type: ignore[type-var]
@@ -248,13 +254,13 @@ def test_bf16_autocast_runs_on_the_cpu_and_fp16_is_refused(
 ) -> None:
     x, y = digits
     fp32, bf16 = digits_cnn(), digits_cnn()
-    train_model(fp32, x, y, **SETTINGS)
-    stats = train_model(bf16, x, y, **SETTINGS, recipe=Recipe(precision="bf16"))
+    train_model(fp32, x, y, TrainSettings(**SETTINGS))
+    stats = train_model(bf16, x, y, TrainSettings(**SETTINGS), recipe=Recipe(precision="bf16"))
     assert all(math.isfinite(log.train_loss) for log in stats.epochs)
     assert not torch.equal(fp32.state_dict()["head.weight"], bf16.state_dict()["head.weight"])
     assert bf16.state_dict()["head.weight"].dtype == torch.float32  # autocast: weights stay
     with pytest.raises(TrainError, match="fp16 runs on CUDA only"):
-        train_model(digits_cnn(), x, y, **SETTINGS, recipe=Recipe(precision="fp16"))
+        train_model(digits_cnn(), x, y, TrainSettings(**SETTINGS), recipe=Recipe(precision="fp16"))
 
 
 class Saved:
@@ -306,7 +312,7 @@ def test_resuming_from_any_checkpoint_is_bitwise_the_uninterrupted_run(
     saved = Saved(tmp_path)
     whole = digits_cnn()
     stats = train_model(
-        whole, x, y, **settings, recipe=recipe, checkpointing=Checkpointing(saved, 3)
+        whole, x, y, TrainSettings(**settings), recipe=recipe, checkpointing=Checkpointing(saved, 3)
     )
     # Every 3 steps, and once at the end.
     assert saved.steps == [*range(3, stats.steps + 1, 3), stats.steps]
@@ -317,7 +323,7 @@ def test_resuming_from_any_checkpoint_is_bitwise_the_uninterrupted_run(
             resumed,
             x,
             y,
-            **settings,
+            TrainSettings(**settings),
             recipe=recipe,
             checkpointing=Checkpointing(lambda s: None, resume=load_state(path)),
         )
@@ -340,23 +346,27 @@ def test_more_epochs_from_the_final_checkpoint(
     x, y = digits
     saved = Saved(tmp_path)
     first = digits_cnn()
-    train_model(first, x, y, **SETTINGS, checkpointing=Checkpointing(saved))
+    train_model(first, x, y, TrainSettings(**SETTINGS), checkpointing=Checkpointing(saved))
     [path] = saved.paths
     final = load_state(path)
     assert (final.epoch, final.batch, final.step) == (3, 0, 16)
     continued, whole = digits_cnn(), digits_cnn()
     resume = Checkpointing(lambda s: None, resume=load_state(path))
-    stats = train_model(continued, x, y, **(SETTINGS | {"epochs": 4}), checkpointing=resume)
-    whole_stats = train_model(whole, x, y, **(SETTINGS | {"epochs": 4}))
+    stats = train_model(
+        continued, x, y, TrainSettings(**(SETTINGS | {"epochs": 4})), checkpointing=resume
+    )
+    whole_stats = train_model(whole, x, y, TrainSettings(**(SETTINGS | {"epochs": 4})))
     assert_same_state(whole, continued)
     assert stats.epochs == whole_stats.epochs
     # An attempt lost after its final checkpoint: the next one ends where it ended.
     again = digits_cnn()
-    again_stats = train_model(again, x, y, **SETTINGS, checkpointing=resume)
+    again_stats = train_model(again, x, y, TrainSettings(**SETTINGS), checkpointing=resume)
     assert_same_state(first, again)
     assert again_stats.steps == 16 and len(again_stats.epochs) == 2
     with pytest.raises(TrainError, match="nothing is left to train; ask for more epochs"):
-        train_model(digits_cnn(), x, y, **(SETTINGS | {"epochs": 1}), checkpointing=resume)
+        train_model(
+            digits_cnn(), x, y, TrainSettings(**(SETTINGS | {"epochs": 1})), checkpointing=resume
+        )
 
 
 def test_a_checkpoint_is_safetensors_and_json_only(
@@ -368,7 +378,7 @@ def test_a_checkpoint_is_safetensors_and_json_only(
         digits_cnn(),
         x,
         y,
-        **(SETTINGS | {"optimizer": "adamw"}),
+        TrainSettings(**(SETTINGS | {"optimizer": "adamw"})),
         checkpointing=Checkpointing(saved.append, 5),
     )
     path = tmp_path / "c.safetensors"
@@ -405,14 +415,20 @@ def test_loader_processes_give_the_same_training_bitwise(
 ) -> None:
     x, y = digits
     own, loaded, plain = digits_cnn(), digits_cnn(), digits_cnn()
-    own_stats = train_model(own, x, y, **SETTINGS, recipe=Recipe(augmentation=AUGMENTED))
+    own_stats = train_model(
+        own, x, y, TrainSettings(**SETTINGS), recipe=Recipe(augmentation=AUGMENTED)
+    )
     loaded_stats = train_model(
-        loaded, x, y, **SETTINGS, recipe=Recipe(augmentation=AUGMENTED, loader_workers=2)
+        loaded,
+        x,
+        y,
+        TrainSettings(**SETTINGS),
+        recipe=Recipe(augmentation=AUGMENTED, loader_workers=2),
     )
     assert_same_state(own, loaded)
     assert own_stats == loaded_stats
     # The augmentation changed the run (the comparison above could fail).
-    train_model(plain, x, y, **SETTINGS)
+    train_model(plain, x, y, TrainSettings(**SETTINGS))
     assert not torch.equal(plain.state_dict()["head.weight"], own.state_dict()["head.weight"])
 
 

@@ -14,7 +14,7 @@ import torch
 from tests.workers.training.test_recipe import Saved
 from tests.workers.training.test_training import SETTINGS, digits, digits_cnn
 from workers.training.train_state import load_state
-from workers.training.training import Checkpointing, Recipe, train_model
+from workers.training.training import Checkpointing, Recipe, TrainSettings, train_model
 
 __all__ = ["digits"]  # the fixture, imported for its name
 
@@ -34,7 +34,7 @@ def test_fp16_trains_and_resumes_on_cuda(
     saved = Saved(tmp_path)
     whole = digits_cnn()
     stats = train_model(
-        whole, x, y, **settings, recipe=RECIPE, checkpointing=Checkpointing(saved, 4)
+        whole, x, y, TrainSettings(**settings), recipe=RECIPE, checkpointing=Checkpointing(saved, 4)
     )
     assert all(math.isfinite(log.train_loss) for log in stats.epochs)
     middle = load_state(saved.paths[1])
@@ -45,7 +45,7 @@ def test_fp16_trains_and_resumes_on_cuda(
         resumed,
         x,
         y,
-        **settings,
+        TrainSettings(**settings),
         recipe=RECIPE,
         checkpointing=Checkpointing(lambda s: None, resume=middle),
     )
@@ -57,6 +57,10 @@ def test_fp16_trains_and_resumes_on_cuda(
 def test_bf16_trains_on_cuda(digits: tuple[torch.Tensor, torch.Tensor]) -> None:
     x, y = digits
     stats = train_model(
-        digits_cnn(), x, y, **(SETTINGS | {"device": "cuda"}), recipe=Recipe(precision="bf16")
+        digits_cnn(),
+        x,
+        y,
+        TrainSettings(**(SETTINGS | {"device": "cuda"})),
+        recipe=Recipe(precision="bf16"),
     )
     assert all(math.isfinite(log.train_loss) for log in stats.epochs)

@@ -17,7 +17,14 @@ from workers.models.architectures import build_model, registry
 from workers.models.policy import apply_checkpoint_policy
 from workers.passes.data import iter_batches, num_batches, to_tensors
 from workers.running.evaluation import Metrics, evaluate_sums, loss_for
-from workers.training.training import EpochLog, TrainStats, batch_bounds, train_model
+from workers.training.training import (
+    EpochLog,
+    TrainHooks,
+    TrainSettings,
+    TrainStats,
+    batch_bounds,
+    train_model,
+)
 
 SETTINGS: dict[str, Any] = {
     "epochs": 2,
@@ -69,8 +76,8 @@ def test_checkpointed_training_is_bitwise_plain_training(
     names = apply_checkpoint_policy(wrapped, registry()["digits_cnn"], "blocks", [], [], False)
     assert names == ["block1", "block2"]
     settings = SETTINGS | {"optimizer": optimizer}
-    stats_plain = train_model(plain, x, y, **settings)
-    stats_wrapped = train_model(wrapped, x, y, **settings)
+    stats_plain = train_model(plain, x, y, TrainSettings(**settings))
+    stats_wrapped = train_model(wrapped, x, y, TrainSettings(**settings))
     assert_same_state(plain, wrapped)
     assert stats_plain == stats_wrapped
     # 300 samples, 60 for validation, 240 = 7 batches of 32 + 16, per epoch
@@ -90,10 +97,10 @@ def test_training_is_deterministic_and_leaves_the_rng_alone(
     rng = torch.get_rng_state()
     a, b, c = digits_cnn(), digits_cnn(), digits_cnn()
     torch.set_rng_state(rng)
-    train_model(a, x, y, **SETTINGS)
+    train_model(a, x, y, TrainSettings(**SETTINGS))
     assert torch.equal(torch.get_rng_state(), rng)
-    train_model(b, x, y, **SETTINGS)
-    train_model(c, x, y, **SETTINGS | {"seed": 8})
+    train_model(b, x, y, TrainSettings(**SETTINGS))
+    train_model(c, x, y, TrainSettings(**SETTINGS | {"seed": 8}))
     assert_same_state(a, b)
     assert not torch.equal(a.state_dict()["head.weight"], c.state_dict()["head.weight"])
 
@@ -103,7 +110,8 @@ def test_progress_cancel_and_flags(digits: tuple[torch.Tensor, torch.Tensor]) ->
     model = digits_cnn()
     model.eval()
     seen: list[tuple[int, int]] = []
-    train_model(model, x, y, **SETTINGS | {"progress": lambda d, t: seen.append((d, t))})
+    progress = TrainHooks(progress=lambda d, t: seen.append((d, t)))
+    train_model(model, x, y, TrainSettings(**SETTINGS), hooks=progress)
     assert seen == [(i, 16) for i in range(1, 17)]
     assert not any(m.training for m in model.modules()), "flags restored"
 
@@ -113,8 +121,10 @@ def test_progress_cancel_and_flags(digits: tuple[torch.Tensor, torch.Tensor]) ->
             model,
             x,
             y,
-            **SETTINGS
-            | {"progress": lambda d, t: seen.append((d, t)), "should_stop": lambda: len(seen) > 18},
+            TrainSettings(**SETTINGS),
+            hooks=TrainHooks(
+                progress=lambda d, t: seen.append((d, t)), should_stop=lambda: len(seen) > 18
+            ),
         )
     # the stop is asked before a step, progress after it
     assert all(m.training for m in model.modules())
@@ -127,7 +137,7 @@ def test_regression_and_no_validation() -> None:
     torch.manual_seed(0)
     model = build_model("mlp", {"in_features": 5, "hidden": 8, "num_classes": 1})
     settings = SETTINGS | {"loss": loss_for(y), "validation_fraction": 0.0, "epochs": 3}
-    stats = train_model(model, x, y, **settings)
+    stats = train_model(model, x, y, TrainSettings(**settings))
     assert settings["loss"] == "mse"
     # 65 = 2 * 32 + 1: the one-sample tail is dropped
     assert stats.steps == 6 and stats.samples == 3 * 64
@@ -161,13 +171,13 @@ def test_bad_labels_and_settings(
 ) -> None:
     x = torch.rand(40, 1, 8, 8)
     with pytest.raises(error, match=message):
-        train_model(digits_cnn(), x, labels, **SETTINGS | settings)
+        train_model(digits_cnn(), x, labels, TrainSettings(**SETTINGS | settings))
 
 
 def test_too_few_training_samples() -> None:
     x, y = torch.rand(2, 1, 8, 8), torch.zeros(2, dtype=torch.int64)
     with pytest.raises(TrainError, match="leave 1 for training"):
-        train_model(digits_cnn(), x, y, **SETTINGS | {"validation_fraction": 0.1})
+        train_model(digits_cnn(), x, y, TrainSettings(**SETTINGS | {"validation_fraction": 0.1}))
 
 
 def test_batch_bounds() -> None:
@@ -202,7 +212,7 @@ def test_evaluate_matches_the_plain_computation(
 ) -> None:
     x, y = digits
     model = digits_cnn()
-    train_model(model, x, y, **SETTINGS | {"epochs": 1})
+    train_model(model, x, y, TrainSettings(**SETTINGS | {"epochs": 1}))
     model.train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     metrics = evaluate_sums(model, x, y, batch_size=64, loss="cross_entropy").metrics()
