@@ -10,6 +10,7 @@ import multiprocessing
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -62,47 +63,62 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # uvicorn configured its loggers before it called this factory (in each of its
         # processes): they now write JSON too. Text mode keeps uvicorn's lines as they are.
         configure_logging("api", "json", logging.WARNING)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        parent = multiprocessing.parent_process()
-        if parent is not None and parent.pid is not None:
-            # A worker of `uvicorn --workers N`: when the parent dies (even by SIGKILL), shut
-            # down gracefully instead of serving the port on for nobody.
-            die_with_parent(signal.SIGTERM, parent.pid)
-        # Before the API's own threads start (they take the priority of the thread that starts
-        # them); threads already running are lowered one by one.
-        lower_process_priority(settings.api_nice)
-        client = redis_client(settings.redis_url)
-        records = Records(client)
-        app.state.settings = settings
-        app.state.records = records
-        app.state.store = open_store(settings)
-        app.state.heavy_work = HeavyWork(
-            settings.api_copy_threads, settings.api_copy_nice, settings.api_copy_tenant_threads
-        )
-        app.state.queue = Queue(settings.queue, connection=client, serializer="json")
-        async_client = async_redis_client(settings.redis_url)
-        app.state.async_records = AsyncRecords(async_client)
-        app.state.async_quotas = AsyncTenantQuotas(async_client)
-        housekeeping = Housekeeping(records, app.state.store, settings, HOUSEKEEPING_INTERVAL_S)
-        housekeeping.start()
-        try:
-            yield
-        finally:
-            housekeeping.stop()
-            app.state.heavy_work.close()
-            client.close()
-            await async_client.aclose()
-
     app = FastAPI(
         title="bnadapt",
         version=VERSION,
         summary="Train and BatchNorm-adapt PyTorch models with exact running statistics.",
-        lifespan=lifespan,
+        lifespan=partial(_lifespan, settings=settings),
         docs_url=None,
         redoc_url=None,
     )
+    _add_pages(app)
+    install_problem_handlers(app)
+    _include_routers(app)
+    # Inside the latency middleware (added by install_metrics): its 401s and 413s are timed.
+    app.add_middleware(EdgeMiddleware, settings=settings)
+    install_metrics(app)
+    _add_problem_schema(app)
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI, settings: Settings) -> AsyncIterator[None]:
+    """Opens what the routes share (``app.state``: records, store, queue, the heavy-work
+    threads) and the housekeeping thread for as long as the app serves, and closes them."""
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid is not None:
+        # A worker of `uvicorn --workers N`: when the parent dies (even by SIGKILL), shut
+        # down gracefully instead of serving the port on for nobody.
+        die_with_parent(signal.SIGTERM, parent.pid)
+    # Before the API's own threads start (they take the priority of the thread that starts
+    # them); threads already running are lowered one by one.
+    lower_process_priority(settings.api_nice)
+    client = redis_client(settings.redis_url)
+    records = Records(client)
+    app.state.settings = settings
+    app.state.records = records
+    app.state.store = open_store(settings)
+    app.state.heavy_work = HeavyWork(
+        settings.api_copy_threads, settings.api_copy_nice, settings.api_copy_tenant_threads
+    )
+    app.state.queue = Queue(settings.queue, connection=client, serializer="json")
+    async_client = async_redis_client(settings.redis_url)
+    app.state.async_records = AsyncRecords(async_client)
+    app.state.async_quotas = AsyncTenantQuotas(async_client)
+    housekeeping = Housekeeping(records, app.state.store, settings, HOUSEKEEPING_INTERVAL_S)
+    housekeeping.start()
+    try:
+        yield
+    finally:
+        housekeeping.stop()
+        app.state.heavy_work.close()
+        client.close()
+        await async_client.aclose()
+
+
+def _add_pages(app: FastAPI) -> None:
+    """The pages for people, left out of the OpenAPI document: the web UI (``/`` and
+    ``/dashboard`` lead to it) and Swagger UI at ``/docs``, both from the API's own files."""
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui")
 
@@ -122,9 +138,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             swagger_ui_parameters={"persistAuthorization": False},
         )
 
-    install_problem_handlers(app)
-    # Every error a route can answer is in the OpenAPI document, as application/problem+json
-    # (422 replaces FastAPI's own, whose body is not the one the API sends).
+
+def _include_routers(app: FastAPI) -> None:
+    """One router per resource. Every error a route can answer is in the OpenAPI document, as
+    application/problem+json (422 replaces FastAPI's own, whose body is not the one the API
+    sends)."""
     app.include_router(health.router, responses=problem_responses(503))
     for router in (
         architectures.router,
@@ -137,11 +155,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(
             router, responses=problem_responses(400, 401, 404, 409, 413, 422, 429, 503)
         )
-    # Inside the latency middleware (added by install_metrics): its 401s and 413s are timed.
-    app.add_middleware(EdgeMiddleware, settings=settings)
-    install_metrics(app)
-    _add_problem_schema(app)
-    return app
 
 
 def _add_problem_schema(app: FastAPI) -> None:

@@ -11,7 +11,8 @@ from rq import Queue
 
 from api_schemas import ID_PATTERN, DatasetPublic, JobPublic, ModelPublic
 from service.api.offload import HeavyWork
-from service.api.problems import invalid_key, missing_key, not_found
+from service.api.problems import invalid_key, missing_key
+from service.errors import ResourceNotFoundError
 from service.records.aio import AsyncRecords
 from service.records.sync import Records
 from service.records.tenancy.quotas import AsyncTenantQuotas
@@ -154,14 +155,14 @@ IdPath = Annotated[str, Path(pattern=ID_PATTERN, description="a resource id")]
 def owned_model(model_id: IdPath, tenant: TenantDep, records: RecordsDep) -> ModelPublic:
     model = records.get_model(tenant, model_id)
     if model is None:
-        raise not_found("model", model_id)
+        raise ResourceNotFoundError("model", model_id)
     return model
 
 
 def owned_dataset(dataset_id: IdPath, tenant: TenantDep, records: RecordsDep) -> DatasetPublic:
     dataset = records.get_dataset(tenant, dataset_id)
     if dataset is None:
-        raise not_found("dataset", dataset_id)
+        raise ResourceNotFoundError("dataset", dataset_id)
     return dataset
 
 
@@ -184,7 +185,7 @@ async def owned_job(
         known = _known(tenant_id, request)
     await within_rate(request, known)
     if job is None:
-        raise not_found("job", job_id)
+        raise ResourceNotFoundError("job", job_id)
     return job
 
 

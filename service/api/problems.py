@@ -1,4 +1,6 @@
-"""Every error the API answers, as RFC 9457 problem details, mapped in one place."""
+"""Every error the API answers, as RFC 9457 problem details, mapped in one place: the
+refusals of the layer under the routes (:class:`~service.errors.RefusedError`, which knows no
+HTTP), the HTTP layer's own (:class:`ApiError`), the framework's, and the unexpected."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from api_schemas import Problem, ProblemItem
-from service.errors import BnadaptError, InvalidPageTokenError, QuotaExceededError
+from service.errors import RefusedError
 
 __all__ = [
     "REDIS_UNREACHABLE",
@@ -24,7 +26,6 @@ __all__ = [
     "install_problem_handlers",
     "invalid_key",
     "missing_key",
-    "not_found",
     "problem_items",
     "problem_response",
     "problem_responses",
@@ -62,8 +63,10 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-class ApiError(BnadaptError):
-    """An error with the HTTP status and the message the client gets."""
+class ApiError(RefusedError):
+    """A refusal of the HTTP layer itself (a method, a header, a body, the edge's checks): any
+    status, and the headers it answers with (``Allow``, ``WWW-Authenticate``,
+    ``Retry-After``)."""
 
     def __init__(
         self,
@@ -73,10 +76,8 @@ class ApiError(BnadaptError):
         errors: Sequence[ProblemItem] | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(detail)
+        super().__init__(detail, errors=errors)
         self.status = status
-        self.detail = detail
-        self.errors = list(errors) if errors is not None else None
         self.headers = headers
 
 
@@ -98,13 +99,6 @@ def refuse_other_methods(router: APIRouter, path: str, allowed: str, what: str) 
 
     others = [method for method in _METHODS if method != allowed]
     router.api_route(path, methods=others, include_in_schema=False)(wrong_method)
-
-
-def not_found(kind: str, resource_id: str) -> ApiError:
-    """The one 404 for a resource that is missing or belongs to another tenant."""
-    return ApiError(
-        404, f"{kind} {resource_id!r} not found; list yours with GET /v1/{kind}s to see the ids"
-    )
 
 
 _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
@@ -174,6 +168,15 @@ def _response(
     return problem_response(status, detail, request.url.path, errors, headers)
 
 
+def _refusal_headers(refusal: RefusedError) -> dict[str, str] | None:
+    """The HTTP layer's own headers of an :class:`ApiError`, and ``Retry-After`` where the
+    refusal says when to try again."""
+    headers = dict(refusal.headers or {}) if isinstance(refusal, ApiError) else {}
+    if refusal.retry_after_s is not None:
+        headers["Retry-After"] = str(refusal.retry_after_s)
+    return headers or None
+
+
 def _summary(errors: list[ProblemItem]) -> str:
     parts = [f"{'.'.join(str(p) for p in e.loc)}: {e.msg}" for e in errors[:5]]
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
@@ -193,9 +196,9 @@ def _allowed_methods(request: Request) -> list[str]:
 
 
 def install_problem_handlers(app: FastAPI) -> None:
-    async def api_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, ApiError)
-        return _response(request, exc.status, exc.detail, exc.errors, exc.headers)
+    async def refused(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RefusedError)
+        return _response(request, exc.status, exc.detail, exc.errors, _refusal_headers(exc))
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError | ValidationError)
@@ -219,23 +222,16 @@ def install_problem_handlers(app: FastAPI) -> None:
         log.warning("redis unreachable: %s", exc)
         return _response(request, 503, REDIS_UNREACHABLE, headers={"Retry-After": "5"})
 
-    async def bad_page_token(request: Request, exc: Exception) -> JSONResponse:
-        return _response(request, 422, str(exc))
-
-    async def over_quota(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, QuotaExceededError)
-        return _response(request, 429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
-
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return _response(request, 500, "internal error; it was logged on the server")
 
-    app.add_exception_handler(ApiError, api_error)
+    # Every refusal, ApiError, InvalidPageTokenError (422) and QuotaExceededError (429)
+    # among them: the handler of the nearest class in an exception's MRO answers it.
+    app.add_exception_handler(RefusedError, refused)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(ValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(InvalidPageTokenError, bad_page_token)
-    app.add_exception_handler(QuotaExceededError, over_quota)
     app.add_exception_handler(redis.ConnectionError, redis_down)
     app.add_exception_handler(redis.TimeoutError, redis_down)
     app.add_exception_handler(Exception, unexpected)

@@ -16,14 +16,16 @@ from typing import Final
 
 from api_schemas import DatasetPublic
 from api_schemas.uploads import DatasetImport, split_s3_source
-from service.api.problems import ApiError
 from service.datasets.registration import DATASET_BYTES_SETTING, register_dataset
 from service.errors import (
     ArrayFileError,
     ArrayLimitError,
+    InvalidRequestError,
+    NotFoundError,
     ObjectNotFoundError,
     StoreError,
     StoreTooLargeError,
+    TooLargeError,
 )
 from service.formats.folder_tars import plan_folder, write_folder_tar
 from service.records.sync import Records
@@ -67,11 +69,11 @@ def import_dataset(
     request: DatasetImport,
 ) -> DatasetPublic:
     """Checks the source against the tenant's allowed sources, copies it into the store and
-    registers it; ``ApiError`` (404, 413, 422) otherwise, with nothing registered. Blocking:
-    call it from a worker thread."""
+    registers it; ``NotFoundError`` (404), ``TooLargeError`` (413) or ``InvalidRequestError``
+    (422) otherwise, with nothing registered. Blocking: call it from a worker thread."""
     bucket, key = split_s3_source(request.source)
     if not records.may_import(tenant, bucket, key):
-        raise ApiError(404, NOT_A_SOURCE)
+        raise NotFoundError(NOT_A_SOURCE)
     # An import counts as an open upload while it runs (NOTE [ Tenant quotas ]); a slot whose
     # API process died lapses after IMPORT_SLOT_S.
     slot = f"import:{secrets.token_urlsafe(12)}"
@@ -100,24 +102,26 @@ def _import(
         else:
             sha256, size = direct.import_object(request.source, settings.max_dataset_bytes)
     except ObjectNotFoundError as exc:
-        raise ApiError(404, NOT_A_SOURCE) from exc
+        raise NotFoundError(NOT_A_SOURCE) from exc
     except StoreTooLargeError as exc:
-        raise ApiError(413, _OVER_A_LIMIT) from exc
+        raise TooLargeError(_OVER_A_LIMIT) from exc
     # A folder's own rules (service/formats/folder_tars.py): their texts give counts, never a
     # key or a byte of the source.
     except ArrayLimitError as exc:
-        raise ApiError(413, str(exc)) from exc
+        raise TooLargeError(str(exc)) from exc
     except ArrayFileError as exc:
-        raise ApiError(422, str(exc)) from exc
+        raise InvalidRequestError(str(exc)) from exc
     except StoreError as exc:
-        raise ApiError(422, _NOT_COPIED) from exc
+        raise InvalidRequestError(_NOT_COPIED) from exc
     name = request.name or key.removesuffix("/").rpartition("/")[2]
     try:
         return register_dataset(
             tenant, records, store, settings, sha256, size, name, request.preprocessing
         )
-    except ApiError as exc:
-        raise ApiError(exc.status, _OVER_A_LIMIT if exc.status == 413 else _NOT_A_DATASET) from exc
+    except TooLargeError as exc:
+        raise TooLargeError(_OVER_A_LIMIT) from exc
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(_NOT_A_DATASET) from exc
 
 
 def _import_folder(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Literal
 
 from api_schemas import DatasetPublic, ModelPublic, Preprocessing
-from service.api.problems import ApiError
+from service.errors import InvalidRequestError
 
 __all__ = ["model_spec", "preprocessed_shape", "with_job_spec"]
 
@@ -20,8 +20,7 @@ def model_spec(
     if requested != "model":
         return requested
     if model.preprocessing is None:
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f'"preprocessing": "model" asks for the evaluation transform of model {model.id}, '
             f"but its architecture {model.architecture} has none (torchvision and timm models "
             "have one); give the spec itself, e.g. "
@@ -37,14 +36,12 @@ def with_job_spec(dataset: DatasetPublic, spec: Preprocessing | None) -> Dataset
         return dataset
     if dataset.image_size is None or (dataset.format != "tar" and dataset.dtype != "uint8"):
         if dataset.format != "tar":
-            raise ApiError(
-                422,
+            raise InvalidRequestError(
                 f"dataset {dataset.id} holds no images (uint8 arrays of shape (N, C, H, W)); "
                 "send the job without a preprocessing spec",
             )
         if not spec.fixed_size:
-            raise ApiError(
-                422,
+            raise InvalidRequestError(
                 f"dataset {dataset.id} holds images of several sizes; a job's preprocessing "
                 'spec needs a "resize": [height, width], or a "resize_shorter" (or "crop_pct") '
                 'with a "center_crop"',
@@ -56,8 +53,7 @@ def with_job_spec(dataset: DatasetPublic, spec: Preprocessing | None) -> Dataset
     if dataset.format == "tar":
         crop = spec.center_crop
         if crop is not None and _unresized(spec) and (crop[0] > height or crop[1] > width):
-            raise ApiError(
-                422,
+            raise InvalidRequestError(
                 f"center_crop {crop} is larger than the images of dataset {dataset.id} ({height} "
                 f"x {width} pixels); crop less, or resize first",
             )
@@ -78,22 +74,19 @@ def _unresized(spec: Preprocessing) -> bool:
 def preprocessed_shape(dtype: str, shape: list[int], spec: Preprocessing) -> list[int]:
     """A uint8 array's sample shape after ``spec``; 422 when the spec cannot apply to it."""
     if dtype != "uint8" or len(shape) != 3 or shape[0] != spec.num_channels:
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"a preprocessing spec applies to uint8 images of shape (N, C, H, W) with C = "
             f"{spec.num_channels} for channels {spec.channels!r}, but x is {dtype} with samples "
             f"of shape {shape}; save x as uint8 (N, C, H, W), or register it without a spec",
         )
     if spec.interpolation == "lanczos":
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             "interpolation 'lanczos' applies to images decoded by Pillow (tars); uint8 arrays "
             "are resized by torch, which has none: use nearest, bilinear or bicubic",
         )
     crop = spec.center_crop
     if crop is not None and _unresized(spec) and (crop[0] > shape[1] or crop[1] > shape[2]):
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"center_crop {crop} is larger than the samples ({shape[1]} x {shape[2]} pixels); "
             "crop less, or resize first",
         )

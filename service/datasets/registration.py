@@ -8,9 +8,13 @@ from pathlib import Path
 from typing import Final
 
 from api_schemas import DatasetPublic, Preprocessing, new_id, utc_now
-from service.api.problems import ApiError
 from service.datasets.preprocessing import preprocessed_shape
-from service.errors import ArrayFileError, ArrayLimitError
+from service.errors import (
+    ArrayFileError,
+    ArrayLimitError,
+    InvalidRequestError,
+    TooLargeError,
+)
 from service.formats.arrays import describe_arrays
 from service.formats.images import describe_tar
 from service.formats.sniff import sniff
@@ -59,9 +63,9 @@ def register_dataset(
             max_ratio=settings.max_npz_ratio,
         )
     except ArrayLimitError as exc:
-        raise ApiError(413, scrub_internals(str(exc))) from exc
+        raise TooLargeError(scrub_internals(str(exc))) from exc
     except ArrayFileError as exc:  # may quote a reader's message, which may name the file
-        raise ApiError(422, scrub_internals(str(exc))) from exc
+        raise InvalidRequestError(scrub_internals(str(exc))) from exc
     shape = list(facts.sample_shape)
     image = facts.dtype == "uint8" and len(shape) == 3  # (C, H, W)
     if preprocessing is not None:

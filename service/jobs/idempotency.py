@@ -8,7 +8,7 @@ from typing import Final
 
 from api_schemas import JobPublic
 from api_schemas.jobs.kinds import AnyJobCreate
-from service.api.problems import ApiError
+from service.errors import ConflictError, InvalidRequestError
 from service.records.sync import Records
 
 __all__ = ["IDEMPOTENCY_TTL_S", "body_sha256", "existing_for_key"]
@@ -39,8 +39,7 @@ def existing_for_key(
     request with it (the key is then leased to ``job_id``: NOTE [ Idempotency lease ])."""
     bound_body, bound_job = records.remember_idempotency(tenant, key, body_sha256, job_id, lease_s)
     if bound_body != body_sha256:
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"Idempotency-Key {key!r} was already used with a different request body; use a "
             "new key for a different job",
         )
@@ -48,10 +47,9 @@ def existing_for_key(
         return None
     job = records.get_job(tenant, bound_job)
     if job is None:
-        raise ApiError(
-            409,
+        raise ConflictError(
             f"a request with Idempotency-Key {key!r} is still being processed; retry in "
             f"{lease_s:g} s at most (a request that crashed gives up the key by then)",
-            headers={"Retry-After": str(max(1, round(lease_s)))},
+            retry_after_s=max(1, round(lease_s)),
         )
     return job

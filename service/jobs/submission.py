@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Final
 
 import redis
@@ -23,15 +26,15 @@ from api_schemas import (
     JobPublic,
     JobStatus,
     ModelPublic,
+    Progress,
     TrainParams,
     new_id,
     utc_now,
 )
 from api_schemas.jobs.kinds import AnyJobCreate
 from api_schemas.jobs.params import num_batches
-from service.api.problems import ApiError, not_found
 from service.datasets.preprocessing import model_spec, with_job_spec
-from service.errors import QuotaExceededError
+from service.errors import InvalidRequestError, QuotaExceededError, ResourceNotFoundError
 from service.jobs.idempotency import IDEMPOTENCY_TTL_S, body_sha256, existing_for_key
 from service.jobs.queues import job_queue, waiting_progress
 from service.records import keys
@@ -48,6 +51,7 @@ __all__ = [
     "check_room_for_output",
     "check_running_statistics",
     "job_holds",
+    "job_inputs",
     "job_payload",
     "job_timeout",
     "needed_memory",
@@ -69,12 +73,7 @@ def submit_job(
     the one an earlier request with the same ``idempotency_key`` made. 404 for a model or
     dataset the tenant does not have, 422 when they do not fit the job, 409 or 422 from the
     key (NOTE [ Idempotency lease ] in service/jobs/idempotency.py)."""
-    model, dataset = records.get_model_and_dataset(tenant, request.model_id, request.dataset_id)
-    if model is None:
-        raise not_found("model", request.model_id)
-    if dataset is None:
-        raise not_found("dataset", request.dataset_id)
-    dataset = with_job_spec(dataset, model_spec(request.params.preprocessing, model))
+    model, dataset = job_inputs(records, tenant, request)
     check_fit(request, model, dataset)
     timeout_s = job_timeout(request, settings)
     check_memory(request, model, dataset, worker_memory(records, settings, request))
@@ -82,11 +81,11 @@ def submit_job(
     resume_sha256 = resume_checkpoint(records, tenant, request)
 
     job_id = new_id("job")
-    digest = None
+    binding = None
     if idempotency_key is not None:
-        digest = body_sha256(request)
+        binding = _KeyBinding(idempotency_key, body_sha256(request))
         existing = existing_for_key(
-            records, tenant, idempotency_key, digest, job_id, settings.idempotency_lease_s
+            records, tenant, binding.key, binding.body_sha256, job_id, settings.idempotency_lease_s
         )
         if existing is not None:
             return existing
@@ -104,39 +103,99 @@ def submit_job(
         priority=request.priority,
         timeout_s=timeout_s,
     )
-    payload = job_payload(job_id, tenant, request, model, dataset, timeout_s, resume_sha256)
-    queue = job_queue(default_queue, settings, request.params.device)
-    waiting = waiting_progress(request.params.device)
-
-    def enqueue(pipe: redis.client.Pipeline) -> None:
-        if waiting is not None:
-            pipe.set(keys.job_progress(job_id), waiting.model_dump_json())
-        enqueue_run(
-            queue,
-            payload.model_dump(mode="json"),
-            job_id,
-            timeout_s,
-            f"{job.kind} {model.id} on {dataset.id}",
-            pipeline=pipe,
-        )
-        if idempotency_key is not None and digest is not None:
-            records.bind_idempotency(
-                pipe, tenant, idempotency_key, digest, job_id, IDEMPOTENCY_TTL_S
-            )
-
-    try:
-        # Past the tenant's stored bytes or active jobs, QuotaExceededError (429): nothing was
-        # written, and the Idempotency-Key is free again for the retry Retry-After asks for.
+    writes = _QueueWrites(
+        records=records,
+        tenant=tenant,
+        job=job,
+        payload=job_payload(job_id, tenant, request, model, dataset, timeout_s, resume_sha256),
+        queue=job_queue(default_queue, settings, request.params.device),
+        timeout_s=timeout_s,
+        waiting=waiting_progress(request.params.device),
+        binding=binding,
+    )
+    with _undone_on_failure(records, tenant, job, idempotency_key):
         check_room_for_output(records, settings, tenant, request, model)
         records.create_job(
             tenant,
             job,
-            payload,
+            writes.payload,
             uses=job_holds(records, request, model, dataset, resume_sha256),
-            enqueue=enqueue,
+            enqueue=writes,
             max_active_jobs=settings.tenant_max_active_jobs,
         )
+    # The progress lives in its own key (written with the record), not in the record.
+    return job if writes.waiting is None else job.model_copy(update={"progress": writes.waiting})
+
+
+def job_inputs(
+    records: Records, tenant: str, request: AnyJobCreate
+) -> tuple[ModelPublic, DatasetPublic]:
+    """The job's model, and its dataset as the job sees it (after the job's own preprocessing
+    spec); 404 for either when the tenant does not have it, 422 for a spec that cannot apply."""
+    model, dataset = records.get_model_and_dataset(tenant, request.model_id, request.dataset_id)
+    if model is None:
+        raise ResourceNotFoundError("model", request.model_id)
+    if dataset is None:
+        raise ResourceNotFoundError("dataset", request.dataset_id)
+    return model, with_job_spec(dataset, model_spec(request.params.preprocessing, model))
+
+
+@dataclass(frozen=True)
+class _KeyBinding:
+    """An Idempotency-Key and the digest of the request it is bound to."""
+
+    key: str
+    body_sha256: str
+
+
+@dataclass(frozen=True)
+class _QueueWrites:
+    """What the MULTI that writes a job's record writes with it: the progress of a job that
+    waits for a device class, the queue entry, and the Idempotency-Key's long binding (NOTE
+    [ Idempotency lease ] in service/jobs/idempotency.py)."""
+
+    records: Records
+    tenant: str
+    job: JobPublic
+    payload: JobPayload
+    queue: Queue
+    timeout_s: int
+    waiting: Progress | None
+    binding: _KeyBinding | None
+
+    def __call__(self, pipe: redis.client.Pipeline) -> None:
+        job = self.job
+        if self.waiting is not None:
+            pipe.set(keys.job_progress(job.id), self.waiting.model_dump_json())
+        enqueue_run(
+            self.queue,
+            self.payload.model_dump(mode="json"),
+            job.id,
+            self.timeout_s,
+            f"{job.kind} {job.model_id} on {job.dataset_id}",
+            pipeline=pipe,
+        )
+        if self.binding is not None:
+            self.records.bind_idempotency(
+                pipe,
+                self.tenant,
+                self.binding.key,
+                self.binding.body_sha256,
+                job.id,
+                IDEMPOTENCY_TTL_S,
+            )
+
+
+@contextmanager
+def _undone_on_failure(
+    records: Records, tenant: str, job: JobPublic, idempotency_key: str | None
+) -> Iterator[None]:
+    """Leaves the Idempotency-Key free again, and no trace of ``job``, when writing it fails."""
+    try:
+        yield
     except QuotaExceededError:
+        # Past the tenant's stored bytes or active jobs (429): nothing was written, and the
+        # key is free again for the retry Retry-After asks for.
         if idempotency_key is not None:
             records.forget_idempotency(tenant, idempotency_key)
         raise
@@ -148,8 +207,6 @@ def submit_job(
             if idempotency_key is not None:
                 records.forget_idempotency(tenant, idempotency_key)
         raise
-    # The progress lives in its own key (written above), not in the record.
-    return job if waiting is None else job.model_copy(update={"progress": waiting})
 
 
 def check_room_for_output(
@@ -197,29 +254,25 @@ def check_fit(request: AnyJobCreate, model: ModelPublic, dataset: DatasetPublic)
     loss against the label kind, an adapt job's shards against its batches."""
     if not _shape_fits(model.input_shape, dataset.sample_shape):
         wanted = "x".join("any" if d is None else str(d) for d in model.input_shape)
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"dataset {dataset.id} has samples of shape {dataset.sample_shape} but model "
             f"{model.id} ({model.architecture}) takes samples of shape [{wanted}]; upload x as "
             f"(N, {', '.join('any' if d is None else str(d) for d in model.input_shape)})",
         )
     if JOB_KINDS[request.kind].needs_labels and not dataset.has_labels:
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"{request.kind} jobs need labels but dataset {dataset.id} has no y; upload a "
             "dataset with y (int64 class labels or float targets)",
         )
     loss = getattr(request.params, "loss", None)
     if loss is not None:
         if loss == "cross_entropy" and dataset.label_kind != "class":
-            raise ApiError(
-                422,
+            raise InvalidRequestError(
                 f"loss cross_entropy needs int64 class labels but dataset {dataset.id} has "
                 "float targets; use loss mse, or upload class labels",
             )
         if loss == "mse" and dataset.label_kind != "target":
-            raise ApiError(
-                422,
+            raise InvalidRequestError(
                 f"loss mse needs float targets but dataset {dataset.id} has int64 class "
                 "labels; use loss cross_entropy, or upload float targets",
             )
@@ -231,8 +284,7 @@ def check_fit(request: AnyJobCreate, model: ModelPublic, dataset: DatasetPublic)
         holdout = params.effective_holdout()
         held = f", holdout {holdout:g} held out of estimation" if holdout > 0 else ""
         if params.shards > batches:
-            raise ApiError(
-                422,
+            raise InvalidRequestError(
                 f"shards={params.shards} but the job runs only {batches} batches "
                 f"({dataset.num_samples} samples of dataset {dataset.id}, batch_size "
                 f"{params.batch_size}, max_batches {params.max_batches}{held}) and each shard "
@@ -245,14 +297,12 @@ def _check_train_fit(params: TrainParams, dataset: DatasetPublic) -> None:
     """A train job's recipe against its dataset: label smoothing needs class labels, and the
     warm-up must end before the job's last optimizer step."""
     if params.label_smoothing > 0 and dataset.label_kind != "class":
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"label_smoothing needs int64 class labels but dataset {dataset.id} has float "
             "targets; drop label_smoothing, or upload class labels",
         )
     if params.augmentation is not None and len(dataset.sample_shape) != 3:
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"augmentation crops and flips images (C, H, W), and dataset {dataset.id} has "
             f"samples of shape {dataset.sample_shape}; drop augmentation, or use an image "
             "dataset",
@@ -265,8 +315,7 @@ def _check_train_fit(params: TrainParams, dataset: DatasetPublic) -> None:
         batches -= 1
     steps = params.epochs * -(-batches // params.accumulate_steps)
     if params.warmup_steps >= steps:
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"warmup_steps={params.warmup_steps} but the job takes {steps} optimizer steps "
             f"({params.epochs} epochs of {batches} batches of {params.batch_size} samples, "
             f"accumulate_steps {params.accumulate_steps}); use warmup_steps below {steps}",
@@ -297,17 +346,15 @@ def resume_checkpoint(records: Records, tenant: str, request: AnyJobCreate) -> s
         return None
     source = records.get_job(tenant, params.resume_from)
     if source is None or not isinstance(source.params, TrainParams):
-        raise not_found("job", params.resume_from)
+        raise ResourceNotFoundError("job", params.resume_from)
     if not source.status.is_terminal:
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"job {source.id} is {source.status.value}; resume_from takes a job that has "
             "ended: wait for it, or cancel it first",
         )
     sha256 = records.train_checkpoint(source.id)
     if sha256 is None:
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"job {source.id} kept no training checkpoint (it ran without save_every_steps "
             "and save_every_s, or ended before its first); train anew, with save_every_steps "
             "to make a job others can resume",
@@ -323,15 +370,13 @@ def resume_checkpoint(records: Records, tenant: str, request: AnyJobCreate) -> s
         if getattr(request, name) != getattr(source, name)
     ]
     if differ:
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"resume_from {source.id}: this job must train the same model on the same data "
             f"in the same order as that job, and differs in {', '.join(differ)}; use that "
             "job's values",
         )
     if source.status is JobStatus.SUCCEEDED and params.epochs <= source.params.epochs:
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"job {source.id} trained all its {source.params.epochs} epochs and this job asks "
             f"for epochs={params.epochs}; epochs counts from the start: ask for more than "
             f"{source.params.epochs}",
@@ -351,8 +396,7 @@ def check_running_statistics(request: AnyJobCreate, model: ModelPublic) -> None:
     if any(layer.track_running_stats for layer in model.batchnorm_layers):
         return
     others = [name for name, spec in ESTIMATORS.items() if not spec.needs_running_stats]
-    raise ApiError(
-        422,
+    raise InvalidRequestError(
         f"estimator {params.estimator!r} re-estimates running statistics, but model {model.id} "
         f"({model.architecture}) has no normalization layer that keeps them (no BatchNorm "
         f"with track_running_stats; LayerNorm, GroupNorm and FrozenBatchNorm2d keep none); use "
@@ -398,8 +442,7 @@ def job_timeout(request: AnyJobCreate, settings: Settings) -> int:
     if request.timeout_s is None:
         return settings.job_timeout_s
     if request.timeout_s > settings.job_timeout_max_s:
-        raise ApiError(
-            422,
+        raise InvalidRequestError(
             f"timeout_s {request.timeout_s} is past this service's cap of "
             f"{settings.job_timeout_max_s} s ({settings.job_timeout_max_s / 3600:g} h); use "
             f"timeout_s <= {settings.job_timeout_max_s}, or split the job (fewer epochs, steps "
@@ -522,8 +565,7 @@ def check_memory(
             f"; or fewer processes than {params.processes}: each rank holds its own copy of "
             "the model and its optimizer state"
         )
-    raise ApiError(
-        422,
+    raise InvalidRequestError(
         f"batch_size {batch} at {shape} needs about {_size(needed)} of activations and weights "
         f"for model {model.id} ({model.architecture}); workers have {_size(memory)} (a job may "
         f"use {MEMORY_HEADROOM:.0%} of it): {what}",

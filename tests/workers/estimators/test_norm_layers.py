@@ -21,7 +21,7 @@ from api_schemas import (
     utc_now,
 )
 from harness.stack import npz_bytes
-from service.api.problems import ApiError
+from service.errors import InvalidRequestError
 from service.jobs.submission import check_running_statistics
 from service.store.local import LocalStore
 from workers.estimators.base import select_affine_norms, select_batchnorm
@@ -164,7 +164,7 @@ def adapt(estimator: str) -> AdaptJobCreate:
 @pytest.mark.parametrize("estimator", ["cumulative", "precise", "ema", "prior", "auto"])
 def test_running_statistics_estimators_need_a_layer_that_keeps_them(estimator: str) -> None:
     no_statistics = model_record([])
-    with pytest.raises(ApiError) as refused:
+    with pytest.raises(InvalidRequestError) as refused:
         check_running_statistics(adapt(estimator), no_statistics)
     assert refused.value.status == 422
     assert "'entropy'" in str(refused.value) and estimator in str(refused.value)
@@ -176,7 +176,7 @@ def test_running_statistics_estimators_need_a_layer_that_keeps_them(estimator: s
         "momentum": 0.1,
         "track_running_stats": False,
     }
-    with pytest.raises(ApiError):
+    with pytest.raises(InvalidRequestError):
         check_running_statistics(adapt(estimator), model_record([untracked]))
     check_running_statistics(
         adapt(estimator), model_record([{**untracked, "track_running_stats": True}])
