@@ -6,10 +6,10 @@
 # CUDA worker, and, with 2 GPUs or more,
 # SyncBatchNorm train jobs over 2 GPUs), then the checkpoint bench's eager, launch-bound,
 # adaptation and compiled rows on CUDA, and, with 2 GPUs or more, a train job on 1 GPU against
-# the same on N (bench/train_processes_bench.py). Issue 30's rows: the adapt pipeline's GPU tests
+# the same on N (bench/training/processes.py). Issue 30's rows: the adapt pipeline's GPU tests
 # (pinned, prefetched batches; nvJPEG decoding within 2/255 of the CPU path; bf16 statistics
 # within their bounds on CUDA; a job decoding on the GPU against one decoding on the CPU) and
-# the benchmark of record (bench/adapt_record_bench.py) at a budget of about 2 minutes,
+# the benchmark of record (bench/adaptation/record.py) at a budget of about 2 minutes,
 # data generation included: 10,000 photos of 500 x 375 and 256 of 4000 x 3000 (the record's
 # own defaults are 50,000 and 2,000), cut off at 240 s. Run from the repository root with the
 # project's dependencies importable; PYTHON picks the interpreter (default python3).
@@ -28,20 +28,20 @@ status=0
     tests/workers/passes/test_device_batches.py tests/workers/passes/test_gpu_decoding.py \
     tests/workers/estimators/test_adapt_precision.py || status=$?
 if "$PYTHON" -c 'import torchvision' 2>/dev/null; then
-    timeout 240 "$PYTHON" bench/adapt_record_bench.py --images 10000 --large-images 256 \
+    timeout 240 "$PYTHON" -m bench.adaptation.record --images 10000 --large-images 256 \
         || status=$?
 else
     echo "gpu_checks: torchvision does not import: no ResNet-50 benchmark of record" >&2
 fi
-(cd bench && "$PYTHON" checkpoint_bench.py --measure train control launch adapt --pairs 100) \
+"$PYTHON" -m bench.checkpoint.wrapper --measure train control launch adapt --pairs 100 \
     || status=$?
-(cd bench && "$PYTHON" checkpoint_bench.py --measure compiled --pairs 100) || status=$?
+"$PYTHON" -m bench.checkpoint.wrapper --measure compiled --pairs 100 || status=$?
 # A train job on 1 GPU against the same job on N ranks, one a GPU (NCCL), when there are N.
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 if [ "$gpus" -ge 2 ]; then
     counts=$(seq 2 "$gpus" | tr '\n' ' ')
     # shellcheck disable=SC2086 # one argument a count
-    "$PYTHON" bench/train_processes_bench.py --device cuda --processes $counts || status=$?
+    "$PYTHON" -m bench.training.processes --device cuda --processes $counts || status=$?
 else
     echo "gpu_checks: $gpus GPU: the 1-vs-N GPU train rows need 2 or more" >&2
 fi

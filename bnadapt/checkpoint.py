@@ -149,7 +149,7 @@ __all__ = [
 #   objects, and its recomputation swaps one dict;
 # - the call's state is itself torch's context_fn and the recomputation's context, one object
 #   per call, and the wrapper merges its options once.
-# bench/checkpoint_bench.py (`launch`) measures what is left per block call: most of it is
+# bench/checkpoint/wrapper.py (`launch`) measures what is left per block call: most of it is
 # reading every module of the block twice, once in each pass, which the guarantee needs (a
 # model switched to eval, or parameters swapped by functional_call, between forward and
 # backward).

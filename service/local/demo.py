@@ -4,7 +4,8 @@ Starts everything (``bnadapt up``'s stack), trains the digits CNN through the se
 shifted copy of the held-out digits (contrast halved, brightness raised), BN-adapts the trained
 model to it, downloads the adapted weights, and prints accuracy before and after with the
 report's summary, then lets the ``auto`` estimator choose for the clean and the shifted digits
-and prints its candidates and choice. bench/quality_bench.py reuses its data split and training.
+and prints its candidates and choice. bench/adaptation/quality.py reuses its data split and
+training.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ _READ_ATTEMPTS: Final = 5
 _BROKEN_READ: Final = (OSError, ReadTimeoutError, IncompleteReadError, ResponseStreamingError)
 # A downloaded part goes to the cache file in writes of this size: one write() of a whole
 # 16 MiB part cost 6x the CPU of the same bytes in 256 KiB writes (0.66 s against 0.1 s per
-# 256 MiB, measured in bench/store_bench.py), more than the sha256 of the part.
+# 256 MiB, measured in bench/data/store.py), more than the sha256 of the part.
 _WRITE_SLICE: Final = 256 * 1024
 # Copies up to this size are one CopyObject request (S3's limit is 5 GiB); larger ones are
 # multipart copies.

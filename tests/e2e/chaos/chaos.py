@@ -1,6 +1,6 @@
 """Rounds of real faults against a running stack (harness/stack.py): each round submits a job,
 waits until it trains, injects one fault and checks the job's end. Used by the chaos tests
-(small N) and bench/chaos_bench.py (large N).
+(small N) and bench/service/chaos.py (large N).
 
 Faults: ``job-kill`` (SIGKILL of the job's process, as the OOM killer), ``machine-lost``
 (SIGKILL of the whole worker and the job's process, then a new worker), ``redis-outage``

@@ -1,6 +1,6 @@
 """Chaos under load: a stream of jobs submitted with Idempotency-Keys while processes of every
 kind are killed at random moments (tests/e2e/chaos/chaos.py runs one job per fault instead). Used by
-bench/chaos_bench.py ``--jobs`` (large N) and tests/e2e/chaos/test_chaos.py (small N).
+bench/service/chaos.py ``--jobs`` (large N) and tests/e2e/chaos/test_chaos.py (small N).
 
 Kill kinds (SIGKILL unless said otherwise):
 

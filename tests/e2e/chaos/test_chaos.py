@@ -1,6 +1,6 @@
 """Chaos, small N: rounds of real faults (tests/e2e/chaos/chaos.py) against one stack; every job
 ends succeeded with exactly one model. ``CHAOS_ROUNDS`` sets N (3 by default: each fault once);
-bench/chaos_bench.py runs many more and reports timings."""
+bench/service/chaos.py runs many more and reports timings."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_every_job_survives_its_fault(tmp_path: Path) -> None:
 def test_jobs_streamed_in_survive_kills_of_every_process_kind(tmp_path: Path) -> None:
     """tests/e2e/chaos/chaos_load.py at small N: each kill kind once (``CHAOS_JOBS``, 24 by
     default, and ``CHAOS_KILLS``) and one Redis kill while jobs stream in with
-    Idempotency-Keys; bench/chaos_bench.py --jobs runs the full size."""
+    Idempotency-Keys; bench/service/chaos.py --jobs runs the full size."""
     jobs = int(os.environ.get("CHAOS_JOBS", "24"))
     kills = int(os.environ.get("CHAOS_KILLS", str(len(KILL_KINDS))))
     with running_stack(tmp_path, {"BNADAPT_WORKER_THREADS": "1"}, workers=2) as stack:

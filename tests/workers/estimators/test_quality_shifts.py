@@ -1,11 +1,12 @@
-"""The quality benchmark's shifted test sets (bench/_quality_shifts.py): pure functions only."""
+"""The quality benchmark's shifted test sets (bench/adaptation/_quality_shifts.py): pure functions
+only."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench._quality_shifts import (
+from bench.adaptation._quality_shifts import (
     CLEAN,
     MIXTURES,
     SHIFTS,

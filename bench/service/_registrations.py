@@ -1,4 +1,4 @@
-"""The noisy neighbour's registrations phase (``bench/noisy_neighbour_bench.py --phase
+"""The noisy neighbour's registrations phase (``bench/service/noisy_neighbour.py --phase
 registrations``): tenant A completes large uploads and dataset imports and registers large
 built-in models, all at once and over and over, while tenant B registers a small model and a
 small dataset, timed, and ``/healthz`` is read 20 times a second, timed.

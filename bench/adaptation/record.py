@@ -1,8 +1,8 @@
 """The benchmark of record for an adapt job at the GPU's limit (issue 30).
 
-    .venv-zoo/bin/python bench/adapt_record_bench.py             # 50,000 + 2,000 photos, CUDA
-    .venv-zoo/bin/python bench/adapt_record_bench.py --quick     # a few hundred: does it run
-    .venv-zoo/bin/python bench/adapt_record_bench.py --cpu --quick   # the CPU rows, quick
+    .venv-zoo/bin/python -m bench.adaptation.record             # 50,000 + 2,000 photos, CUDA
+    .venv-zoo/bin/python -m bench.adaptation.record --quick     # a few hundred: does it run
+    .venv-zoo/bin/python -m bench.adaptation.record --cpu --quick   # the CPU rows, quick
 
 CUDA rows: ``torchvision.resnet50`` (random weights: the work is a trained model's) BN-adapted
 with ``precise`` over synthetic ImageNet-size JPEGs (photo-like, quality 90, made here with one
@@ -28,7 +28,7 @@ does):
 Photo sizes: 500 x 375 (``--images``, 50,000 by default) and 4000 x 3000 (``--large-images``,
 2,000 by default: 4.5 MB each). bench/gpu_checks.sh runs it with fewer (stated there) to fit
 its budget. ``--cpu``: the CPU rows, the job's full pass against a bare loop with the fastest
-decoder on the same cores, for both sizes (bench/decode_bench.py, run from here).
+decoder on the same cores, for both sizes (bench/data/decode.py, run from here).
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench import REPO
 
 ARCHITECTURE = "torchvision.resnet50"
 SPEC = {
@@ -262,7 +261,15 @@ def _sync(device: Any) -> None:
 
 def run_side(side: str, payload_path: Path, where: Path) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, __file__, "--side", side, str(payload_path), str(where)],
+        [
+            sys.executable,
+            "-m",
+            "bench.adaptation.record",
+            "--side",
+            side,
+            str(payload_path),
+            str(where),
+        ],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -347,7 +354,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--fp32", action="store_true", help="the job in fp32 (exact statistics)")
     parser.add_argument("--quick", action="store_true", help="a few hundred photos")
-    parser.add_argument("--cpu", action="store_true", help="the CPU rows (bench/decode_bench.py)")
+    parser.add_argument("--cpu", action="store_true", help="the CPU rows (bench/data/decode.py)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--side", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -358,9 +365,7 @@ def main() -> None:
         return
     if args.cpu:
         quick = ["--pairs", "1", "--photos", "32", "--large-photos", "4"] if args.quick else []
-        subprocess.run(
-            [sys.executable, str(REPO / "bench" / "decode_bench.py"), *quick], check=True
-        )
+        subprocess.run([sys.executable, "-m", "bench.data.decode", *quick], check=True, cwd=REPO)
         return
     if args.quick:
         args.images, args.large_images, args.batch_size = 512, 32, 64

@@ -2,9 +2,9 @@
 far larger than its batches; throughput of a full pass on a memory-mapped dataset against a
 bare loop over the same data in memory.
 
-    python bench/data_bench.py                      # 2 GiB and 7.5 GB uint8 sets
-    python bench/data_bench.py --samples 2000       # one small set, for a quick look
-    python bench/data_bench.py --passes             # only the two throughput ratios below
+    python -m bench.data.datasets                      # 2 GiB and 7.5 GB uint8 sets
+    python -m bench.data.datasets --samples 2000       # one small set, for a quick look
+    python -m bench.data.datasets --passes             # only the two throughput ratios below
 
 ``--passes`` runs without the service (a local store, payloads built here, each pass in a
 fresh process): (1) a full adapt pass through ``compute()`` on a memory-mapped uint8 npz of
@@ -43,12 +43,10 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from api_schemas import JobStatus  # noqa: E402
-from harness.stack import Stack, job_payload, running_stack  # noqa: E402
-from service.client import Client  # noqa: E402
+from api_schemas import JobStatus
+from bench import REPO
+from harness.stack import Stack, job_payload, running_stack
+from service.client import Client
 
 SHAPE = (3, 224, 224)
 MIB = 1024 * 1024

@@ -1,9 +1,9 @@
 """Photos through a job's full pass against a bare loop with the fastest decoder here.
 
-    python bench/decode_bench.py                       # 500x375 and 4000x3000 photos
-    python bench/decode_bench.py --pairs 1 --photos 32 --large-photos 4   # a quick look
+    python -m bench.data.decode                       # 500x375 and 4000x3000 photos
+    python -m bench.data.decode --pairs 1 --photos 32 --large-photos 4   # a quick look
 
-Issue 30's CPU row. Without the service, as bench/data_bench.py's ``--passes`` (its NOTE
+Issue 30's CPU row. Without the service, as bench/data/datasets.py's ``--passes`` (its NOTE
 [ Comparing passes under load ] holds here): a full adapt pass through ``compute()`` of the
 built-in ResNet (depth 2, width 8: a model light enough that decoding sets the pace, the
 pipeline's hard case) over a tar of photo-like JPEGs (tests/zoo/photos.py) with the usual
@@ -22,16 +22,13 @@ import io
 import json
 import os
 import shutil
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.data_bench import IMAGES_HEAD, IMAGES_TAIL, PASS, pass_row, run_in  # noqa: E402
+from bench import REPO
+from bench.data.datasets import IMAGES_HEAD, IMAGES_TAIL, PASS, pass_row, run_in
 
 BARE_FASTEST = (
     IMAGES_HEAD

@@ -8,7 +8,7 @@ the seconds from the fault to the terminal status (median, max). The heartbeat t
 the test stack's 4 s, so ``machine-lost`` shows the sweep's bound plus the retry's backoff
 and rerun; as the rounds' jobs are the same, the seconds compare the faults with each other.
 
-    .venv/bin/python bench/chaos_bench.py [--rounds 30] [--seed 0]
+    .venv/bin/python -m bench.service.chaos [--rounds 30] [--seed 0]
 
 ``--jobs N`` runs the load instead (tests/e2e/chaos/chaos_load.py): N jobs submitted with
 Idempotency-Keys over two workers while ``--kills`` kills spread over every process kind
@@ -17,19 +17,16 @@ worker trees, the API) and ``--redis-kills`` Redis kills happen; reported: kills
 outcomes, lost / duplicated / stuck, retries, and the seconds from each kill to the end of
 the attempt it interrupted and to the job's terminal status.
 
-    .venv/bin/python bench/chaos_bench.py --jobs 1000 --kills 54 --redis-kills 3 [--sharded]
+    .venv/bin/python -m bench.service.chaos --jobs 1000 --kills 54 --redis-kills 3 [--sharded]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import traceback
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.stack import running_stack
 from tests.e2e.chaos.chaos import FAULTS, run_chaos

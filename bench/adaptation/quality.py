@@ -6,7 +6,7 @@ splits them (service/local/demo.py: a permutation with seed 0, 1,200 to train, 5
 1. Train: the built-in ``digits_cnn`` (width 16) registered with fresh weights (seed 0) and
    trained by a ``train`` job on the 1,200 training digits with the demo's params (15 epochs of
    SGD, lr 0.05, momentum 0.9, batch 32, 10% held out for validation, seed 0).
-2. Test sets: the 597 test digits clean, under each shift of bench/_quality_shifts.py
+2. Test sets: the 597 test digits clean, under each shift of bench/adaptation/_quality_shifts.py
    (contrast, brightness, scale, Gaussian noise, Gaussian blur at 3 severities each, and
    inversion), under each shift's per-image variant (every image its own level, up to severity
    3; inversion of half the images) and under mixtures of two conditions (each image one or the
@@ -33,7 +33,7 @@ splits them (service/local/demo.py: a permutation with seed 0, 1,200 to train, 5
    result the adapt jobs' ``metrics_before``.
 
 All jobs are submitted at once and then polled; the worker runs them one after the other.
-Run from the repository root: ``.venv/bin/python bench/quality_bench.py`` (about 5 minutes on
+Run from the repository root: ``.venv/bin/python -m bench.adaptation.quality`` (about 5 minutes on
 2 cores) prints progress on stderr and the markdown section of bench/RESULTS.md on stdout;
 ``--quick`` is a smoke run (4 conditions, n in 16 and all, 3 training epochs) whose numbers
 mean little; ``--json PATH`` also writes every accuracy and job id.
@@ -57,13 +57,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
-# A script under bench/ sees bench/ on sys.path, not the repository root; this makes the
-# uninstalled checkout importable too.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from _quality_report import (  # noqa: E402
+from api_schemas import JobPublic, JobStatus
+from api_schemas.reports import Metrics
+from bench.adaptation._quality_report import (
     Results,
     accuracy_tables,
     auto_choice_table,
@@ -72,14 +68,11 @@ from _quality_report import (  # noqa: E402
     target_lines,
     verdicts,
 )
-from _quality_shifts import CLEAN, SHIFTS, condition_names, shifted  # noqa: E402
-from _service_stack import BenchStack, cpu_seconds  # noqa: E402
-
-from api_schemas import JobPublic, JobStatus  # noqa: E402
-from api_schemas.reports import Metrics  # noqa: E402
-from harness.servers import new_redis_server  # noqa: E402
-from service.client import Client, new_model_id  # noqa: E402
-from service.local.demo import TRAIN_PARAMS, digits_split, train_digits_cnn, write_npz  # noqa: E402
+from bench.adaptation._quality_shifts import CLEAN, SHIFTS, condition_names, shifted
+from bench.service.stack import BenchStack, cpu_seconds
+from harness.servers import new_redis_server
+from service.client import Client, new_model_id
+from service.local.demo import TRAIN_PARAMS, digits_split, train_digits_cnn, write_npz
 
 # The default seed of the noise and the adapt jobs; the split, the model's init and training use 0.
 SEED: Final = 0
@@ -328,7 +321,8 @@ def markdown(results: Results, facts: dict[str, Any], command: str) -> str:
         "## Quality (digits): auto, per-image and mixed shifts",
         "",
         _wrap(
-            f"`{command}` (protocol in its docstring, shifts in bench/_quality_shifts.py). "
+            f"`{command}` (protocol in its docstring, shifts in "
+            "bench/adaptation/_quality_shifts.py). "
             f"{datetime.date.today().isoformat()}; {platform.machine()} Linux, "
             f"{os.cpu_count()} cores, torch {torch.__version__}; one worker. {facts['jobs']} "
             f"jobs through the service (1 train job, {facts['train_s']:.0f} s) in "
@@ -343,8 +337,8 @@ def markdown(results: Results, facts: dict[str, Any], command: str) -> str:
         ),
         "",
         _wrap(
-            "Conditions (formulas in bench/_quality_shifts.py; brightness and noise clipped to "
-            "[0, 1]): "
+            "Conditions (formulas in bench/adaptation/_quality_shifts.py; brightness and noise "
+            "clipped to [0, 1]): "
             + "; ".join(
                 f"{shift.name}-1..{len(shift.levels)}: {shift.symbol} = "
                 + ", ".join(f"{level:g}" for level in shift.levels)
@@ -436,7 +430,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write every accuracy and job count here")
     args = parser.parse_args()
     plan = QUICK if args.quick else AUTO if args.auto else FULL
-    command = ".venv/bin/python bench/quality_bench.py" + (
+    command = ".venv/bin/python -m bench.adaptation.quality" + (
         " --quick" if args.quick else " --auto" if args.auto else ""
     )
     if args.samples:

@@ -1,4 +1,4 @@
-"""Tables and target verdicts of bench/quality_bench.py, from its results (no service here)."""
+"""Tables and target verdicts of bench/adaptation/quality.py, from its results (no service here)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@
    service's own, from its record: created to finished (the client's poll interval would
    otherwise round every job up).
 
-    .venv/bin/python bench/store_bench.py [--mib 1024] [--pairs 3] [--jobs 8] [--http-mib 1024]
+    .venv/bin/python -m bench.data.store [--mib 1024] [--pairs 3] [--jobs 8] [--http-mib 1024]
         [--part-mib N] [--in-flight N]
 """
 
@@ -39,7 +39,6 @@ import os
 import resource
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,15 +46,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from harness.digits import digits_npz
 from harness.servers import S3Server, new_redis_server, new_s3_server
 from harness.stack import Client, running_stack
 from service.records.connection import redis_client
 from service.settings import Settings
 from service.store.cache import ObjectCache
 from service.store.s3 import S3Store
-from tests.e2e.test_e2e import digits_npz
 
 MIB = 1024 * 1024
 

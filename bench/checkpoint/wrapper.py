@@ -33,7 +33,7 @@ checkpointed. Four measurements, each a ratio against a baseline measured in the
    the CPU that launches its kernels. It shows the wrapper's fixed cost per block call (the
    median paired difference over the 8 blocks), which a GPU step pays in full; no target.
 
-Run from the repository root: ``python bench/checkpoint_bench.py`` prints a markdown table;
+Run from the repository root: ``python -m bench.checkpoint.wrapper`` prints a markdown table;
 ``--quick`` is a smoke run of a few steps, whose numbers mean nothing. torch runs on 1 thread
 unless ``--threads`` says otherwise (see DEFAULT_THREADS). ``--measure train adapt`` runs only
 those measurements (of train, compiled, adapt, memory), ``--pairs N`` sets every timing's
@@ -57,20 +57,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from _resnet import CLASSES, IMAGE_SIZE, Block, ResNet
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-# A script under bench/ sees bench/ on sys.path, not the repository root; this makes the
-# uninstalled checkout importable too.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from bnadapt.checkpoint import apply_checkpointing, checkpoint_wrapper  # noqa: E402
+from bench import REPO
+from bench.checkpoint._resnet import CLASSES, IMAGE_SIZE, Block, ResNet
+from bnadapt.checkpoint import apply_checkpointing, checkpoint_wrapper
 
 # One of the 2 cores of the machine the results were taken on, fixed for every run: it is
 # shared, and with 2 intra-op threads any other runnable process stalls OpenMP's barrier, so
@@ -350,13 +344,19 @@ def measure_memory(variant: str, plan: Plan, device: torch.device) -> MemoryResu
 
 
 def memory_in_fresh_process(variant: str, quick: bool, threads: int) -> MemoryResult:
-    """Run this script with ``--variant`` and read the JSON line it prints."""
-    command = [sys.executable, __file__, "--variant", variant, "--threads", str(threads)]
+    """Run this bench in a fresh process with ``--variant`` and read the JSON line it prints."""
+    command = [sys.executable, "-m", "bench.checkpoint.wrapper", "--variant", variant]
+    command += ["--threads", str(threads)]
     if quick:
         command.append("--quick")
     # stderr is not captured: a failing child's traceback shows above the parent's.
     done = subprocess.run(
-        command, env={**os.environ, **MEMORY_ENV}, stdout=subprocess.PIPE, text=True, check=True
+        command,
+        env={**os.environ, **MEMORY_ENV},
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+        cwd=REPO,
     )
     return MemoryResult(**json.loads(done.stdout.splitlines()[-1]))
 

@@ -1,4 +1,4 @@
-"""The whole service as processes for bench/service_bench.py: harness/stack.py's ``Stack``, with
+"""The whole service as processes for bench/service/overhead.py: harness/stack.py's ``Stack``, with
 the API under ``uvicorn --workers N`` when asked, and the CPU time each part of it used."""
 
 from __future__ import annotations

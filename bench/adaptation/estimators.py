@@ -13,7 +13,7 @@ The three run alternately in one process, in a rotating order, after a warm-up p
 result per estimator is the median over repetitions of its time divided by the bare pass of
 the same repetition. Target <= 1.05.
 
-Run from the repository root: ``python bench/estimator_bench.py`` prints a markdown table;
+Run from the repository root: ``python -m bench.adaptation.estimators`` prints a markdown table;
 ``--quick`` is a smoke run whose numbers mean nothing.
 """
 
@@ -21,23 +21,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 
-# A script under bench/ sees bench/ on sys.path, not the repository root.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from workers.estimators.base import select_batchnorm  # noqa: E402
-from workers.estimators.moving_averages import adapt_batchnorm  # noqa: E402
-from workers.estimators.precise import precise_batchnorm  # noqa: E402
-from workers.models.architectures import build_model  # noqa: E402
+from workers.estimators.base import select_batchnorm
+from workers.estimators.moving_averages import adapt_batchnorm
+from workers.estimators.precise import precise_batchnorm
+from workers.models.architectures import build_model
 
 TARGET = 1.05
 SEED = 0

@@ -20,14 +20,13 @@ Workloads: ``digits`` (digits_cnn of width 16 on sklearn's 1,797 8x8 digits) and
 ``--threads`` threads (default 1, as the shared 2-core machine the figures were taken on).
 ``--quick`` runs a smaller digits job only, a smoke run whose figures mean nothing.
 
-Run from the repository root: ``python bench/train_compile_bench.py`` prints a markdown table.
+Run from the repository root: ``python -m bench.training.compile`` prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -37,14 +36,9 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bnadapt-inducto
 import torch
 import torch._dynamo
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from _train_jobs import Workload, run_job, workloads  # noqa: E402
-
-from api_schemas import Report  # noqa: E402
-from service.store.local import LocalStore  # noqa: E402
+from api_schemas import Report
+from bench.training._jobs import Workload, run_job, workloads
+from service.store.local import LocalStore
 
 
 def run(store: LocalStore, workload: Workload, compiled: bool) -> Report:

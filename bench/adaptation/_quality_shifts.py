@@ -1,4 +1,4 @@
-"""The shifted test sets of bench/quality_bench.py: pure numpy, no service, no torch.
+"""The shifted test sets of bench/adaptation/quality.py: pure numpy, no service, no torch.
 
 Images are (N, 1, 8, 8) float32 in [0, 1] (scikit-learn's digits / 16), black background 0.
 Each shift has three severities; the values are fixed in advance, not tuned to the results:

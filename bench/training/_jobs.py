@@ -1,6 +1,6 @@
 """The train benchmarks' workloads, and one train job run in this process through
-``compute()``, the function the worker runs (bench/train_compile_bench.py,
-bench/train_processes_bench.py).
+``compute()``, the function the worker runs (bench/training/compile.py,
+bench/training/processes.py).
 
 Two workloads: digits (the digits CNN, width 16, on sklearn's 1,797 8x8 digits) and resnet (the
 resnet architecture, depth 4, width 16, on random 3x32x32 images, as many as the bench asks);
@@ -9,26 +9,20 @@ resnet architecture, depth 4, width 16, on random 3x32x32 images, as many as the
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from sklearn.datasets import load_digits
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from api_schemas import JobPayload, Report, TrainParams  # noqa: E402
-from api_schemas.jobs.public import JobPayloadDataset, JobPayloadModel  # noqa: E402
-from harness.stack import npz_bytes  # noqa: E402
-from service.store.local import LocalStore  # noqa: E402
-from workers.kinds.changing import compute  # noqa: E402
-from workers.models.architectures import build_model  # noqa: E402
-from workers.running.saving import weights_bytes  # noqa: E402
+from api_schemas import JobPayload, Report, TrainParams
+from api_schemas.jobs.public import JobPayloadDataset, JobPayloadModel
+from harness.stack import npz_bytes
+from service.store.local import LocalStore
+from workers.kinds.changing import compute
+from workers.models.architectures import build_model
+from workers.running.saving import weights_bytes
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Measurements 1 and 2 of bench/service_bench.py: one job over HTTP, one window of load, and
+"""Measurements 1 and 2 of bench/service/overhead.py: one job over HTTP, one window of load, and
 the CPU the machine and the benchmark's own processes use meanwhile."""
 
 from __future__ import annotations
@@ -10,12 +10,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from _service_report import CpuUse, JobTiming, LoadResult
-from _service_stack import BenchStack, cpu_seconds, machine_busy_seconds
-
+from bench import REPO
+from bench.service._report import CpuUse, JobTiming, LoadResult
+from bench.service.stack import BenchStack, cpu_seconds, machine_busy_seconds
 from harness.stack import Client
 
 __all__ = ["CONCURRENCY", "CpuWatch", "merge", "run_job", "run_load"]
@@ -107,7 +106,8 @@ def run_load(
         subprocess.Popen(
             [
                 sys.executable,
-                str(Path(__file__).with_name("_service_load.py")),
+                "-m",
+                "bench.service._load",
                 f"--url={stack.url}",
                 f"--key={key}",
                 f"--tasks={n}",
@@ -117,6 +117,7 @@ def run_load(
             ],
             stdout=subprocess.PIPE,
             text=True,
+            cwd=REPO,
         )
         for n in tasks
     ]

@@ -10,7 +10,7 @@ Two settings of ``BNADAPT_API_COPY_THREADS`` in one run, each on a fresh stack: 
 they shared it (before the pool of their own, 40 copies also took every thread of the request
 path: a wait no ratio shows, measured by tests/api/tenancy/test_heavy_work.py instead).
 
-    .venv/bin/python bench/offload_bench.py [--mib 64] [--registrations 20] [--quiet 300]
+    .venv/bin/python -m bench.data.offload [--mib 64] [--registrations 20] [--quiet 300]
 
 Small run, to check the bench works: ``--mib 2 --quiet 50``.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -28,8 +27,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.stack import npz_bytes, running_stack
 

@@ -1,7 +1,7 @@
 """Noisy neighbour: what one tenant's flood does to another tenant on a shared service.
 
-    python bench/noisy_neighbour_bench.py                  # 20 uploads of 64 MiB, 30 s phases
-    python bench/noisy_neighbour_bench.py --upload-mib 4 --seconds 5   # a quick look
+    python -m bench.service.noisy_neighbour                  # 20 uploads of 64 MiB, 30 s phases
+    python -m bench.service.noisy_neighbour --upload-mib 4 --seconds 5   # a quick look
 
 The whole service runs as processes (harness/stack.py: Redis, one worker, the API), with the
 default quotas (BNADAPT_TENANT_RATE_PER_S 50 with a burst of 100, 10 event streams, 20 open
@@ -27,11 +27,11 @@ Targets (issue 27): B's status-read p99 within 2x of the quiet run, and B's job,
 once A has a backlog of queued jobs, starts within one job slot: at most one of A's jobs
 (the one the worker was running) starts between B's submission and B's job's start.
 
-    python bench/noisy_neighbour_bench.py --phase registrations   # issue 41's phase
-    python bench/noisy_neighbour_bench.py --phase registrations --uploads 2 --upload-mib 4 \
+    python -m bench.service.noisy_neighbour --phase registrations   # issue 41's phase
+    python -m bench.service.noisy_neighbour --phase registrations --uploads 2 --upload-mib 4 \
         --imports 2 --model-hidden 512 --seconds 5                # a quick look
 
-``--phase registrations`` (bench/_noisy_registrations.py): tenant A completes ``--uploads``
+``--phase registrations`` (bench/service/_registrations.py): tenant A completes ``--uploads``
 resumable uploads and ``--imports`` dataset imports of ``--upload-mib`` each, all at once and
 over and over, and registers built-in ``mlp`` models of ``--model-in-features`` x
 ``--model-hidden`` x ``--model-depth`` (``--model-threads`` at a time), while tenant B
@@ -52,7 +52,6 @@ import multiprocessing
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -63,24 +62,20 @@ import httpx
 import numpy as np
 import redis
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from _noisy_registrations import (  # noqa: E402
+from api_schemas import JobPublic
+from bench.service._registrations import (
     S3Sources,
     b_registrations,
     below_everything,
     run_registration_flood,
     s3_sources,
 )
-
-from api_schemas import JobPublic  # noqa: E402
-from harness.servers import stop_process, wait_for  # noqa: E402
-from harness.stack import REPO as STACK_REPO  # noqa: E402
-from harness.stack import npz_bytes, running_stack  # noqa: E402
-from service.client import ApiClientError, Client  # noqa: E402
-from service.local.embedded import free_port  # noqa: E402
-from service.local.up import api_command  # noqa: E402
+from harness.servers import stop_process, wait_for
+from harness.stack import REPO as STACK_REPO
+from harness.stack import npz_bytes, running_stack
+from service.client import ApiClientError, Client
+from service.local.embedded import free_port
+from service.local.up import api_command
 
 MIB = 1024 * 1024
 
@@ -497,7 +492,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def run_registrations(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The registrations phase (bench/_noisy_registrations.py): B's registrations and
+    """The registrations phase (bench/service/_registrations.py): B's registrations and
     /healthz alone, then under A's heavy registrations; their figures and ratios."""
     files = []
     for i in range(args.uploads + args.imports):

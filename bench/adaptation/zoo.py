@@ -1,10 +1,10 @@
 """A zoo model's adaptation in a job against a bare loop with the library's own transform.
 
-    .venv-zoo/bin/python bench/zoo_bench.py                 # torchvision.resnet18, 256 photos
-    .venv-zoo/bin/python bench/zoo_bench.py --samples 32 --pairs 1   # a quick look
+    .venv-zoo/bin/python -m bench.adaptation.zoo                 # torchvision.resnet18, 256 photos
+    .venv-zoo/bin/python -m bench.adaptation.zoo --samples 32 --pairs 1   # a quick look
 
 Runs in the zoo environment (torchvision; scripts/install_zoo.sh), without the service: a
-local store, the payload built here, each pass in a fresh process, as bench/data_bench.py's
+local store, the payload built here, each pass in a fresh process, as bench/data/datasets.py's
 ``--passes`` does (its NOTE [ Comparing passes under load ] holds here too). The job's side is
 a full adapt pass through ``compute()`` (workers/kinds/changing.py) of ``torchvision.resnet18``
 (random weights: the work is the same as with trained ones) on a tar of photo-like JPEGs of
@@ -21,16 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.data_bench import IMAGES_HEAD, IMAGES_TAIL, PASS, pass_row, run_in  # noqa: E402
-from bench.decode_bench import write_photo_tar  # noqa: E402
+from bench import REPO
+from bench.data.datasets import IMAGES_HEAD, IMAGES_TAIL, PASS, pass_row, run_in
+from bench.data.decode import write_photo_tar
 
 ARCHITECTURE = "torchvision.resnet18"
 SIZES = ((500, 375), (375, 500))  # (width, height)

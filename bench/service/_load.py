@@ -1,4 +1,4 @@
-"""A closed-loop HTTP load generator for bench/service_bench.py, run as its own process.
+"""A closed-loop HTTP load generator for bench/service/overhead.py, run as its own process.
 
 ``tasks`` asyncio tasks, each on its own keep-alive connection, send their next request as soon
 as the previous answer arrived. Until ``--start-at`` (a ``time.time()`` instant shared by all

@@ -19,7 +19,7 @@ Workloads: ``digits`` (digits_cnn of width 16 on sklearn's 1,797 8x8 digits) and
 (the resnet architecture, depth 4, width 16, on 2,048 random 3x32x32 images). ``--quick``
 runs a small digits job only, a smoke run whose figures mean nothing.
 
-Run from the repository root: ``python bench/train_processes_bench.py --threads 8 --processes
+Run from the repository root: ``python -m bench.training.processes --threads 8 --processes
 2 4`` prints a markdown table. ``--device cuda --processes 2`` compares one GPU with two
 (NCCL), on a machine with that many (bench/gpu_checks.sh runs it).
 """
@@ -28,20 +28,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from _train_jobs import run_job, workloads  # noqa: E402
-
-from api_schemas import Report  # noqa: E402
-from service.store.local import LocalStore  # noqa: E402
+from api_schemas import Report
+from bench.training._jobs import run_job, workloads
+from service.store.local import LocalStore
 
 
 def samples_per_s(report: Report) -> float:

@@ -7,22 +7,19 @@ measures the model before and after on all of it) and without. Reported: the wal
 submit to succeeded, median of ``--repeats`` runs in alternating order, and the ratio
 one worker / sharded (the speedup; 2.0 would be perfect on two workers).
 
-    .venv/bin/python bench/shard_bench.py [--samples 4096] [--repeats 3]
+    .venv/bin/python -m bench.data.shards [--samples 4096] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.stack import Client, npz_bytes, running_stack
 

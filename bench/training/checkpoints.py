@@ -19,14 +19,13 @@ Figures, each against the baseline of the same row in the same run:
 torch runs on ``--threads`` threads (default 1). ``--quick`` runs a tiny model on few images,
 a smoke run whose figures mean nothing.
 
-Run from the repository root: ``python bench/train_checkpoint_bench.py`` prints a markdown
+Run from the repository root: ``python -m bench.training.checkpoints`` prints a markdown
 table.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,15 +33,11 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from service.store.local import LocalStore  # noqa: E402
-from workers.models.architectures import build_model  # noqa: E402
-from workers.running.saving import weights_bytes  # noqa: E402
-from workers.training.train_state import TrainState, state_bytes  # noqa: E402
-from workers.training.training import Checkpointing, Optimizer, train_model  # noqa: E402
+from service.store.local import LocalStore
+from workers.models.architectures import build_model
+from workers.running.saving import weights_bytes
+from workers.training.train_state import TrainState, state_bytes
+from workers.training.training import Checkpointing, Optimizer, train_model
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ does. Three measurements:
    compete for the cores with the API, Redis and the client); the three take turns, job by
    job. Target <= 150 ms.
 2. API throughput: ``CONCURRENCY`` closed-loop clients (asyncio tasks on keep-alive
-   connections, in bench/_service_load.py processes) for fixed windows: status reads
+   connections, in bench/service/_load.py processes) for fixed windows: status reads
    ``GET /v1/jobs/{id}`` (target >= 1,000/s and p99 <= 50 ms), then submissions
    ``POST /v1/jobs`` of the tiny job with the worker stopped, so they only queue (API +
    enqueue; target >= 300/s). One API process and ``uvicorn --workers N`` run side by side and
@@ -32,7 +32,7 @@ on an
    Repetitions alternate which runs first; the result is the median of the paired ratios.
    Target >= 0.95. The same job also runs through the worker, for information.
 
-Run from the repository root: ``python bench/service_bench.py`` prints markdown tables (about
+Run from the repository root: ``python -m bench.service.overhead`` prints markdown tables (about
 4.5 minutes on 2 cores); ``--quick`` is a smoke run whose numbers mean little; ``--threads``
 sets torch's threads for measurement 3 (default 1, see ``DEFAULT_THREADS``).
 """
@@ -46,7 +46,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,14 +56,9 @@ import safetensors.torch
 import torch
 from sklearn.datasets import load_digits
 
-# A script under bench/ sees bench/ on sys.path, not the repository root; this makes the
-# uninstalled checkout importable too.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from _service_measure import CONCURRENCY, CpuWatch, merge, run_job, run_load  # noqa: E402
-from _service_report import (  # noqa: E402
+from api_schemas import JobPayload, new_id
+from bench.service._measure import CONCURRENCY, CpuWatch, merge, run_job, run_load
+from bench.service._report import (
     AdaptResult,
     CpuUse,
     JobTiming,
@@ -73,14 +67,12 @@ from _service_report import (  # noqa: E402
     load_table,
     overhead_table,
 )
-from _service_stack import BenchStack  # noqa: E402
-
-from api_schemas import JobPayload, new_id  # noqa: E402
-from harness.servers import new_redis_server  # noqa: E402
-from harness.stack import Client, npz_bytes  # noqa: E402
-from service.store.local import LocalStore  # noqa: E402
-from workers.kinds.changing import compute  # noqa: E402
-from workers.models.architectures import build_model  # noqa: E402
+from bench.service.stack import BenchStack
+from harness.servers import new_redis_server
+from harness.stack import Client, npz_bytes
+from service.store.local import LocalStore
+from workers.kinds.changing import compute
+from workers.models.architectures import build_model
 
 POLL_INTERVAL_S = 0.010  # how often the client asks for the status of a tiny job
 SLOW_POLL_INTERVAL_S = 0.100  # for the larger jobs of measurement 3

@@ -1,9 +1,9 @@
 """Where the checkpoint wrapper's fixed cost per call goes, on the launch-bound train step.
 
-The step is checkpoint_bench.py's ``launch`` measurement: the train step of its small ResNet,
-every block behind both checkpoints (``Switched``), on 2 images of 8x8, where every operator is
-so small that the step is bound by the per-call cost of Python and dispatch, as an eager CUDA
-step of a small model is bound by the CPU that launches its kernels. Three variants of
+The step is bench/checkpoint/wrapper.py's ``launch`` measurement: the train step of its small
+ResNet, every block behind both checkpoints (``Switched``), on 2 images of 8x8, where every
+operator is so small that the step is bound by the per-call cost of Python and dispatch, as an
+eager CUDA step of a small model is bound by the CPU that launches its kernels. Three variants of
 bnadapt's per-call bookkeeping run against torch's checkpoint, each in the same paired way:
 
 - ``full``: bnadapt.checkpoint as it is.
@@ -16,7 +16,7 @@ bnadapt's per-call bookkeeping run against torch's checkpoint, each in the same 
   checkpoint call and its contexts only.
 
 The variants take turns in rounds, so that the machine's state of the moment falls on all of
-them. Run from the repository root: ``python bench/checkpoint_decompose.py`` prints a markdown
+them. Run from the repository root: ``python -m bench.checkpoint.decompose`` prints a markdown
 table (``--pairs N`` per variant and round, ``--rounds R``, ``--threads T``).
 
 ``--against FILE`` instead times this checkout's bnadapt/checkpoint.py against another copy of
@@ -30,14 +30,14 @@ import argparse
 import contextlib
 import importlib.util
 import statistics
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
-from _resnet import ResNet
-from checkpoint_bench import (
+from torch import nn
+
+from bench.checkpoint._resnet import ResNet
+from bench.checkpoint.wrapper import (
     LAUNCH_BATCH,
     LAUNCH_IMAGE_SIZE,
     SEED,
@@ -46,13 +46,7 @@ from checkpoint_bench import (
     switched_steps,
     time_paired,
 )
-from torch import nn
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from bnadapt import checkpoint as ours  # noqa: E402
+from bnadapt import checkpoint as ours
 
 
 def _read_tree(root: nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""What bench/service_bench.py measures, and its markdown tables."""
+"""What bench/service/overhead.py measures, and its markdown tables."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Train jobs: compiled against eager, several processes against one, training checkpoints."""
