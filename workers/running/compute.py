@@ -49,7 +49,7 @@ from workers.passes.hooks import JobHooks, NoHooks
 from workers.passes.steps import Forward, StepClock, step_forward
 from workers.running.evaluation import Loss, contract_metrics, evaluate_sums, loss_for
 from workers.running.evaluation import Metrics as EvalMetrics
-from workers.running.loading import LoadedJob, ModelJobParams, load_job
+from workers.running.loading import LoadedJob, load_job
 from workers.running.reporting import (
     affine_changes,
     batchnorm_changes,
@@ -171,98 +171,151 @@ def compute(
     held-out samples, the same as one worker's)."""
     hooks = hooks or NoHooks()
     started = time.perf_counter()
-    params = payload.params
-    assert isinstance(params, ModelJobParams), f"{payload.kind} jobs do not change a model"
     job = load_job(payload, store)
-    model, x, y, device, arch = job.model, job.x, job.y, job.device, job.arch
-    loss = None if y is None else (getattr(params, "loss", None) or loss_for(y))
-    measured = change.measured_samples(len(x))
+    loss = None if job.y is None else (getattr(job.params, "loss", None) or loss_for(job.y))
+    measured = change.measured_samples(len(job.x))
+    labelled = _LabelledMeasurement(job, hooks, loss if measure else None, measured)
+    loaded = time.perf_counter()
+    before = state_snapshot(job.model)
+    metrics_before = labelled.metrics("evaluate before")
+    change.before(job)
+    computing = time.perf_counter()
+    all_bn = batchnorm_names(job.model)
+    result, clock = _change_model(job, change, hooks, loss)
+    computed = time.perf_counter()
+    metrics_after = labelled.metrics("evaluate after")
+    diagnostics = change.diagnostics(job)
+    measured_at = time.perf_counter()
+    after = state_snapshot(job.model)
+    timings = Timings(
+        load_s=loaded - started,
+        compute_s=computed - computing,
+        measure_s=(computing - loaded) + (measured_at - computed),
+        total_s=time.perf_counter() - started,
+    )
+    run = _Run(
+        result=result,
+        before=before,
+        after=after,
+        all_bn=all_bn,
+        metrics_before=metrics_before,
+        metrics_after=metrics_after,
+        diagnostics=diagnostics,
+        timings=timings,
+        clock=clock,
+    )
+    report = _report(payload, job, run)
+    kwargs = resolve_kwargs(payload.model.architecture, payload.model.kwargs)
+    return JobOutcome(
+        state_dict=after,
+        report=report,
+        parameter_count=parameter_count(job.model),
+        batchnorm_layers=batchnorm_layers(job.model),
+        input_shape=list(job.arch.input_shape(kwargs)),
+    )
 
-    def measure_on_all(phase: str) -> EvalMetrics | None:
-        if y is None or loss is None or not measure:
+
+@dataclass(frozen=True)
+class _LabelledMeasurement:
+    """The model's metrics on the dataset's first ``samples`` labelled samples, before and
+    after the change; none without a loss (no labels, or a job that does not measure)."""
+
+    job: LoadedJob
+    hooks: JobHooks
+    loss: Loss | None
+    samples: int
+
+    def metrics(self, phase: str) -> EvalMetrics | None:
+        job, hooks, measured = self.job, self.hooks, self.samples
+        if job.y is None or self.loss is None:
             return None
         # In the job's own batches: the size the user chose to fit the device's memory. Counted
         # batch by batch, and stopped at the next batch by a cancel, like every other phase.
-        batch_size = params.batch_size
+        batch_size = job.params.batch_size
         hooks.start_phase(phase, num_batches(measured, batch_size), "batches", float(batch_size))
         return evaluate_sums(
-            model,
-            x[:measured],
-            y[:measured],
+            job.model,
+            job.x[:measured],
+            job.y[:measured],
             batch_size=batch_size,
-            loss=loss,
-            device=device,
+            loss=self.loss,
+            device=job.device,
             progress=hooks.report,
             should_stop=hooks.should_stop,
         ).metrics()
 
-    loaded = time.perf_counter()
-    before = state_snapshot(model)
-    metrics_before = measure_on_all("evaluate before")
-    change.before(job)
-    computing = time.perf_counter()
-    all_bn = batchnorm_names(model)
+
+def _change_model(
+    job: LoadedJob, change: ModelChange, hooks: JobHooks, loss: Loss | None
+) -> tuple[ChangeResult, StepClock | None]:
+    """Runs the kind's change (timed and compiled as the change and the job ask) and checks
+    the statistics it left; the clock that timed its steps, if it was timed."""
+    params = job.params
     # NOTE [ Compiled jobs ] (api_schemas/jobs/params.py): train jobs and backward-pass
     # estimators time their steps, and with `compile` run them through torch.compile.
     backend = params.compile_backend if params.compile else None
-    clock = StepClock(device, backend) if change.timed else None
-    forward = step_forward(model, backend)
+    clock = StepClock(job.device, backend) if change.timed else None
+    forward = step_forward(job.model, backend)
     result = change.run(ChangeTask(job, hooks, loss, forward, clock))
-    _check_statistics_finite(model, result.changed, result.chosen_layers)
-    computed = time.perf_counter()
-    metrics_after = measure_on_all("evaluate after")
-    found_diagnostics = change.diagnostics(job)
-    measured_at = time.perf_counter()
-    after = state_snapshot(model)
-    report = Report(
+    _check_statistics_finite(job.model, result.changed, result.chosen_layers)
+    return result, clock
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What one run of :func:`compute` saw, which its report is drawn from."""
+
+    result: ChangeResult
+    before: dict[str, torch.Tensor]  # state snapshots on the CPU
+    after: dict[str, torch.Tensor]
+    all_bn: list[str]  # the model's BatchNorm layers with running statistics
+    metrics_before: EvalMetrics | None
+    metrics_after: EvalMetrics | None
+    diagnostics: PredictionDiagnostics | None
+    timings: Timings
+    clock: StepClock | None
+
+
+def _report(payload: JobPayload, job: LoadedJob, run: _Run) -> Report:
+    """The job's report; ``output_model_id`` is the input's until the caller registers one."""
+    result, before, after = run.result, run.before, run.after
+    return Report(
         job_id=payload.job_id,
         kind=payload.kind,
         input_model_id=payload.model.id,
-        output_model_id=payload.model.id,  # replaced by the caller once registered
-        device=str(device),
+        output_model_id=payload.model.id,
+        device=str(job.device),
         torch_version=torch.__version__,
         torch_threads=torch.get_num_threads(),
         estimator=result.estimator,
         batches=result.batches,
         samples=result.samples,
-        timings=Timings(
-            load_s=loaded - started,
-            compute_s=computed - computing,
-            measure_s=(computing - loaded) + (measured_at - computed),
-            total_s=time.perf_counter() - started,
-        ),
+        timings=run.timings,
         batchnorm=[
             BatchNormChange(**asdict(c))
             for c in batchnorm_changes(
-                before, after, all_bn, set(result.changed), result.batches, result.reset
+                before, after, run.all_bn, set(result.changed), result.batches, result.reset
             )
         ],
         tensors=[TensorChange(**asdict(c)) for c in tensor_changes(before, after)],
-        metrics_before=contract_metrics(metrics_before),
-        metrics_after=contract_metrics(metrics_after),
+        metrics_before=contract_metrics(run.metrics_before),
+        metrics_after=contract_metrics(run.metrics_after),
         epochs=result.epochs,
         preprocessing=payload.dataset.preprocessing,
-        diagnostics=found_diagnostics,
+        diagnostics=run.diagnostics,
         auto=result.auto,
-        steps=_steps(clock, result),
+        steps=_steps(run.clock, result),
         world_size=result.world_size,
         rank_steps=result.rank_steps,
-        checkpoint=checkpoint_summary(job.checkpointed, params.checkpoint.preset),
-        frozen_norms=frozen_norm_names(model),
+        checkpoint=checkpoint_summary(job.checkpointed, job.params.checkpoint.preset),
+        frozen_norms=frozen_norm_names(job.model),
         affine=[
-            AffineChange(**asdict(c)) for c in affine_changes(model, before, after, result.affine)
+            AffineChange(**asdict(c))
+            for c in affine_changes(job.model, before, after, result.affine)
         ],
         attempts=result.attempts,
         best_epoch=result.best_epoch,
         resumed_from_job=result.resumed_from_job,
-    )
-    kwargs = resolve_kwargs(payload.model.architecture, payload.model.kwargs)
-    return JobOutcome(
-        state_dict=after,
-        report=report,
-        parameter_count=parameter_count(model),
-        batchnorm_layers=batchnorm_layers(model),
-        input_shape=list(arch.input_shape(kwargs)),
     )
 
 

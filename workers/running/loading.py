@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Final, Protocol, runtime_checkable
+from typing import Final
 
 import numpy as np
 import safetensors.torch
 import torch
 from torch import nn
 
-from api_schemas import CheckpointPolicy, JobPayload, Preprocessing
+from api_schemas import JobPayload, ModelJobParams, Preprocessing
 from service.formats.arrays import open_arrays
 from service.settings import get_settings
 from service.store.base import Store
@@ -30,7 +30,6 @@ from workers.passes.images import ImageSamples, array_transform, auto_loader_pro
 __all__ = [
     "WORKER_DEVICE_ENV",
     "LoadedJob",
-    "ModelJobParams",
     "load_job",
     "load_model",
     "open_dataset",
@@ -39,25 +38,6 @@ __all__ = [
 
 # Set by `bnadapt worker --device`; a job's `device: auto` means this worker's device.
 WORKER_DEVICE_ENV: Final = "BNADAPT_WORKER_DEVICE"
-
-
-@runtime_checkable
-class ModelJobParams(Protocol):
-    """What the params of every kind that changes a model have (``AdaptParams``,
-    ``TrainParams``): what loading it and the shared part of its computation read."""
-
-    @property
-    def seed(self) -> int: ...
-    @property
-    def device(self) -> str: ...
-    @property
-    def checkpoint(self) -> CheckpointPolicy: ...
-    @property
-    def batch_size(self) -> int: ...
-    @property
-    def compile(self) -> bool: ...
-    @property
-    def compile_backend(self) -> str: ...
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -92,6 +72,7 @@ def load_model(payload: JobPayload, store: Store) -> nn.Module:
 class LoadedJob:
     """An adapt or train job's inputs, ready to run."""
 
+    params: ModelJobParams  # the payload's params, which a model-changing kind's are
     model: nn.Module  # on `device`, run through the job's checkpoint policy
     x: Data  # (N, ...) read a batch at a time on the CPU; batches move to `device`
     y: torch.Tensor | None  # (N,) labels or (N, ...) targets, on the CPU
@@ -140,6 +121,7 @@ def load_job(payload: JobPayload, store: Store) -> LoadedJob:
     reads the dataset: where :func:`~workers.running.compute.compute` and each child of a
     sharded job start."""
     params = payload.params
+    # The table routes only the kinds that change a model here (workers/kinds/changing.py).
     assert isinstance(params, ModelJobParams), f"{payload.kind} jobs do not change a model"
     torch.manual_seed(params.seed)
     device = resolve_device(params.device)
@@ -150,4 +132,4 @@ def load_job(payload: JobPayload, store: Store) -> LoadedJob:
     checkpointed = checkpoint_model(
         model, arch, policy.preset, policy.modules, policy.types, policy.offload_to_cpu
     )
-    return LoadedJob(model, x, y, device, arch, checkpointed)
+    return LoadedJob(params, model, x, y, device, arch, checkpointed)
