@@ -1,0 +1,65 @@
+"""bench/RESULTS.md's current-figures table is what ``python -m bench.results`` makes of the
+records in bench/figures/ (NOTE [ Figures in one place ] in bench/results.py), within its bounds,
+and every record names a bench that exists. Runs no bench."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+from bench.recording import FIGURES, MAX_CELL_CHARS, Figure, load_figures
+from bench.results import MAX_TABLE_LINES, RESULTS, TABLE_MARKERS, rewritten, table
+
+
+@pytest.fixture(scope="module")
+def figures() -> list[Figure]:
+    return load_figures(FIGURES)
+
+
+def test_results_md_is_the_generators_output(figures: list[Figure]) -> None:
+    text = RESULTS.read_text()
+    assert text == rewritten(text, figures), "bench/RESULTS.md is stale: python -m bench.results"
+
+
+def test_table_opens_results_md_within_its_bounds(figures: list[Figure]) -> None:
+    text = RESULTS.read_text()
+    begin, end = TABLE_MARKERS
+    shown = text.split(begin + "\n", 1)[1].split("\n" + end, 1)[0]
+    assert shown == table(figures)
+    lines = shown.splitlines()
+    assert 2 < len(lines) <= MAX_TABLE_LINES
+    assert text.index(begin) < text.index("## History")
+    for line in lines:
+        cells = re.split(r"(?<!\\)\|", line)[1:-1]  # the pipes a cell does not escape
+        assert len(cells) == 6, line
+        assert max(len(cell.strip()) for cell in cells) <= MAX_CELL_CHARS, line
+
+
+def test_every_record_names_a_bench_module(figures: list[Figure]) -> None:
+    assert figures
+    for figure in figures:
+        leaf = figure.module.rsplit(".", 1)[-1]
+        assert not leaf.startswith("_"), f"{figure.name}: {figure.module} is a helper, not a bench"
+        assert importlib.util.find_spec(figure.module) is not None, (
+            f"{figure.name}: no module {figure.module}"
+        )
+
+
+def test_a_record_over_the_bounds_is_refused() -> None:
+    fields = {
+        "name": "x",
+        "figure": "f",
+        "value": 1.0,
+        "unit": "",
+        "target": "none",
+        "command": "python -m bench.data.shards",
+        "date": "2026-01-01",
+        "machine": "m",
+    }
+    Figure(**fields)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="over 120"):
+        Figure(**{**fields, "figure": "f" * 121})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="python -m bench"):
+        Figure(**{**fields, "command": "python bench/data/shards.py"})  # type: ignore[arg-type]
