@@ -227,42 +227,11 @@ def describe_tar(
     """Checks a tar of images without extracting it (NOTE [ Image datasets ]) and returns its
     facts; ``ArrayFileError`` naming the member or sample to fix, ``ArrayLimitError`` for a
     decompression bomb or a dataset over ``max_elements``."""
-    images: dict[str, tuple[int, int]] = {}  # key -> (height, width)
-    labels: dict[str, int] = {}
-    first_size: tuple[str, tuple[int, int]] | None = None
-    one_size = True
+    found = _TarSamples(preprocessing, max_pixels, max_classes)
     with _members(path) as archive:
         try:
             for info in _each_member(archive):
-                _check_member(info)
-                if info.isdir():
-                    continue
-                key, ext = _split(info.name)
-                if ext in IMAGE_EXTENSIONS:
-                    if key in images:
-                        raise ArrayFileError(f"sample {key!r} has two images; give one per key")
-                    file = archive.extractfile(info)
-                    assert file is not None
-                    size = _image_size(file, key, max_pixels)
-                    if first_size is None:
-                        first_size = key, size
-                    elif size != first_size[1]:
-                        one_size = False
-                        if not preprocessing.fixed_size:
-                            raise ArrayFileError(
-                                f"sample {key!r} is {size[1]} x {size[0]} pixels but sample "
-                                f"{first_size[0]!r} is {first_size[1][1]} x {first_size[1][0]}; "
-                                "images of a batch must have one size: register the dataset "
-                                'with a preprocessing "resize": [height, width], or a '
-                                '"resize_shorter" (or "crop_pct") with a "center_crop"'
-                            )
-                    images[key] = size
-                elif ext in _LABEL_EXTENSIONS:
-                    if key in labels:
-                        raise ArrayFileError(f"sample {key!r} has two labels; give one per key")
-                    labels[key] = _label(
-                        _read_member(archive, info, _MAX_LABEL_BYTES), ext, key, max_classes
-                    )
+                found.read(archive, info)
         except tarfile.TarError as exc:
             raise ArrayFileError(
                 f"the tar is damaged or truncated ({exc}); upload it again"
@@ -272,20 +241,8 @@ def describe_tar(
                 "the tar is truncated: its last member ends past the end of the file; upload "
                 "the complete tar"
             )
-    if not images:
-        raise ArrayFileError(f"the tar holds no .jpg or .png image; {_HOW_TO_BUILD}")
-    unlabelled = [key for key in images if key not in labels]
-    if labels and unlabelled:
-        raise ArrayFileError(
-            f"sample {unlabelled[0]!r} has no label ({len(unlabelled)} of {len(images)} samples "
-            f"have none) but others have one; give every sample a key.cls, or none"
-        )
-    orphans = [key for key in labels if key not in images]
-    if orphans:
-        raise ArrayFileError(
-            f"the label {orphans[0]!r} has no image ({len(orphans)} labels have none); "
-            f"{_HOW_TO_BUILD}"
-        )
+    images, labels = found.images, found.labels
+    _check_pairs(images, labels)
     height, width = next(iter(images.values()))
     shape = tuple(preprocessing.output_shape(height, width))
     _check_crop(preprocessing, images)
@@ -300,8 +257,77 @@ def describe_tar(
         sample_shape=shape,
         has_labels=bool(labels),
         num_classes=max(labels.values()) + 1 if labels else None,
-        image_size=(height, width) if one_size else None,
+        image_size=(height, width) if found.one_size else None,
     )
+
+
+class _TarSamples:
+    """What :func:`describe_tar` has read of a tar so far: each sample's image size and
+    label, checked member by member."""
+
+    def __init__(self, preprocessing: Preprocessing, max_pixels: int, max_classes: int) -> None:
+        self.preprocessing = preprocessing
+        self.max_pixels = max_pixels
+        self.max_classes = max_classes
+        self.images: dict[str, tuple[int, int]] = {}  # key -> (height, width)
+        self.labels: dict[str, int] = {}
+        self.first_size: tuple[str, tuple[int, int]] | None = None
+        self.one_size = True
+
+    def read(self, archive: tarfile.TarFile, info: tarfile.TarInfo) -> None:
+        """Checks the member ``info`` and notes its image's size or its label."""
+        _check_member(info)
+        if info.isdir():
+            return
+        key, ext = _split(info.name)
+        if ext in IMAGE_EXTENSIONS:
+            if key in self.images:
+                raise ArrayFileError(f"sample {key!r} has two images; give one per key")
+            file = archive.extractfile(info)
+            assert file is not None
+            self.images[key] = self._sized(key, _image_size(file, key, self.max_pixels))
+        elif ext in _LABEL_EXTENSIONS:
+            if key in self.labels:
+                raise ArrayFileError(f"sample {key!r} has two labels; give one per key")
+            self.labels[key] = _label(
+                _read_member(archive, info, _MAX_LABEL_BYTES), ext, key, self.max_classes
+            )
+
+    def _sized(self, key: str, size: tuple[int, int]) -> tuple[int, int]:
+        """``size``, once checked against the first image's: another size needs a
+        preprocessing that gives every image one size."""
+        if self.first_size is None:
+            self.first_size = key, size
+        elif size != self.first_size[1]:
+            self.one_size = False
+            if not self.preprocessing.fixed_size:
+                first_key, (first_height, first_width) = self.first_size
+                raise ArrayFileError(
+                    f"sample {key!r} is {size[1]} x {size[0]} pixels but sample "
+                    f"{first_key!r} is {first_width} x {first_height}; "
+                    "images of a batch must have one size: register the dataset "
+                    'with a preprocessing "resize": [height, width], or a '
+                    '"resize_shorter" (or "crop_pct") with a "center_crop"'
+                )
+        return size
+
+
+def _check_pairs(images: dict[str, tuple[int, int]], labels: dict[str, int]) -> None:
+    """Every sample has an image, and every one a label or none does."""
+    if not images:
+        raise ArrayFileError(f"the tar holds no .jpg or .png image; {_HOW_TO_BUILD}")
+    unlabelled = [key for key in images if key not in labels]
+    if labels and unlabelled:
+        raise ArrayFileError(
+            f"sample {unlabelled[0]!r} has no label ({len(unlabelled)} of {len(images)} samples "
+            f"have none) but others have one; give every sample a key.cls, or none"
+        )
+    orphans = [key for key in labels if key not in images]
+    if orphans:
+        raise ArrayFileError(
+            f"the label {orphans[0]!r} has no image ({len(orphans)} labels have none); "
+            f"{_HOW_TO_BUILD}"
+        )
 
 
 def _check_crop(spec: Preprocessing, images: dict[str, tuple[int, int]]) -> None:

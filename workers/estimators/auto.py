@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Final
 
 import torch
@@ -165,26 +166,31 @@ def _load_layer_state(layers: list[_BatchNorm], state: list[dict[str, torch.Tens
 
 def run(task: EstimatorTask) -> AutoStats:
     """The ``auto`` row of the estimator table; see the module docstring."""
-    params, model, layers, hooks = task.params, task.model, task.layers, task.hooks
+    params = task.params
     split = _split(task)
     views = list(iter_batches(split.estimation, params.batch_size))  # estimation batches (B, ...)
     steps = (params.steps or len(views)) if params.allow_backward else 0
-
-    def collect(progress: Callable[[int], None]) -> Mapping[str, LayerStatistics]:
-        return collect_statistics(
-            model,
-            (view.to(task.device) for view in views),
-            layers=layers,
-            progress=progress,
-            should_stop=hooks.should_stop,
-        )
-
     folds = cross_fit_folds(task, split)
     task.start(
         len(views) + steps + _scored(params) * _held_batches(task, split) + _fold_units(task, folds)
     )
     precise_stats = AdaptStats(batches=len(views), samples=len(split.estimation))
+    collect = partial(_collect_views, task, views)
     return _run_candidates(task, split, folds, collect, len(views), precise_stats, views, steps)
+
+
+def _collect_views(
+    task: EstimatorTask, views: list[torch.Tensor], progress: Callable[[int], None]
+) -> Mapping[str, LayerStatistics]:
+    """``precise``'s statistics of the estimation batches ``views``, one unit of progress a
+    batch."""
+    return collect_statistics(
+        task.model,
+        (view.to(task.device) for view in views),
+        layers=task.layers,
+        progress=progress,
+        should_stop=task.hooks.should_stop,
+    )
 
 
 def run_merged(
@@ -212,12 +218,15 @@ def run_merged(
     # The merge, then the scores (and the folds' own passes, over a few samples).
     units = 1 + _scored(params) * _held_batches(task, split) + _fold_units(task, folds)
     task.hooks.start_phase("merge", units, "batches", float(params.batch_size))
+    return _run_candidates(task, split, folds, partial(_merged_at_once, merged), 1, stats, [], 0)
 
-    def collect(progress: Callable[[int], None]) -> Mapping[str, LayerStatistics]:
-        progress(1)
-        return merged
 
-    return _run_candidates(task, split, folds, collect, 1, stats, [], 0)
+def _merged_at_once(
+    merged: Mapping[str, LayerStatistics], progress: Callable[[int], None]
+) -> Mapping[str, LayerStatistics]:
+    """The shards' statistics, as one unit of progress (the merge)."""
+    progress(1)
+    return merged
 
 
 def _split(task: EstimatorTask) -> TargetSplit:
@@ -297,25 +306,79 @@ def _run_candidates(
     keeps the best in the model: the source, precise (``collect`` gives its statistics,
     reporting up to ``collect_units`` of progress), the prior mixes and, with
     ``allow_backward``, entropy for ``steps`` on ``views``."""
-    params = task.params
-    model, layers, hooks = task.model, task.layers, task.hooks
-    held_out = split.held_out  # (N_h, ...) on the CPU
-    selected = resolve_batchnorm(model, layers)
-    samples = precise_stats.samples
-    done = 0
+    hooks = task.hooks
+    trial = _Trial(task, split.held_out)
+    trial.add(_Candidate("source", trial.source_state, AdaptStats(0, 0), reset=False))
+    # precise, once; the prior candidates mix its statistics with the source ones.
+    check_stop(hooks.should_stop, trial.done)
+    collected = collect(trial.progress_from_here())
+    trial.done += collect_units
+    trial.add_statistics(collected, precise_stats)
+    if task.params.allow_backward:
+        check_stop(hooks.should_stop, trial.done)
+        tent = trial.tent_from_source(views, steps)
+        trial.add(_Candidate("entropy", _layer_state(trial.selected), tent, reset=False))
+    for train, fold in folds:
+        found = trial.fold_predictions(train, fold)
+        trial.predictions = [
+            PredictionSums.pooled([before, after])
+            for before, after in zip(trial.predictions, found, strict=True)
+        ]
+    chosen, table = _choose(trial.candidates, trial.predictions)
+    kept = trial.candidates[chosen]
+    _load_layer_state(trial.selected, kept.state)
+    choice = AutoChoice(
+        criterion=CRITERION,
+        estimation_samples=precise_stats.samples,
+        held_out_samples=len(split.held_out),
+        folds=1 + len(folds),
+        scored_samples=trial.predictions[0].samples,
+        candidates=table,
+        chosen=kept.name,
+        chosen_index=chosen,
+        kept_source=chosen == 0,
+    )
+    return AutoStats(kept.stats.batches, kept.stats.samples, reset=kept.reset, choice=choice)
 
-    def advance(count: int) -> None:
-        nonlocal done
-        done += count
-        hooks.report(done)
 
-    def score(x: Data = held_out) -> PredictionSums:
+def _applied(
+    task: EstimatorTask, statistics: Mapping[str, LayerStatistics], stats: AdaptStats
+) -> AdaptStats:
+    """Writes ``statistics`` into the job's layers; ``stats``: what estimating them ran."""
+    apply_statistics(task.model, statistics, task.layers)
+    return stats
+
+
+class _Trial:
+    """The candidates of one job, estimated in its model one after another from the source
+    statistics (``source_state``) and scored as they come; ``done`` counts the units of
+    progress reported so far."""
+
+    def __init__(self, task: EstimatorTask, held_out: Data) -> None:
+        self.task = task
+        self.held_out = held_out  # (N_h, ...) on the CPU
+        self.selected = resolve_batchnorm(task.model, task.layers)
+        self.source_state = _layer_state(self.selected)
+        self.done = 0
+        self.candidates: list[_Candidate] = []
+        self.predictions: list[PredictionSums] = []
+
+    def progress_from_here(self) -> Callable[[int], None]:
+        """A progress callback whose counts start at the units done so far."""
+        return partial(self._report_after, self.done)
+
+    def _report_after(self, base: int, count: int) -> None:
+        self.task.hooks.report(base + count)
+
+    def score(self, x: Data) -> PredictionSums:
+        """The model's predictions on ``x`` as they stand, counted as progress."""
+        params = self.task.params
         found = predict(
-            model,
+            self.task.model,
             x,
             batch_size=params.batch_size,
-            device=task.device,
-            should_stop=hooks.should_stop,
+            device=self.task.device,
+            should_stop=self.task.hooks.should_stop,
         )
         if found is None:
             raise AdaptError(
@@ -323,125 +386,87 @@ def _run_candidates(
                 "model's output is not class logits (B, num_classes >= 2); use a fixed "
                 "estimator such as 'precise'"
             )
-        advance(num_batches(len(x), params.batch_size))
+        self.done += num_batches(len(x), params.batch_size)
+        self.task.hooks.report(self.done)
         return found
 
-    source_state = _layer_state(selected)
-    candidates = [_Candidate("source", source_state, AdaptStats(0, 0), reset=False)]
-    predictions = [score()]
+    def add(self, candidate: _Candidate) -> None:
+        """``candidate``, whose state the model holds now, scored on the held-out samples."""
+        self.candidates.append(candidate)
+        self.predictions.append(self.score(self.held_out))
 
-    # precise, once; the prior candidates mix its statistics with the source ones.
-    check_stop(hooks.should_stop, done)
-    base = done
-    collected = collect(lambda n: hooks.report(base + n))
-    done += collect_units
-
-    def apply_precise() -> AdaptStats:
-        apply_statistics(model, collected, layers)
-        return precise_stats
-
-    apply_precise()
-    candidates.append(_Candidate("precise", _layer_state(selected), precise_stats, reset=True))
-    predictions.append(score())
-    for weight in SOURCE_WEIGHTS:
-        check_stop(hooks.should_stop, done)
-        strength = weight / (1.0 - weight) * samples
-        _load_layer_state(selected, source_state)
-        mix_with_source(model, layers, strength, apply_precise)
-        candidates.append(
-            _Candidate(
+    def add_statistics(self, collected: Mapping[str, LayerStatistics], stats: AdaptStats) -> None:
+        """``precise`` (the ``collected`` statistics) and its mixes with the source."""
+        model, layers, hooks = self.task.model, self.task.layers, self.task.hooks
+        apply_precise = partial(_applied, self.task, collected, stats)
+        apply_precise()
+        self.add(_Candidate("precise", _layer_state(self.selected), stats, reset=True))
+        for weight in SOURCE_WEIGHTS:
+            check_stop(hooks.should_stop, self.done)
+            strength = weight / (1.0 - weight) * stats.samples
+            _load_layer_state(self.selected, self.source_state)
+            mix_with_source(model, layers, strength, apply_precise)
+            candidate = _Candidate(
                 "prior",
-                _layer_state(selected),
-                precise_stats,
+                _layer_state(self.selected),
+                stats,
                 reset=True,
                 source_weight=weight,
                 prior_strength=strength,
             )
-        )
-        predictions.append(score())
+            self.add(candidate)
 
-    def tent_from_source(batches: list[torch.Tensor], tent_steps: int) -> AdaptStats:
+    def tent_from_source(self, batches: list[torch.Tensor], tent_steps: int) -> AdaptStats:
         """TENT's steps on ``batches`` from the source statistics, counted as progress."""
-        nonlocal done
-        _load_layer_state(selected, source_state)
-        base = done
+        params = self.task.params
+        _load_layer_state(self.selected, self.source_state)
         result = entropy_adapt(
-            model,
+            self.task.model,
             batches,
-            layers=layers,
+            layers=self.task.layers,
             lr=params.lr,
             steps=tent_steps,
             optimizer=params.optimizer,
             reset=False,
-            progress=lambda n: hooks.report(base + n),
-            should_stop=hooks.should_stop,
+            progress=self.progress_from_here(),
+            should_stop=self.task.hooks.should_stop,
         )
-        done += tent_steps
+        self.done += tent_steps
         return result
 
-    if params.allow_backward:
-        check_stop(hooks.should_stop, done)
-        tent = tent_from_source(views, steps)
-        candidates.append(_Candidate("entropy", _layer_state(selected), tent, reset=False))
-        predictions.append(score())
-
-    def fold_predictions(train: Data, fold: Data) -> list[PredictionSums]:
+    def fold_predictions(self, train: Data, fold: Data) -> list[PredictionSums]:
         """Every candidate estimated again without ``fold``, predicting it."""
-        nonlocal done
-        check_stop(hooks.should_stop, done)
-        _load_layer_state(selected, source_state)
-        found = [score(fold)]
-        base = done
+        task, params = self.task, self.task.params
+        check_stop(task.hooks.should_stop, self.done)
+        _load_layer_state(self.selected, self.source_state)
+        found = [self.score(fold)]
+        progress = self.progress_from_here()
         again = collect_statistics(
-            model,
+            task.model,
             (batch.to(task.device) for batch in iter_batches(train, params.batch_size)),
-            layers=layers,
-            progress=lambda n: hooks.report(base + n),
-            should_stop=hooks.should_stop,
+            layers=task.layers,
+            progress=progress,
+            should_stop=task.hooks.should_stop,
         )
         train_batches = num_batches(len(train), params.batch_size)
-        done += train_batches
-        fitted = AdaptStats(batches=train_batches, samples=len(train))
-
-        def apply_again() -> AdaptStats:
-            apply_statistics(model, again, layers)
-            return fitted
-
+        self.done += train_batches
+        apply_again = partial(
+            _applied, task, again, AdaptStats(batches=train_batches, samples=len(train))
+        )
         apply_again()
-        found.append(score(fold))
+        found.append(self.score(fold))
         for weight in SOURCE_WEIGHTS:
-            _load_layer_state(selected, source_state)
-            mix_with_source(model, layers, weight / (1.0 - weight) * len(train), apply_again)
-            found.append(score(fold))
+            _load_layer_state(self.selected, self.source_state)
+            mix_with_source(
+                task.model, task.layers, weight / (1.0 - weight) * len(train), apply_again
+            )
+            found.append(self.score(fold))
         if params.allow_backward:
-            tent_from_source(
+            self.tent_from_source(
                 list(iter_batches(train, params.batch_size)), params.steps or train_batches
             )
-            found.append(score(fold))
+            found.append(self.score(fold))
         return found
-
-    for train, fold in folds:
-        found = fold_predictions(train, fold)
-        predictions = [
-            PredictionSums.pooled([before, after])
-            for before, after in zip(predictions, found, strict=True)
-        ]
-
-    chosen, table = _choose(candidates, predictions)
-    kept = candidates[chosen]
-    _load_layer_state(selected, kept.state)
-    choice = AutoChoice(
-        criterion=CRITERION,
-        estimation_samples=samples,
-        held_out_samples=len(held_out),
-        folds=1 + len(folds),
-        scored_samples=predictions[0].samples,
-        candidates=table,
-        chosen=kept.name,
-        chosen_index=chosen,
-        kept_source=chosen == 0,
-    )
-    return AutoStats(kept.stats.batches, kept.stats.samples, reset=kept.reset, choice=choice)
 
 
 def _choose(

@@ -84,22 +84,9 @@ def entropy_adapt(
     norms = resolve_affine_norms(model, affine_layers)
     if not batches:
         raise AdaptError(NO_BATCHES)
-    params = [
-        p
-        for layer in [*selected, *norms]
-        for p in (layer.weight, layer.bias)
-        if isinstance(p, nn.Parameter)
-    ]
-    if not params:
-        raise AdaptError(
-            f"none of the layers {[*layers, *affine_layers]} has affine parameters "
-            "(affine=False) for the entropy estimator to optimise; select layers with "
-            "affine=True or use 'precise'"
-        )
+    params = _affine_parameters([*selected, *norms], [*layers, *affine_layers])
     total = len(batches) if steps is None else steps
-    device = model_device(model)
     flags = [(p, p.requires_grad, p.grad) for p in model.parameters()]
-    samples = 0
     with training_flags(model), torch.enable_grad():
         try:
             for p, _, _ in flags:
@@ -107,39 +94,76 @@ def entropy_adapt(
                 p.grad = None
             for p in params:
                 p.requires_grad_(True)
-            opt: torch.optim.Optimizer
-            if optimizer == "sgd":
-                opt = torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM)
-            elif optimizer == "adam":
-                opt = torch.optim.Adam(params, lr=lr)
-            else:
-                raise AdaptError(f"unknown optimizer {optimizer!r}; use 'sgd' or 'adam'")
+            opt = _optimizer(optimizer, params, lr)
             model.eval()
             for bn in selected:
                 bn.train()
                 if reset:
                     bn.reset_running_stats()
-            for step in range(total):
-                if should_stop is not None and should_stop():
-                    raise JobCanceled(f"entropy adaptation canceled after {step} steps")
-                if clock is not None:
-                    clock.start()
-                batch = batches[step % len(batches)].to(device)  # (B, ...)
-                logits = (forward or model)(batch)  # (B, K)
-                loss = entropy_loss(_checked_logits(logits))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()  # type: ignore[no-untyped-call]
-                opt.step()
-                if clock is not None:
-                    clock.stop(batch.shape[0])
-                samples += batch.shape[0]
-                if progress is not None:
-                    progress(step + 1)
+            samples = _entropy_steps(
+                model, batches, total, opt, progress, should_stop, forward, clock
+            )
         finally:
             for p, requires_grad, grad in flags:
                 p.requires_grad_(requires_grad)
                 p.grad = grad
     return AdaptStats(batches=total, samples=samples)
+
+
+def _affine_parameters(layers: list[nn.Module], names: list[str]) -> list[nn.Parameter]:
+    """The weights and biases of ``layers`` (named ``names``) that are parameters."""
+    params = [
+        p for layer in layers for p in (layer.weight, layer.bias) if isinstance(p, nn.Parameter)
+    ]
+    if not params:
+        raise AdaptError(
+            f"none of the layers {names} has affine parameters "
+            "(affine=False) for the entropy estimator to optimise; select layers with "
+            "affine=True or use 'precise'"
+        )
+    return params
+
+
+def _optimizer(name: Optimizer, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """Adam, or SGD with momentum :data:`SGD_MOMENTUM`, over ``params``."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise AdaptError(f"unknown optimizer {name!r}; use 'sgd' or 'adam'")
+
+
+def _entropy_steps(
+    model: nn.Module,
+    batches: Sequence[torch.Tensor],
+    total: int,
+    opt: torch.optim.Optimizer,
+    progress: Callable[[int], None] | None,
+    should_stop: Callable[[], bool] | None,
+    forward: Forward | None,
+    clock: StepClock | None,
+) -> int:
+    """``total`` steps of ``opt`` on the mean entropy, each on the next of ``batches``
+    (cycling); the samples they saw."""
+    device = model_device(model)
+    samples = 0
+    for step in range(total):
+        if should_stop is not None and should_stop():
+            raise JobCanceled(f"entropy adaptation canceled after {step} steps")
+        if clock is not None:
+            clock.start()
+        batch = batches[step % len(batches)].to(device)  # (B, ...)
+        logits = (forward or model)(batch)  # (B, K)
+        loss = entropy_loss(_checked_logits(logits))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        if clock is not None:
+            clock.stop(batch.shape[0])
+        samples += batch.shape[0]
+        if progress is not None:
+            progress(step + 1)
+    return samples
 
 
 def _checked_logits(logits: object) -> torch.Tensor:

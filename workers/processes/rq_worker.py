@@ -35,7 +35,7 @@ from service.records.job_life.capacity import WorkerMemory
 from service.records.job_life.dequeues import DequeueHolds
 from service.records.sync import Records
 from service.records.tenancy.turns import Turns
-from service.settings import DEVICE_CLASSES, get_settings
+from service.settings import DEVICE_CLASSES, Settings, get_settings
 from service.store import open_store
 from service.upkeep.parent_death import SUPERVISOR_PID_ENV, die_with_supervisor
 from service.upkeep.reaper import heartbeat_key_ttl_s
@@ -118,10 +118,37 @@ class _Worker(Worker):
 
     outcome: str | None = None
     oom_kills_before: int | None = None
+    records: Records
     holds: DequeueHolds
     holds_ttl_s: float
     _held: str | None = None
     _held_lock: threading.Lock
+
+    def __init__(self, *args: Any, records: Records, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.records = records
+
+    def handle_work_horse_killed(
+        self, job: Job, pid: int, status: int, usage: resource.struct_rusage
+    ) -> None:
+        """The job's process died without raising (out of memory, a signal): fails the record
+        now rather than when the reaper notices the missing heartbeat."""
+        super().handle_work_horse_killed(job, pid, status, usage)  # type: ignore[no-untyped-call]
+        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"status {status}"
+        error = (
+            f"the job's process died ({how}; max RSS {usage.ru_maxrss} KiB); it may have run "
+            "out of memory: try a smaller batch_size, or a machine with more memory"
+        )
+        if fail_killed_child(self.records, job.func_name, job.args, error, job.retries_left):
+            return
+        # Queued too: the process may die after the fork, before it marks itself running.
+        # The RQ id is the job id's, or that of a later attempt (NOTE [ Job attempts ]).
+        job_id = str(job.args[0]["job_id"]) if job.args else job.id
+        own = killed_for_its_own_reasons(status, job.started_at, job.timeout, self.oom_kills_before)
+        if own is not None:  # killed for memory or its timeout: not retried
+            self.records.mark_finished(job_id, JobStatus.FAILED, error=own)
+            return
+        self.records.interrupt(job_id, (JobStatus.QUEUED, JobStatus.RUNNING), error, rq_id=job.id)
 
     def start_holds(self, holds: DequeueHolds, ttl_s: float) -> None:
         """Starts the thread that keeps ``keys.rq_worker_holds`` of this worker alive (over
@@ -265,66 +292,22 @@ def _publish_memory(published: WorkerMemory, queues: list[str], name: str, memor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Run one bnadapt RQ worker.")
-    parser.add_argument("--device", default=os.environ.get(WORKER_DEVICE_ENV, "auto"))
-    parser.add_argument(
-        "--device-class",
-        choices=DEVICE_CLASSES,
-        default=None,
-        help="serve the jobs that ask for this device class besides `auto` ones (default: "
-        "from --device; `auto` there serves only `auto` jobs)",
-    )
-    parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
-    args = parser.parse_args()
+    args = _arguments()
     die_with_supervisor()  # `bnadapt worker` killed: finish the job at hand, then exit
     os.environ[WORKER_DEVICE_ENV] = args.device
     settings = get_settings()
     configure_logging("worker", settings.log_format)
     client = redis_client(settings.redis_url)
     records = Records(client)
-
-    def horse_killed(job: Job, pid: int, status: int, usage: resource.struct_rusage) -> None:
-        # The job's process died without raising (out of memory, a signal): fail the record
-        # now rather than when the reaper notices the missing heartbeat.
-        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"status {status}"
-        error = (
-            f"the job's process died ({how}; max RSS {usage.ru_maxrss} KiB); it may have run "
-            "out of memory: try a smaller batch_size, or a machine with more memory"
-        )
-        if not fail_killed_child(records, job.func_name, job.args, error, job.retries_left):
-            # Queued too: the process may die after the fork, before it marks itself running.
-            # The RQ id is the job id's, or that of a later attempt (NOTE [ Job attempts ]).
-            job_id = str(job.args[0]["job_id"]) if job.args else job.id
-            own = killed_for_its_own_reasons(
-                status, job.started_at, job.timeout, worker.oom_kills_before
-            )
-            if own is not None:  # killed for memory or its timeout: not retried
-                records.mark_finished(job_id, JobStatus.FAILED, error=own)
-                return
-            records.interrupt(job_id, (JobStatus.QUEUED, JobStatus.RUNNING), error, rq_id=job.id)
-
-    if settings.worker_threads is not None:
-        torch.set_num_threads(settings.worker_threads)  # a setting, no op: survives the fork
-    # Built once here, inherited by every forked job: scanning entry points per job cost
-    # 9-36 ms of each job's load time (bench/RESULTS.md). Builds no model: no torch op runs.
-    registry()
-    load_runners()  # likewise the job kinds' modules, and torch with them
-    # Likewise the store's clients (on S3, boto3's model and the job's client): no request, no
-    # connection to inherit.
-    open_store(settings).warm_up()
-    # NOTE [ Queues by device ] in service/settings.py: first the jobs that need this class,
-    # then those that run anywhere.
-    device_class = args.device_class or args.device.partition(":")[0]
-    names = [settings.queue]
-    if device_class in DEVICE_CLASSES:
-        names.insert(0, settings.job_queue(device_class))
+    _load_before_forks(settings)
+    names = _queue_names(settings, args.device_class or args.device.partition(":")[0])
     worker = _Worker(
         [TurnQueue(name, connection=client, serializer="json") for name in names],
         name=f"bnadapt-{socket.gethostname()}-{os.getpid()}",
         connection=client,
         serializer="json",
         queue_class=TurnQueue,
-        work_horse_killed_handler=horse_killed,
+        records=records,
     )
     worker.log.addFilter(_OutcomeFilter(worker))
     memory = offered_memory(settings.worker_memory_bytes, args.device)
@@ -345,6 +328,43 @@ def main() -> None:
             target=_end_when_orphaned, args=(worker, int(supervisor)), daemon=True
         ).start()
     worker.work(burst=args.burst, logging_level="INFO")
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Run one bnadapt RQ worker.")
+    parser.add_argument("--device", default=os.environ.get(WORKER_DEVICE_ENV, "auto"))
+    parser.add_argument(
+        "--device-class",
+        choices=DEVICE_CLASSES,
+        default=None,
+        help="serve the jobs that ask for this device class besides `auto` ones (default: "
+        "from --device; `auto` there serves only `auto` jobs)",
+    )
+    parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    return parser.parse_args()
+
+
+def _load_before_forks(settings: Settings) -> None:
+    """What every forked job would otherwise build for itself, built once here and
+    inherited: no torch op runs, no model is built, no connection is opened."""
+    if settings.worker_threads is not None:
+        torch.set_num_threads(settings.worker_threads)  # a setting, no op: survives the fork
+    # Scanning the architectures' entry points is part of each job's load time otherwise
+    # (bench/RESULTS.md).
+    registry()
+    load_runners()  # likewise the job kinds' modules, and torch with them
+    # Likewise the store's clients (on S3, boto3's model and the job's client): no request, no
+    # connection to inherit.
+    open_store(settings).warm_up()
+
+
+def _queue_names(settings: Settings, device_class: str) -> list[str]:
+    """NOTE [ Queues by device ] in service/settings.py: first the jobs that need this class,
+    then those that run anywhere."""
+    names = [settings.queue]
+    if device_class in DEVICE_CLASSES:
+        names.insert(0, settings.job_queue(device_class))
+    return names
 
 
 if __name__ == "__main__":
