@@ -136,24 +136,40 @@ def write_figures(
     args: argparse.Namespace,
     measured: Sequence[Measured],
     argv: Sequence[str] | None = None,
+    folder: Path = FIGURES,
 ) -> list[Path]:
-    """Write ``measured`` as records of this run when ``args.record`` is set (else nothing);
-    the command is ``python -m module`` with this run's arguments less ``--record``."""
+    """Write ``measured`` as records of this run in ``folder`` when ``args.record`` is set
+    (else nothing); the command is ``python -m module`` with this run's arguments (``argv``,
+    by default the command line's) less ``--record``."""
     if not args.record:
         return []
-    options = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--record"]
+    options = _measuring_options(sys.argv[1:] if argv is None else argv)
     command = " ".join(["python -m", module, *map(shlex.quote, options)])
     machine = args.machine or default_machine()
     today = datetime.date.today().isoformat()
-    FIGURES.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     written = []
     for one in measured:
         figure = Figure(command=command, date=today, machine=machine, **dataclasses.asdict(one))
-        path = FIGURES / f"{figure.name}.json"
+        path = folder / f"{figure.name}.json"
         path.write_text(json.dumps(dataclasses.asdict(figure), indent=2) + "\n")
         written.append(path)
-        print(f"recorded {path.relative_to(REPO)}", file=sys.stderr)
+        print(f"recorded {path}", file=sys.stderr)
     return written
+
+
+def _measuring_options(argv: Sequence[str]) -> list[str]:
+    """``argv`` less the recording options: the options that shaped the measurement."""
+    options: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--machine":
+            skip = True
+        elif arg != "--record" and not arg.startswith("--machine="):
+            options.append(arg)
+    return options
 
 
 def load_figures(folder: Path = FIGURES) -> list[Figure]:

@@ -4,12 +4,22 @@ and every record names a bench that exists. Runs no bench."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 
-from bench.recording import FIGURES, MAX_CELL_CHARS, Figure, load_figures
+from bench.recording import (
+    FIGURES,
+    MAX_CELL_CHARS,
+    Figure,
+    Measured,
+    add_record_options,
+    load_figures,
+    write_figures,
+)
 from bench.results import MAX_TABLE_LINES, RESULTS, TABLE_MARKERS, rewritten, table
 
 
@@ -63,3 +73,23 @@ def test_a_record_over_the_bounds_is_refused() -> None:
         Figure(**{**fields, "figure": "f" * 121})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="python -m bench"):
         Figure(**{**fields, "command": "python bench/data/shards.py"})  # type: ignore[arg-type]
+
+
+def test_a_bench_writes_its_figures_only_when_asked(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_record_options(parser)
+    measured = [Measured("shards-scaling", "2 shards / 1 worker", 1.49, "none")]
+    plain = parser.parse_args([])
+    assert write_figures("bench.data.shards", plain, measured, [], tmp_path) == []
+    asked = parser.parse_args(["--record", "--machine", "CPU, 2 cores, quiet"])
+    argv = ["--samples", "64", "--record", "--machine", "CPU, 2 cores, quiet"]
+    written = write_figures("bench.data.shards", asked, measured, argv, tmp_path)
+    assert [path.name for path in written] == ["shards-scaling.json"]
+    (figure,) = load_figures(tmp_path)
+    assert figure.command == "python -m bench.data.shards --samples 64"
+    assert (figure.value, figure.machine, figure.module) == (
+        1.49,
+        "CPU, 2 cores, quiet",
+        "bench.data.shards",
+    )
+    assert "shards-scaling" in table([figure])

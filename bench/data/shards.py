@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.recording import Measured, add_record_options, write_figures
 from harness.stack import Client, npz_bytes, running_stack
 
 ARCH = {"in_channels": 1, "depth": 4, "width": 32}
@@ -54,7 +55,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
+    add_record_options(parser)
     args = parser.parse_args()
+    speedups: dict[bool, float] = {}
     rng = np.random.default_rng(0)
     x = rng.random((args.samples, 1, 32, 32), dtype=np.float32)  # (N, 1, 32, 32)
     y = rng.integers(0, 10, args.samples)
@@ -80,6 +83,12 @@ def main() -> None:
                 f"{what:42} one worker {one:6.2f} s   2 shards {two:6.2f} s   "
                 f"speedup {one / two:.2f}   (runs: {times})"
             )
+            speedups[labels] = one / two
+    figure = "adapt job on 2 workers (2 shards) / 1 worker: labelled / unlabelled data"
+    value = f"{speedups[True]:.2f} / {speedups[False]:.2f} times as fast"
+    write_figures(
+        "bench.data.shards", args, [Measured("shards-scaling", figure, value, "none (the scaling)")]
+    )
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from bench.recording import Measured, add_record_options, write_figures
 from service.store.local import LocalStore
 from workers.models.architectures import build_model
 from workers.running.saving import weights_bytes
@@ -127,6 +128,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=8, help="optimizer steps between saves")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="a smoke run; figures mean nothing")
+    add_record_options(parser)
     args = parser.parse_args()
     if args.quick:
         args.depth, args.width, args.images, args.epochs, args.every = 2, 8, 128, 1, 1
@@ -141,14 +143,21 @@ def main() -> None:
         "| bytes/weights | wall |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    per_save: dict[str, float] = {}
     for optimizer in ("sgd", "adamw"):
         row = measure(optimizer, args.images, args.depth, args.width, args.epochs, args.every)
+        per_save[optimizer] = row.save_ms / row.step_ms
         print(
             f"| {row.optimizer} | {row.steps} | {row.step_ms:.1f} | {row.save_ms:.1f} | "
             f"{row.saves} | {row.save_ms / row.step_ms:.2f} | "
             f"{row.checkpoint_bytes / 1e6:.2f} | "
             f"{row.checkpoint_bytes / row.weights_bytes:.2f} | {row.wall:.3f} |"
         )
+    figure = f"training checkpoint save / step time, a save every {args.every} steps: sgd; adamw"
+    value = f"{per_save['sgd']:.2f}; {per_save['adamw']:.2f}"
+    write_figures(
+        "bench.training.checkpoints", args, [Measured("train-checkpoint", figure, value, "none")]
+    )
 
 
 if __name__ == "__main__":
