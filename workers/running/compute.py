@@ -193,16 +193,9 @@ def compute(
         measure_s=(computing - loaded) + (measured_at - computed),
         total_s=time.perf_counter() - started,
     )
+    # In _Run's field order, which these names spell.
     run = _Run(
-        result=result,
-        before=before,
-        after=after,
-        all_bn=all_bn,
-        metrics_before=metrics_before,
-        metrics_after=metrics_after,
-        diagnostics=diagnostics,
-        timings=timings,
-        clock=clock,
+        result, before, after, all_bn, metrics_before, metrics_after, diagnostics, timings, clock
     )
     report = _report(payload, job, run)
     kwargs = resolve_kwargs(payload.model.architecture, payload.model.kwargs)
