@@ -72,7 +72,7 @@ def load_model(payload: JobPayload, store: Store) -> nn.Module:
 class LoadedJob:
     """An adapt or train job's inputs, ready to run."""
 
-    params: ModelJobParams  # the payload's params, which a model-changing kind's are
+    params: ModelJobParams  # the payload's params (an adapt or train job's)
     model: nn.Module  # on `device`, run through the job's checkpoint policy
     x: Data  # (N, ...) read a batch at a time on the CPU; batches move to `device`
     y: torch.Tensor | None  # (N,) labels or (N, ...) targets, on the CPU
@@ -121,7 +121,8 @@ def load_job(payload: JobPayload, store: Store) -> LoadedJob:
     reads the dataset: where :func:`~workers.running.compute.compute` and each child of a
     sharded job start."""
     params = payload.params
-    # The table routes only the kinds that change a model here (workers/kinds/changing.py).
+    # Only the runners of kinds that change a model load a job here (an evaluate job loads
+    # its model and dataset alone), so the params derive from ModelJobParams.
     assert isinstance(params, ModelJobParams), f"{payload.kind} jobs do not change a model"
     torch.manual_seed(params.seed)
     device = resolve_device(params.device)
