@@ -137,9 +137,10 @@ __all__ = [
 # train step at batch 32) that is lost in the noise; where they are tiny, as in an eager CUDA
 # step of a small model, which waits on the CPU that launches its kernels, it is not: every
 # microsecond is on the critical path. Inside a step the caches are cold (the operators in
-# between refill them), and there a line costs four to five times what it costs in a warm
-# loop; the first code to touch a module pays for it, whatever it reads there. So what counts
-# is how much gets touched, not how many operations run, and the common case is kept short:
+# between refill them), and there a line costs several times what it costs in a warm loop
+# (bench/history/2026-12-05-checkpoint-wrapper-per-call-cost-cut.md); the first code to touch
+# a module pays for it, whatever it reads there. So what counts is how much gets touched, not
+# how many operations run, and the common case is kept short:
 # - one record per module (module, flag, parameters, buffer record), made in one plain loop
 #   that reads each module once, and gone over in one loop by the recomputation (a pass per
 #   field through map and attrgetter, faster in a warm loop, was slower in a step);
@@ -149,10 +150,10 @@ __all__ = [
 #   objects, and its recomputation swaps one dict;
 # - the call's state is itself torch's context_fn and the recomputation's context, one object
 #   per call, and the wrapper merges its options once.
-# bench/checkpoint/wrapper.py (`launch`) measures what is left per block call: most of it is
-# reading every module of the block twice, once in each pass, which the guarantee needs (a
-# model switched to eval, or parameters swapped by functional_call, between forward and
-# backward).
+# bench/checkpoint/wrapper.py (`launch`, figure `checkpoint-launch-bound` in bench/RESULTS.md)
+# measures what is left per block call: most of it is reading every module of the block twice,
+# once in each pass, which the guarantee needs (a model switched to eval, or parameters swapped
+# by functional_call, between forward and backward).
 
 # NOTE [ Under torch.compile ]
 #

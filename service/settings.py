@@ -30,10 +30,11 @@ __all__ = [
 MIB: Final = 1024 * 1024
 GIB: Final = 1024 * MIB
 DEFAULT_MAX_WEIGHTS_BYTES: Final = 2 * GIB
-# S3 multipart transfers, reads and writes: measured against 16 MiB x 4 (the former
-# default), 8 MiB x 10 (boto3's) and 32 MiB x 4, a read of 16 MiB x 8 took the least wall time
-# and as little CPU as any (more, smaller parts cost more CPU: more requests, more threads);
-# writes did not differ (bench/RESULTS.md, "S3 store: reads hashed as they arrive").
+# S3 multipart transfers, reads and writes: of the part sizes and counts in flight compared
+# (16 MiB x 4, 8 MiB x 10 (boto3's defaults) and others), a read of 16 MiB x 8 took the least
+# wall time and as little CPU as any (more, smaller parts cost more CPU: more requests, more
+# threads); writes did not differ (bench/history/2026-12-03-s3-store-reads-hashed-as-they.md;
+# figures `s3-read` and `s3-write` in bench/RESULTS.md).
 # Memory per transfer: their product. 10,000 parts (S3's limit) of 16 MiB hold 156 GiB.
 DEFAULT_S3_PART_BYTES: Final = 16 * MIB
 DEFAULT_S3_PARTS_IN_FLIGHT: Final = 8

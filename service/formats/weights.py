@@ -19,8 +19,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_WEIGHT_KEYS: Final = 100_000
-# Parsing a header costs time and memory in proportion to its size (a 27 MB header with 300,000
-# entries took 2 s); 16 MiB leaves ~160 bytes per key at the key limit.
+# Parsing a header costs time and memory in proportion to its size, so its size is bounded
+# before it is read; 16 MiB leaves ~160 bytes per key at the key limit.
 DEFAULT_MAX_WEIGHTS_HEADER_BYTES: Final = 16 << 20
 _HOW_TO_SAVE_WEIGHTS: Final = (
     "convert with safetensors.torch.save_file(model.state_dict(), path) and upload that"

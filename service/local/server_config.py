@@ -4,11 +4,13 @@ A config file rather than argv: argv (and so the password) is visible in ``ps``.
 
 # NOTE [ Durability ]
 The queue and the job records live in this server, so a crash of the server must not lose
-acknowledged writes. RDB snapshots lose everything since the last snapshot (all of 500 enqueues
-in a measured SIGKILL); the append-only file with ``appendfsync everysec`` lost none of 3,000
-(a crash of the whole machine can still lose about the last second). So: ``appendonly yes``,
-``appendfsync everysec``, no RDB save points, and ``noeviction`` (an evicted job record is lost
-data, not a cache miss: a full server must refuse writes instead).
+acknowledged writes. RDB snapshots lose everything written since the last snapshot; the
+append-only file with ``appendfsync everysec`` hands each acknowledged write to the kernel at
+once (or within 2 s while a slow fsync runs), where a SIGKILL of the server cannot lose it
+(tests/service/test_embedded.py); a crash of the whole machine can still lose what was not yet
+fsynced, about the last second. So: ``appendonly yes``, ``appendfsync everysec``, no RDB save
+points, and ``noeviction`` (an evicted job record is lost data, not a cache miss: a full server
+must refuse writes instead).
 """
 
 from __future__ import annotations

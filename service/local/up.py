@@ -50,7 +50,9 @@ PASSWORD_FILE: Final = "redis.password"  # noqa: S105 - a file name, not a passw
 TENANT: Final = "local"
 START_TIMEOUT_S: Final = 90.0
 STOP_TIMEOUT_S: Final = 30.0
-# Two API processes serve about twice the status reads of one on 2 cores (bench/RESULTS.md).
+# An API process serves its requests in one interpreter, under one GIL: a second one serves
+# on another core what the first has no time for (figures `service-status-reads` and
+# `service-submissions` in bench/RESULTS.md).
 DEFAULT_API_PROCESSES: Final = 2
 # service.settings.Settings.worker_threads, as the environment names it.
 WORKER_THREADS_ENV: Final = "BNADAPT_WORKER_THREADS"
@@ -223,8 +225,9 @@ class LocalStack:
         self.redis = RedisServer(self.data_dir / "redis", password=_password(self.data_dir))
         self.redis.start()
         env = {
-            # Torch would run a thread per core, and its threads stall each other whenever
-            # the API or Redis takes a core: leave one to them (bench/RESULTS.md).
+            # Torch would run a thread per core, and its OpenMP threads wait for each other
+            # at every op whenever the API or Redis takes one of their cores: leave one to
+            # them (bench/history/2026-12-02-service.md, "Torch threads").
             WORKER_THREADS_ENV: str(max((os.cpu_count() or 1) - 1, 1)),
             **os.environ,
             "BNADAPT_REDIS_URL": self.redis.url,

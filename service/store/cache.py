@@ -33,10 +33,11 @@ none: the copy counts as missing and is downloaded again.
 A copy is written once and read later, if at all, so its pages need not stay in memory while
 it is written: every ``_DROP_EVERY`` bytes the kernel is told to write out and drop what was
 written so far (``posix_fadvise(DONTNEED)``, where the platform has it). Left to pile up, the
-dirty pages of a 1 GiB copy, beside the S3 server's own writes on the same machine, throttled
-the writer in the kernel: writing 1 GiB after 3 GiB had been written cost 4.4 s of system CPU
-where with the advice it cost 0.4 s (this machine; bench/RESULTS.md, "S3 write: the cache
-copy's dirty pages"). The first read of a large copy then comes from the disk.
+dirty pages of a large copy, beside the S3 server's own writes on the same machine, get the
+writer throttled in the kernel, and each write then costs many times the system CPU it costs
+with the advice (bench/history/2026-12-03-s3-write-cache-copy-dirty-pages.md; figures
+`s3-write` and `s3-read` in bench/RESULTS.md). The first read of a large copy then comes from
+the disk.
 """
 
 from __future__ import annotations

@@ -21,11 +21,12 @@ How close: on the same images within 2/255 per pixel of the CPU path (Pillow) wh
 decodes at full size (tests/workers/passes/test_gpu_decoding.py; the differences are the IDCTs' and
 the resize filters' rounding). Where the CPU path decodes a large JPEG reduced in the DCT
 domain (NOTE [ Reduced-size JPEG decoding ] in service/formats/images.py) the GPU decodes it
-whole: measured on the CPU's libjpeg (12 photos of 4000 x 3000, 3000 x 4000 and 1600 x 1200 to
-256 then 224), up to 6 levels apart, 0.5 to 0.8 on average. Averaging the whole decode down by
-the CPU's scale before the resize, to imitate the reduced decode, brought that to 3 to 5 levels
-and 0.34 to 0.46 (undoing the chroma upsampling's smoothing as well: no closer; bench/RESULTS.md),
-not within 2: it is not done.
+whole, and on photos the two are more than 2 levels apart. Averaging the whole decode down by
+the CPU's scale before the resize, to imitate the reduced decode, brings them closer but not
+within 2 (undoing the chroma upsampling's smoothing as well: no closer): what is left is the
+rounding and clipping of each pixel before the average, which no linear step after the decode
+undoes, so it is not done (bench/history/2026-12-07-bytes-uploads-below-requests.md, "Issue 30,
+once more on the 2/255").
 """
 
 from __future__ import annotations

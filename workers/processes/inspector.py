@@ -268,9 +268,10 @@ def _out_of_memory(architecture: str, limits: BuildLimits) -> InspectFailure:
 # NOTE [ Large builds yield ]
 # The lanes' builders share the machine's processors with each other and with the rest of the
 # worker. The scheduler divides a processor fairly between runnable threads, so a small build
-# that wakes while a large one runs beside it can wait in the run queue for a long time (seconds
-# on a shared processor, bench/RESULTS.md's registrations phase: the build itself takes
-# milliseconds; the wait is all queue). A build whose measured footprint is past
+# that wakes while a large one runs beside it can wait in the run queue far longer than it
+# takes to build: its time is all queue (the runs that log each build's run-queue wait in
+# bench/history/2026-12-07-tenancy-second-pass-submissions-under-quotas.md; figure
+# `noisy-neighbour-registrations` in bench/RESULTS.md). A build whose measured footprint is past
 # SMALL_BUILD_BYTES (or that the meta device cannot measure) therefore lowers the priority of
 # the thread it runs in by LARGE_BUILD_NICENESS: each request runs in a thread of its own
 # (``_answer_in_thread``), so the builder's process and its next build keep theirs; lowering a
@@ -527,8 +528,8 @@ def _builder_main(conn: Connection, settings: Settings, parent_pid: int) -> None
     registry()  # the zoo's imports, before the cap counts from what the process holds
     # The lanes' builders share the processors: each takes its share of torch's threads. With
     # a thread per processor in each, two builders' OpenMP threads spin against each other and
-    # a small build waits on the large one beside it (bench/RESULTS.md, the registrations
-    # phase).
+    # a small build waits on the large one beside it (the runs with a builder's torch threads
+    # in bench/history/2026-12-07-tenancy-second-pass-submissions-under-quotas.md).
     torch.set_num_threads(max(1, _processors() // settings.inspect_builders))
     hold_job_to(limits.memory_bytes, "cpu")
     conn.send_bytes(_READY)

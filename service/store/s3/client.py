@@ -11,8 +11,9 @@ service/store/s3/transfers.py). botocore offers
 two per-request checks of a body: a CRC32 header (``x-amz-checksum-crc32``, its default for
 PutObject and UploadPart) and, over plain HTTP only, a SHA-256 of the body in the SigV4
 signature. Over HTTPS it already sends object bytes with the CRC32 alone, TLS guarding them.
-Over plain HTTP it computes both, and the SHA-256 cost 0.7-0.95 s of CPU per GiB written, a
-sixth of the writer's CPU (bench/RESULTS.md, "S3 write: where the client's CPU goes").
+Over plain HTTP it computes both, and the SHA-256 hashes every byte written a second time,
+beside the object's own sha256 (the writer's CPU, item by item:
+bench/history/2026-12-03-s3-write-client-cpu-goes.md; figure `s3-write` in bench/RESULTS.md).
 SeaweedFS checks the CRC32 and not the SHA-256: a part changed after it was signed is refused
 (BadDigest) when it has the CRC32 and stored when it has only the SHA-256. AWS S3 checks both.
 So an UploadPart or PutObject that carries a checksum header is signed over that header, not

@@ -20,8 +20,9 @@ A content key is only ever written whole, and only with bytes that hash to it:
   into the buffer that is sent: no transfer manager's copies, the same signing as the
   announced path). The upload starts only after the last byte was written
   (no overlap with a slow sender), but nothing is copied on the server: the bytes cross the
-  network and the server once, not twice as with a temp key and a server-side copy (what
-  this path did before, bench/RESULTS.md, "S3 store").
+  network and the server once, not twice as a temp key and a server-side copy would send
+  them (bench/history/2026-12-03-s3-store-reads-hashed-as-they.md; figure
+  `s3-write-no-digest` in bench/RESULTS.md).
 Objects that reach the bucket without this process (direct uploads, imports) land on a temp
 key, are hashed, and are copied server-side to their content key (:meth:`S3Store._adopt_temp`).
 A reader never sees a partial object under a content key, and a writer that dies leaves only
@@ -128,8 +129,8 @@ class _S3Writer(HashingWriter):
 
         Over plain HTTP a bytearray: botocore wraps a bytes body in a ``BytesIO`` and reads
         it back in copies (1 MiB ones for its checksum, 128 KiB ones to send it), where it
-        checksums and sends a bytearray as it is, in one ``sendall`` (0.35-0.55 s of CPU less
-        per GiB, bench/RESULTS.md, "S3 write: where the client's CPU goes"). Over HTTPS
+        checksums and sends a bytearray as it is, in one ``sendall`` (those copies' CPU:
+        bench/history/2026-12-03-s3-write-client-cpu-goes.md). Over HTTPS
         bytes: there botocore streams every body through a ``BytesIO`` to append its
         checksum as a trailer, and a ``BytesIO`` copies a bytearray where it shares bytes."""
         part = (b"" if self._tls else bytearray()).join(self._pieces)

@@ -11,7 +11,8 @@ threads writing their parts at their offsets in the same file contend for its in
 which cost more CPU than the whole hash here. The file is installed under its name only if
 the digest matches (NOTE [ Object cache ] in service/store/cache.py); otherwise the temp file
 is removed and the read fails. Hashing the file after a download would read it all a second
-time (bench/RESULTS.md, "S3 store").
+time (bench/history/2026-12-03-s3-store-reads-hashed-as-they.md; figure `s3-read` in
+bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ MAX_PARTS: Final = 10_000
 _READ_ATTEMPTS: Final = 5
 _BROKEN_READ: Final = (OSError, ReadTimeoutError, IncompleteReadError, ResponseStreamingError)
 # A downloaded part goes to the cache file in writes of this size: one write() of a whole
-# 16 MiB part cost 6x the CPU of the same bytes in 256 KiB writes (0.66 s against 0.1 s per
-# 256 MiB, measured in bench/data/store.py), more than the sha256 of the part.
+# 16 MiB part cost several times the CPU of the same bytes in 256 KiB writes, more than the
+# sha256 of the part (bench/history/2026-12-03-s3-store-reads-hashed-as-they.md).
 _WRITE_SLICE: Final = 256 * 1024
 # Copies up to this size are one CopyObject request (S3's limit is 5 GiB); larger ones are
 # multipart copies.
