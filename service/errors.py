@@ -30,8 +30,8 @@ A :class:`RefusedError` carries what the API answers as plain data: its ``status
 ``detail`` (the message), the validation ``errors`` and ``retry_after_s`` where there are any.
 The layer under the routes (service/jobs/, service/datasets/, service/records/) raises them
 without knowing HTTP; service/api/problems.py makes every one an RFC 9457 problem, the one place
-errors become HTTP (its ``ApiError`` is the refusal of the HTTP layer itself: a method, a
-header, a body).
+errors become HTTP (its ``ApiError`` is what the HTTP layer itself refuses, with HTTP headers
+of its own).
 """
 
 from __future__ import annotations
@@ -170,7 +170,6 @@ class QuotaExceededError(RefusedError):
         super().__init__(message, retry_after_s=retry_after_s)
         self.quota = quota
         self.limit = limit
-        self.retry_after_s: int = retry_after_s
 
 
 class EmbeddedServerError(BnadaptError):

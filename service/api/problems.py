@@ -64,9 +64,8 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 class ApiError(RefusedError):
-    """A refusal of the HTTP layer itself (a method, a header, a body, the edge's checks): any
-    status, and the headers it answers with (``Allow``, ``WWW-Authenticate``,
-    ``Retry-After``)."""
+    """What the HTTP layer itself refuses (the routes, the edge, the transfers): any status,
+    and the headers it answers with (``Allow``, ``WWW-Authenticate``, ``Retry-After``)."""
 
     def __init__(
         self,
