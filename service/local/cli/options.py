@@ -1,0 +1,47 @@
+"""What several ``bnadapt`` commands declare alike: argument types and options."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TypeAlias
+
+__all__ = ["Commands", "add_id", "add_page_size", "add_redis_url", "positive_int", "seconds"]
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from exc
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected 0 or more seconds, got {text}")
+    return value
+
+
+def add_redis_url(parser: argparse.ArgumentParser) -> None:
+    """The operators' commands talk to Redis directly."""
+    parser.add_argument("--redis-url", help="default: BNADAPT_REDIS_URL")
+
+
+def add_id(parser: argparse.ArgumentParser, name: str, what: str) -> None:
+    parser.add_argument(name, help=f"the {what}'s id (as listed by `bnadapt {what}s list`)")
+
+
+def add_page_size(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--page-size", type=positive_int, default=50, help="how many to list (default: 50)"
+    )
+
+
+# What `add_subparsers` returns: each module's `declare_*` adds its commands to one.
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
