@@ -40,16 +40,16 @@ milliseconds, so a share would slow a lone upload for nothing. The tenant is the
 # NOTE [ Bytes at a lower priority ]
 Threads of their own are not enough on a busy machine. A thread hashing 4 MiB holds a processor
 for milliseconds without the GIL, and the request path's threads then wait for a processor as
-much as for the interpreter: with 20 uploads of 64 MiB at once, another tenant's status read
-took 190 ms at the 99th percentile where it took 7 ms alone, with the API on a processor of its
-own. So these threads run at a lower processor priority (``BNADAPT_API_COPY_NICE``, a nice
-value added to the API's; Linux sets it per thread): the kernel then runs a request's thread
-first whenever it is ready, and the bytes take the time the requests leave. With the same flood
-that read's p99 came to 1.1-4.6x its quiet figure (2.4x at the median of 7 runs one morning,
-3.0-4.6x in 5 runs later that day; 1.57-2.58x on a quiet machine with every thread pinned),
-where it was 12-22x (bench/RESULTS.md, the noisy-neighbour rows). Not lower, because a
-thread at a low priority that runs Python holds the GIL while the kernel runs it last: the
-requests then wait for it (a priority inversion, measured there).
+much as for the interpreter: during a flood of large uploads another tenant's status reads slow
+down many times over, even with the API on a processor of its own. So these threads run at a
+lower processor priority (``BNADAPT_API_COPY_NICE``, a nice value added to the API's; Linux sets
+it per thread): the kernel then runs a request's thread first whenever it is ready, and the
+bytes take the time the requests leave (the reads' p99 at each priority:
+bench/history/2026-12-07-bytes-uploads-below-requests.md). That does not bring the reads back to
+their quiet figure, because a thread at a low priority that runs Python holds the GIL while the
+kernel runs it last: the requests then wait for it (a priority inversion:
+bench/history/2026-12-07-noisy-neighbour-slow-reads-fall.md; what removes it is NOTE [ Upload
+bytes in processes of their own ] in service/api/routes/uploads.py).
 The uploads are as fast when the processor has room; when it has none (a worker's jobs on the
 same machine too), they slow down, not the API.
 """

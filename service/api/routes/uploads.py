@@ -16,16 +16,16 @@ it like ``POST /v1/datasets`` and registers it.
 An upload's bytes cost the API processor time (receiving, hashing, writing, joining), and in the
 API's own interpreter they slow every other request: threads at a lower priority help (NOTE
 [ Bytes at a lower priority ] in service/api/offload.py) but a low-priority thread that holds
-the GIL makes the requests wait for it, and another tenant's status reads stayed 3-4.6x slower
-during 20 large uploads. So an operator may run API processes of their own for these bytes (the
+the GIL makes the requests wait for it, and another tenant's status reads stay slower during a
+flood of large uploads. So an operator may run API processes of their own for these bytes (the
 same app, at a lower priority: ``bnadapt up --uploads-nice``, or a service of its own behind the
 proxy) and set ``BNADAPT_UPLOADS_URL`` to their base URL on the API: every upload then names it
 in ``transfer_url``, and the Python client sends the upload's parts and its completion there,
 with the same key (every API process shares Redis and the store, so either answers for any
-upload). With the same flood the status reads then came to 0.99-1.37x their quiet p99 (6 of 6
-runs, median 1.21x; 1.57-2.58x with the bytes in the main API, bench/RESULTS.md, measured on a
-quiet machine with every thread pinned). Creating, reading and deleting an upload stay with the
-main API; a client that ignores ``transfer_url`` still works.
+upload). The status reads during such a flood, with the bytes apart and with them in the main
+API: figure `noisy-neighbour-reads` in bench/RESULTS.md
+(bench/history/2026-12-07-noisy-neighbour-quiet-machine-every-thread.md). Creating, reading and
+deleting an upload stay with the main API; a client that ignores ``transfer_url`` still works.
 """
 
 from __future__ import annotations
