@@ -4,6 +4,7 @@ one made (NOTE [ Idempotency lease ])."""
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Final
 
 from api_schemas import JobPublic
@@ -28,8 +29,11 @@ IDEMPOTENCY_TTL_S: Final = 24 * 3600
 
 def body_sha256(request: AnyJobCreate) -> str:
     """The digest a key is bound to with its job: the parsed request, so that two bodies
-    that differ only in spelling (key order, spaces, defaults left out) are the same request."""
-    return hashlib.sha256(request.model_dump_json().encode()).hexdigest()
+    that differ only in spelling (key order, spaces, defaults left out) are the same request.
+    Its keys sorted, so that the order the classes declare their fields in (a field moved to
+    a base class comes first) leaves the digest of a request as it was."""
+    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def existing_for_key(
