@@ -32,6 +32,9 @@ __all__ = [
     "Measured",
     "add_record_options",
     "load_figures",
+    "met",
+    "spread",
+    "threads_text",
     "write_figures",
 ]
 
@@ -109,6 +112,22 @@ class Measured:
     value: float | str
     target: str
     unit: str = ""
+
+
+def spread(median: float, low: float, high: float, digits: int = 3) -> str:
+    """A ratio as the records give it: the median, its spread in brackets (``1.002
+    (0.985-1.024)``)."""
+    return f"{median:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
+
+
+def threads_text(threads: int) -> str:
+    """``"1 thread"``, ``"2 threads"``: how a figure names the threads it ran on."""
+    return f"{threads} thread{'' if threads == 1 else 's'}"
+
+
+def met(goal: str, holds: bool) -> str:
+    """A record's target: the goal and whether this run met it (``"<= 1.02: met"``)."""
+    return f"{goal}: {'met' if holds else 'missed'}"
 
 
 def add_record_options(parser: argparse.ArgumentParser) -> None:

@@ -1,10 +1,11 @@
 """bench/RESULTS.md's current-figures table is what ``python -m bench.results`` makes of the
 records in bench/figures/ (NOTE [ Figures in one place ] in bench/results.py), within its bounds,
-and every record names a bench that exists. Runs no bench."""
+and every record names a bench that exists and writes it. Runs no bench."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import re
 from pathlib import Path
@@ -54,6 +55,35 @@ def test_every_record_names_a_bench_module(figures: list[Figure]) -> None:
         assert not leaf.startswith("_"), f"{figure.name}: {figure.module} is a helper, not a bench"
         assert importlib.util.find_spec(figure.module) is not None, (
             f"{figure.name}: no module {figure.module}"
+        )
+
+
+def _written_names(module: str) -> set[str]:
+    """The string constants of ``module``'s source when it calls ``write_figures`` (the record
+    names it can write), else none: read, not imported or run."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, f"no module {module}"
+    tree = ast.parse(Path(spec.origin).read_text())
+    calls = {
+        node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+    }
+    if "write_figures" not in calls:
+        return set()
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+
+
+def test_every_record_is_written_by_the_bench_its_command_names(figures: list[Figure]) -> None:
+    """A record no bench writes would stay in the table, its figure never measured again."""
+    for figure in figures:
+        assert figure.name in _written_names(figure.module), (
+            f"{figure.name}: {figure.module} does not write it; give its figures to "
+            "bench.recording.write_figures with the name as a string, or retire the record"
         )
 
 

@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 from typing import Final
 
 __all__ = [
+    "AutoSummary",
     "Results",
     "Verdict",
     "accuracy_tables",
     "auto_choice_table",
+    "auto_summary",
     "auto_verdicts",
     "main_table",
+    "noise_gains",
     "target_lines",
     "verdicts",
 ]
@@ -109,6 +112,16 @@ def _severities(results: Results, shift: str) -> list[str]:
     ]
 
 
+def noise_gains(results: Results) -> dict[str, float | None]:
+    """Points `precise` on all the test digits gains over the source model, at each severity of
+    Gaussian noise (None: the job failed)."""
+    gains: dict[str, float | None] = {}
+    for condition in _severities(results, NOISE_SHIFT):
+        acc = results.adapted.get((condition, "precise", results.num_test))
+        gains[condition] = None if acc is None else 100 * (acc - results.source[condition])
+    return gains
+
+
 def verdicts(results: Results, clean: str) -> list[Verdict]:
     """Each target checked at every severity (and, for clean data, every estimator)."""
     n = results.num_test
@@ -130,10 +143,10 @@ def verdicts(results: Results, clean: str) -> list[Verdict]:
                     gap is not None and gap <= PRECISE_WITHIN_CLEAN_POINTS,
                 )
             )
-    for condition in [c for shift in noise_shifts for c in _severities(results, shift)]:
+    gains = noise_gains(results) if noise_shifts else {}
+    for condition, gain in gains.items():
         acc = results.adapted.get((condition, "precise", n))
         source = results.source[condition]
-        gain = None if acc is None else 100 * (acc - source)
         found.append(
             Verdict(
                 f"precise gains >= {NOISE_GAIN_POINTS:g} points on noise",
@@ -192,6 +205,71 @@ def auto_choice_table(results: Results, autos: Sequence[str], labels: dict[str, 
     return lines
 
 
+def _losses(results: Results, auto: str, n: int) -> dict[str, float]:
+    """Points ``auto`` at ``n`` samples loses against the source model, by condition (the
+    conditions whose job failed left out)."""
+    return {
+        c: 100 * (results.source[c] - results.adapted[c, auto, n])
+        for c in results.conditions
+        if (c, auto, n) in results.adapted and c in results.source
+    }
+
+
+def _mean_gain(results: Results, shifted: Sequence[str], estimator: str, n: int) -> float | None:
+    """Mean points gained over the source model across ``shifted`` (None: a job failed)."""
+    gains = [
+        results.adapted[c, estimator, n] - results.source[c]
+        for c in shifted
+        if (c, estimator, n) in results.adapted
+    ]
+    return 100 * sum(gains) / len(gains) if len(gains) == len(shifted) else None
+
+
+@dataclass(frozen=True)
+class _Gains:
+    """``auto``'s mean gain at one n against the best fixed estimator's."""
+
+    auto: float | None
+    best: str
+    best_gain: float | None
+
+    @property
+    def share(self) -> float | None:
+        return None if self.auto is None or not self.best_gain else self.auto / self.best_gain
+
+
+def _gains(
+    results: Results, shifted: Sequence[str], auto: str, n: int, fixed: Sequence[str]
+) -> _Gains:
+    best = max(fixed, key=lambda e: _mean_gain(results, shifted, e, n) or -1e9)
+    return _Gains(
+        _mean_gain(results, shifted, auto, n), best, _mean_gain(results, shifted, best, n)
+    )
+
+
+@dataclass(frozen=True)
+class AutoSummary:
+    """``auto`` over every condition and n: its worst change against the source model, in
+    points (negative: a loss), and the least and most share its mean gain is of the best fixed
+    estimator's; None where a job failed."""
+
+    worst_change: float | None
+    shares: tuple[float, float] | None
+
+
+def auto_summary(results: Results, clean: str, auto: str, fixed: Sequence[str]) -> AutoSummary:
+    shifted = [c for c in results.conditions if c != clean]
+    losses = [_losses(results, auto, n) for n in results.sample_counts]
+    complete = all(len(found) == len(results.conditions) for found in losses)
+    worst = max(loss for found in losses for loss in found.values()) if complete else None
+    shares = [_gains(results, shifted, auto, n, fixed).share for n in results.sample_counts]
+    known = [share for share in shares if share is not None]
+    return AutoSummary(
+        None if worst is None else -worst,
+        (min(known), max(known)) if known and len(known) == len(shares) else None,
+    )
+
+
 def auto_verdicts(
     results: Results, clean: str, autos: Sequence[str], fixed: Sequence[str]
 ) -> list[Verdict]:
@@ -203,11 +281,7 @@ def auto_verdicts(
     for auto in autos:
         for n in results.sample_counts:
             where = f"{auto}, n={_n_label(n, results.num_test)}"
-            losses = {
-                c: 100 * (results.source[c] - results.adapted[c, auto, n])
-                for c in results.conditions
-                if (c, auto, n) in results.adapted and c in results.source
-            }
+            losses = _losses(results, auto, n)
             missing = len(results.conditions) - len(losses)
             worst = max(losses, key=lambda c: losses[c]) if losses else "none"
             found.append(
@@ -219,23 +293,13 @@ def auto_verdicts(
                     not missing and losses[worst] <= AUTO_LOSS_POINTS,
                 )
             )
-
-            def mean_gain(estimator: str, n: int = n) -> float | None:
-                gains = [
-                    results.adapted[c, estimator, n] - results.source[c]
-                    for c in shifted
-                    if (c, estimator, n) in results.adapted
-                ]
-                return 100 * sum(gains) / len(gains) if len(gains) == len(shifted) else None
-
-            best = max(fixed, key=lambda e: mean_gain(e) or -1e9)
-            auto_gain, best_gain = mean_gain(auto), mean_gain(best)
-            share = None if auto_gain is None or not best_gain else auto_gain / best_gain
+            gains = _gains(results, shifted, auto, n, fixed)
+            share = gains.share
             found.append(
                 Verdict(
                     f"auto's mean gain >= {AUTO_GAIN_SHARE:.0%} of the best fixed estimator's",
                     where,
-                    f"{auto_gain or 0:+.2f} vs {best} {best_gain or 0:+.2f} over "
+                    f"{gains.auto or 0:+.2f} vs {gains.best} {gains.best_gain or 0:+.2f} over "
                     f"{len(shifted)} conditions" + ("" if share is None else f" ({share:.0%})"),
                     share is not None and share >= AUTO_GAIN_SHARE,
                 )

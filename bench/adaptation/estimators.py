@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from bench.recording import Measured, add_record_options, met, spread, threads_text, write_figures
 from workers.estimators.base import select_batchnorm
 from workers.estimators.moving_averages import adapt_batchnorm
 from workers.estimators.precise import precise_batchnorm
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true")
+    add_record_options(parser)
     args = parser.parse_args()
     if args.quick:
         args.batches, args.batch, args.repeats = 3, 8, 2
@@ -103,13 +105,24 @@ def main() -> None:
     print("| pass | median s | median ratio to bare | min ratio | max ratio | target |")
     print("|---|---|---|---|---|---|")
     print(f"| bare no-grad train-mode forward | {statistics.median(bare):.3f} | 1 | | | |")
+    medians: dict[str, float] = {}
+    spreads: dict[str, str] = {}
     for name in ("precise", "cumulative"):
         ratios = [t / b for t, b in zip(times[name], bare, strict=True)]
+        medians[name] = statistics.median(ratios)
+        spreads[name] = spread(medians[name], min(ratios), max(ratios))
         print(
             f"| {name} | {statistics.median(times[name]):.3f} | "
             f"{statistics.median(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} | "
             f"<= {TARGET} |"
         )
+    threads = threads_text(args.threads)
+    figure = f"`precise` / `cumulative` pass / bare no-grad train-mode forward, {threads}"
+    value = f"{spreads['precise']} / {spreads['cumulative']}"
+    target = met(f"<= {TARGET}", max(medians.values()) <= TARGET)
+    write_figures(
+        "bench.adaptation.estimators", args, [Measured("estimator-passes", figure, value, target)]
+    )
 
 
 if __name__ == "__main__":

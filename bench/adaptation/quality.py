@@ -60,15 +60,22 @@ from typing import Any, Final
 from api_schemas import JobPublic, JobStatus
 from api_schemas.reports import Metrics
 from bench.adaptation._quality_report import (
+    AUTO_GAIN_SHARE,
+    AUTO_LOSS_POINTS,
+    NOISE_GAIN_POINTS,
+    PRECISE_WITHIN_CLEAN_POINTS,
     Results,
     accuracy_tables,
     auto_choice_table,
+    auto_summary,
     auto_verdicts,
     main_table,
+    noise_gains,
     target_lines,
     verdicts,
 )
 from bench.adaptation._quality_shifts import CLEAN, SHIFTS, condition_names, shifted
+from bench.recording import Measured, add_record_options, met, write_figures
 from bench.service.stack import BenchStack, cpu_seconds
 from harness.servers import new_redis_server
 from service.client import Client, new_model_id
@@ -404,6 +411,48 @@ def markdown(results: Results, facts: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
+def precise_figure(results: Results) -> Measured:
+    """`precise` on all the shifted test digits: how many severities of contrast, brightness
+    and scale end within the target of clean accuracy, and its gain on each noise severity."""
+    within = [v for v in verdicts(results, CLEAN) if v.target.startswith("precise within")]
+    gains = list(noise_gains(results).values())
+    noise = " / ".join("failed" if gain is None else f"{gain:+.1f}" for gain in gains)
+    holds = all(v.holds for v in within) and all(
+        gain is not None and gain >= NOISE_GAIN_POINTS for gain in gains
+    )
+    points = f"{PRECISE_WITHIN_CLEAN_POINTS:g}"
+    return Measured(
+        "quality-precise",
+        f"`precise` on {results.num_test} shifted digits: within {points} points of clean; "
+        "noise gain",
+        f"{sum(v.holds for v in within)} of {len(within)} severities within {points}; "
+        f"noise {noise}",
+        met(f"within {points} / >= {NOISE_GAIN_POINTS:g} points", holds),
+    )
+
+
+def auto_figure(results: Results, seed: int) -> Measured:
+    """`auto` over every condition and n: its worst change against the source model and its
+    mean gain's share of the best fixed estimator's."""
+    fixed = [e for e in FIXED if e in results.estimators]
+    summary = auto_summary(results, CLEAN, "auto", fixed)
+    worst, shares = summary.worst_change, summary.shares
+    share_text = "failed" if shares is None else f"{100 * shares[0]:.0f}-{100 * shares[1]:.0f} %"
+    holds = (
+        worst is not None
+        and worst >= -AUTO_LOSS_POINTS
+        and shares is not None
+        and shares[0] >= AUTO_GAIN_SHARE
+    )
+    return Measured(
+        "quality-auto",
+        f"`auto`, {len(results.conditions)} conditions, seed {seed}: worst loss / gain as share "
+        "of the best fixed estimator's",
+        f"{'failed' if worst is None else f'{worst:+.1f}'} points / {share_text}",
+        met(f">= {-AUTO_LOSS_POINTS:g} / >= {AUTO_GAIN_SHARE:.0%}", holds),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run; numbers mean little")
@@ -428,6 +477,7 @@ def main() -> None:
         "and its training keep seed 0",
     )
     parser.add_argument("--json", type=Path, help="also write every accuracy and job count here")
+    add_record_options(parser)
     args = parser.parse_args()
     plan = QUICK if args.quick else AUTO if args.auto else FULL
     command = ".venv/bin/python -m bench.adaptation.quality" + (
@@ -451,6 +501,10 @@ def main() -> None:
         data["choices"] = [[*key, kept] for key, kept in results.choices.items()]
         args.json.write_text(json.dumps({"results": data, "facts": facts}, indent=2))
     print(markdown(results, facts, command))
+    # --auto's plan runs the auto estimator against the fixed ones that can be the best; the
+    # full plan holds every estimator on all the test digits, which `precise`'s targets need.
+    found = [auto_figure(results, plan.seed) if args.auto else precise_figure(results)]
+    write_figures("bench.adaptation.quality", args, found)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,17 @@ from pathlib import Path
 from typing import Any
 
 from bench import REPO
-from bench.data.datasets import IMAGES_HEAD, IMAGES_TAIL, PASS, pass_row, run_in
+from bench.data.datasets import (
+    IMAGES_HEAD,
+    IMAGES_TAIL,
+    PASS,
+    pass_ratio,
+    pass_row,
+    pass_target,
+    run_in,
+)
 from bench.data.decode import write_photo_tar
+from bench.recording import Measured, add_record_options, write_figures
 
 ARCHITECTURE = "torchvision.resnet18"
 SIZES = ((500, 375), (375, 500))  # (width, height)
@@ -142,6 +151,19 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def figure(results: dict[str, Any]) -> Measured:
+    """The record of the run with the most loader processes."""
+    loaders = max(results["image_tar"])
+    row = results["image_tar"][loaders]
+    return Measured(
+        "zoo-adapt-pass",
+        f"{results['architecture']} adapted in a job on {row['samples']} photos / bare loop, "
+        f"{loaders} loaders",
+        pass_ratio(row),
+        pass_target([row]),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=256)
@@ -150,12 +172,14 @@ def main() -> None:
     parser.add_argument("--loaders", type=int, nargs="*", default=[0, 2])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    add_record_options(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="zoo_bench_", dir=args.dir))
     try:
         found = run(args, work)
         print(json.dumps(found, indent=2))
         print(table(found))
+        write_figures("bench.adaptation.zoo", args, [figure(found)])
     finally:
         subprocess.run(["rm", "-rf", str(work)], check=False)
 

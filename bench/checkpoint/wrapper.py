@@ -64,6 +64,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from bench import REPO
 from bench.checkpoint._resnet import CLASSES, IMAGE_SIZE, Block, ResNet
+from bench.recording import Measured, add_record_options, met, spread, threads_text, write_figures
 from bnadapt.checkpoint import apply_checkpointing, checkpoint_wrapper
 
 # One of the 2 cores of the machine the results were taken on, fixed for every run: it is
@@ -403,6 +404,13 @@ def memory_row(name: str, ours: MemoryResult, baseline: MemoryResult, target: fl
     )
 
 
+def per_block_call_us(timing: PairedTiming) -> float:
+    """The wrapper's fixed cost per block call: the median paired difference of the steps over
+    the blocks, in microseconds."""
+    differences = [m - b for m, b in zip(timing.measured_s, timing.baseline_s, strict=True)]
+    return statistics.median(differences) / len(ResNet().blocks) * 1e6
+
+
 def report(
     timings: dict[str, PairedTiming],
     memory: dict[str, MemoryResult],
@@ -441,13 +449,10 @@ def report(
     for key, timing in timings.items():
         lines.append(timing_row(*rows[key][:2], timing, rows[key][2]))
     if "launch" in timings:
-        timing = timings["launch"]
-        differences = [m - b for m, b in zip(timing.measured_s, timing.baseline_s, strict=True)]
-        blocks = len(ResNet().blocks)
         lines += [
             "",
             f"Launch-bound: the wrapper's fixed cost per block call (median paired difference "
-            f"over {blocks} blocks): {statistics.median(differences) / blocks * 1e6:.0f} us.",
+            f"over {len(ResNet().blocks)} blocks): {per_block_call_us(timings['launch']):.0f} us.",
         ]
     if memory:
         lines.append("")
@@ -468,6 +473,95 @@ def report(
                 f"| {result.peak_mib:.0f} MiB | {result.delta_mib:.0f} MiB |"
             )
     return "\n".join(lines)
+
+
+def ratio_text(timing: PairedTiming) -> str:
+    """The median paired ratio with its quartiles, as the records give it."""
+    low, median, high = timing.ratio_quartiles()
+    return spread(median, low, high)
+
+
+def ratio_met(timing: PairedTiming, target: float) -> bool:
+    return timing.ratio_quartiles()[1] <= target
+
+
+def figures(
+    timings: dict[str, PairedTiming],
+    memory: dict[str, MemoryResult],
+    device: torch.device,
+    threads: int,
+) -> list[Measured]:
+    """The records of the measurements that ran: on a GPU the eager train and adaptation steps
+    in one figure, on the CPU each its own."""
+    found: list[Measured] = []
+    count = threads_text(threads)
+    at = f"at {count}"
+    if device.type == "cuda":
+        if "train" in timings and "adapt" in timings:
+            train, adapt = timings["train"], timings["adapt"]
+            found.append(
+                Measured(
+                    "checkpoint-gpu-step",
+                    "on a GPU: eager train step / no-grad adaptation step, wrapper / torch",
+                    f"{ratio_text(train)} / {ratio_text(adapt)}",
+                    met(
+                        f"<= {TRAIN_TARGET} / {ADAPT_TARGET}",
+                        ratio_met(train, TRAIN_TARGET) and ratio_met(adapt, ADAPT_TARGET),
+                    ),
+                )
+            )
+        return found
+    if "train" in timings:
+        found.append(
+            Measured(
+                "checkpoint-train-step",
+                f"wrapper train step / torch's checkpoint, ResNet 8 blocks, batch {BATCH}",
+                f"{ratio_text(timings['train'])} {at}",
+                met(f"<= {TRAIN_TARGET}", ratio_met(timings["train"], TRAIN_TARGET)),
+            )
+        )
+    if "compiled" in timings:
+        found.append(
+            Measured(
+                "checkpoint-compiled-step",
+                f"the same train step, both compiled with {COMPILE_BACKEND}",
+                f"{ratio_text(timings['compiled'])} {at}",
+                met(f"<= {COMPILED_TARGET}", ratio_met(timings["compiled"], COMPILED_TARGET)),
+            )
+        )
+    if "adapt" in timings:
+        found.append(
+            Measured(
+                "checkpoint-adapt-step",
+                f"no-grad adaptation step, wrapper / unwrapped, {count}",
+                ratio_text(timings["adapt"]),
+                met(f"<= {ADAPT_TARGET}", ratio_met(timings["adapt"], ADAPT_TARGET)),
+            )
+        )
+    if "launch" in timings:
+        found.append(
+            Measured(
+                "checkpoint-launch-bound",
+                f"launch-bound train step ({LAUNCH_BATCH} images of "
+                f"{LAUNCH_IMAGE_SIZE}x{LAUNCH_IMAGE_SIZE}), wrapper / torch's checkpoint",
+                f"{ratio_text(timings['launch'])}: "
+                f"{per_block_call_us(timings['launch']):.0f} us per block call",
+                "none (the fixed cost per call)",
+            )
+        )
+    if memory:
+        ours = memory["bnadapt"].delta_mib
+        ratio = ours / memory["torch"].delta_mib
+        found.append(
+            Measured(
+                "checkpoint-memory",
+                "train-step peak memory, wrapper / torch's checkpoint "
+                f"(/ none: {ours / memory['none'].delta_mib:.3f})",
+                round(ratio, 3),
+                met(f"<= {MEMORY_TARGET}", ratio <= MEMORY_TARGET),
+            )
+        )
+    return found
 
 
 PROFILE_STEPS = 10
@@ -543,6 +637,7 @@ def main() -> None:
         choices=VARIANTS,
         help="internal: measure this variant's train-step memory and print it as JSON",
     )
+    add_record_options(parser)
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     if args.pairs is not None:
@@ -612,6 +707,7 @@ def main() -> None:
         f"\n1-minute load average: {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} "
         f"at the end, on {os.cpu_count()} CPUs (other work on the machine widens the quartiles)."
     )
+    write_figures("bench.checkpoint.wrapper", args, figures(timings, memory, device, args.threads))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import numpy as np
 
 from api_schemas import JobStatus
 from bench import REPO
+from bench.recording import Measured, add_record_options, met, spread, write_figures
 from harness.stack import Stack, job_payload, running_stack
 from service.client import Client
 
@@ -53,6 +54,10 @@ MIB = 1024 * 1024
 CHUNK = 8 * MIB
 # A request may take this long: the upload of the largest set (gigabytes) in one body.
 UPLOAD_TIMEOUT_S = 3600.0
+# A full pass's throughput, bare time over job time, at least this.
+PASS_TARGET = 0.9
+# The API's peak RSS growth during an upload, at most this: it streams the body, whatever its size.
+UPLOAD_MEMORY_TARGET_MIB = 64.0
 
 
 def write_npz(path: Path, samples: int, seed: int = 0) -> None:
@@ -407,6 +412,59 @@ def pass_row(samples: int, job: list[dict], bare: list[dict]) -> dict[str, Any]:
     }
 
 
+def pass_ratio(row: dict[str, Any]) -> str:
+    """A pass row's ratio as the records give it: the median with its quartiles."""
+    low, median, high = row["ratio_quartiles"]
+    return spread(median, low, high)
+
+
+def pass_target(rows: list[dict[str, Any]]) -> str:
+    """The pass target, met when every row's median ratio meets it."""
+    medians = [row["ratio_quartiles"][1] for row in rows]
+    return met(f">= {PASS_TARGET:g}", min(medians) >= PASS_TARGET)
+
+
+def passes_figures(results: dict[str, Any]) -> list[Measured]:
+    tars = results["image_tar"]
+    mmap = Measured(
+        "data-mmap-pass",
+        "full adapt pass on a memory-mapped uint8 npz / bare loop over the array",
+        pass_ratio(results["mmap_uint8"]),
+        pass_target([results["mmap_uint8"]]),
+    )
+    tar = Measured(
+        "data-tar-pass",
+        "full adapt pass on a JPEG tar / bare DataLoader, "
+        + " / ".join(map(str, tars))
+        + " loader processes",
+        " / ".join(f"{row['ratio_quartiles'][1]:.3f}" for row in tars.values()),
+        pass_target(list(tars.values())),
+    )
+    return [mmap, tar]
+
+
+def upload_figures(uploads: list[dict[str, Any]]) -> list[Measured]:
+    """The API's memory growth during the streamed uploads, the largest first."""
+    streamed = sorted(
+        (row for row in uploads if row["form"] == "streamed body"),
+        key=lambda row: row["bytes"],
+        reverse=True,
+    )
+    growth = [row["api_peak_rss_increase_mib"] for row in streamed]
+    figure = "API memory growth during " + " / ".join(
+        f"a {row['bytes'] / 2**30:.1f} GiB upload" for row in streamed
+    )
+    return [
+        Measured(
+            "data-upload-memory",
+            figure,
+            " / ".join(f"{mib:+.1f}" for mib in growth),
+            met(f"<= {UPLOAD_MEMORY_TARGET_MIB:g} MiB", max(growth) <= UPLOAD_MEMORY_TARGET_MIB),
+            "MiB",
+        )
+    ]
+
+
 def passes_table(results: dict[str, Any]) -> str:
     """The markdown table of bench/RESULTS.md for ``passes``' results."""
     rows = [("mmap'd uint8 npz", results["mmap_uint8"])]
@@ -540,6 +598,7 @@ def main() -> None:
     parser.add_argument(
         "--pairs", type=int, default=3, help="--passes: job/bare pairs per configuration"
     )
+    add_record_options(parser)
     args = parser.parse_args()
     if args.passes:
         work = Path(tempfile.mkdtemp(prefix="data_bench_", dir=args.dir))
@@ -547,6 +606,7 @@ def main() -> None:
             found = passes(args, work)
             print(json.dumps(found, indent=2))
             print(passes_table(found))
+            write_figures("bench.data.datasets", args, passes_figures(found))
         finally:
             subprocess.run(["rm", "-rf", str(work)], check=False)
         return
@@ -611,6 +671,7 @@ def main() -> None:
     finally:
         subprocess.run(["rm", "-rf", str(work)], check=False)
     print(json.dumps(results, indent=2))
+    write_figures("bench.data.datasets", args, upload_figures(results["uploads"]))
 
 
 if __name__ == "__main__":

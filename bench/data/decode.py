@@ -28,7 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from bench import REPO
-from bench.data.datasets import IMAGES_HEAD, IMAGES_TAIL, PASS, pass_row, run_in
+from bench.data.datasets import (
+    IMAGES_HEAD,
+    IMAGES_TAIL,
+    PASS,
+    pass_ratio,
+    pass_row,
+    pass_target,
+    run_in,
+)
+from bench.recording import Measured, add_record_options, write_figures
 
 BARE_FASTEST = (
     IMAGES_HEAD
@@ -168,12 +177,17 @@ def main() -> None:
     parser.add_argument("--loaders", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    add_record_options(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="decode_bench_", dir=args.dir))
     try:
         found = run(args, work)
         print(json.dumps(found, indent=2))
         print(table(found, args.loaders))
+        figure = "adapt pass on photos / bare loop, Pillow's reduced decoding: " + "; ".join(found)
+        value = "; ".join(pass_ratio(row) for row in found.values())
+        target = pass_target(list(found.values()))
+        write_figures("bench.data.decode", args, [Measured("photo-pass", figure, value, target)])
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

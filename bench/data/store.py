@@ -46,6 +46,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from bench.recording import Measured, add_record_options, met, spread, write_figures
 from harness.digits import digits_npz
 from harness.servers import S3Server, new_redis_server, new_s3_server
 from harness.stack import Client, running_stack
@@ -55,6 +56,10 @@ from service.store.cache import ObjectCache
 from service.store.s3 import S3Store
 
 MIB = 1024 * 1024
+# The service's transfers, throughput against boto3's alone: at least this.
+THROUGHPUT_TARGET = 0.8
+# A small adapt job's time on the S3 store against the local store: at most this.
+SMALL_JOB_TARGET = 1.5
 
 
 class Cost(NamedTuple):
@@ -284,6 +289,51 @@ def http_upload(
     return {"http_up": size / api_s, "http_boto_up": size / boto_s, "http_bytes": size}
 
 
+def pair_ratios(costs: dict[str, list[Cost]], way: str, base: str) -> list[float]:
+    """Service throughput over boto3's, pair by pair, in ascending order."""
+    return sorted(b.wall_s / s.wall_s for s, b in zip(costs[way], costs[base], strict=True))
+
+
+def size_text(mib: int) -> str:
+    return f"{mib / 1024:g} GiB" if mib >= 1024 else f"{mib} MiB"
+
+
+def throughput_figures(costs: dict[str, list[Cost]], mib: int) -> list[Measured]:
+    """The records of part 1's store transfers: the median ratio with its spread (min-max)."""
+    size = size_text(mib)
+    records = (
+        (
+            "s3-write",
+            f"{size} write to the S3 store with its digest / boto3 alone, same SeaweedFS",
+            "service_up",
+            "boto_up",
+        ),
+        (
+            "s3-write-no-digest",
+            f"{size} write without a digest (no X-Content-SHA256) / boto3 alone",
+            "service_up_unknown",
+            "boto_up_unknown",
+        ),
+        (
+            "s3-read",
+            f"{size} read into a worker's cache / boto3 alone",
+            "service_down",
+            "boto_down",
+        ),
+    )
+    found = []
+    for name, figure, way, base in records:
+        ratios = pair_ratios(costs, way, base)
+        median = statistics.median(ratios)
+        target = (
+            "none (spooled, then uploaded)"
+            if name == "s3-write-no-digest"
+            else met(f">= {THROUGHPUT_TARGET:g}", median >= THROUGHPUT_TARGET)
+        )
+        found.append(Measured(name, figure, spread(median, ratios[0], ratios[-1], 2), target))
+    return found
+
+
 def report_throughput(
     costs: dict[str, list[Cost]], cache: dict[str, float], mib: int, settings: str
 ) -> None:
@@ -295,7 +345,7 @@ def report_throughput(
     print("   CPU = median seconds of CPU of this process / of the S3 server per transfer)")
     for label, way, base in MEASURES:
         service, boto = costs[way], costs[base]
-        ratios = sorted(b.wall_s / s.wall_s for s, b in zip(service, boto, strict=True))
+        ratios = pair_ratios(costs, way, base)
         print(
             f"  {label}: service {size / statistics.median(c.wall_s for c in service) / mb:6.1f}"
             f" MB/s, boto3 {size / statistics.median(c.wall_s for c in boto) / mb:6.1f} MB/s, "
@@ -320,7 +370,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3, help="interleaved pairs a measure")
     parser.add_argument("--part-mib", type=int, default=Settings().s3_part_bytes // MIB)
     parser.add_argument("--in-flight", type=int, default=Settings().s3_parts_in_flight)
+    add_record_options(parser)
     args = parser.parse_args()
+    found: list[Measured] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         server = new_s3_server(root / "s3")
@@ -332,6 +384,7 @@ def main() -> None:
                 )
                 settings = f"{args.part_mib} MiB parts, {args.in_flight} in flight"
                 report_throughput(costs, cache, args.mib, settings)
+                found += throughput_figures(costs, args.mib)
             if args.jobs or args.http_mib:
                 bucket = server.new_bucket()
                 s3_env = {**server.env, "BNADAPT_STORE_URL": f"s3://{bucket}/bench"}
@@ -339,11 +392,20 @@ def main() -> None:
                     root / "stacks", s3_env, args.jobs, args.http_mib, server.client()
                 )
                 if up:
+                    ratio = up["http_up"] / up["http_boto_up"]
+                    found.append(
+                        Measured(
+                            "s3-api-upload",
+                            f"{size_text(args.http_mib)} upload through the API (parts with "
+                            "X-Content-SHA256) / boto3 alone",
+                            round(ratio, 2),
+                            met(f">= {THROUGHPUT_TARGET:g}", ratio >= THROUGHPUT_TARGET),
+                        )
+                    )
                     print(
                         f"  dataset of {up['http_bytes'] / MIB:.0f} MiB through the API "
                         f"(an upload part, X-Content-SHA256): {up['http_up'] / 1e6:.1f} MB/s, "
-                        f"boto3 {up['http_boto_up'] / 1e6:.1f} MB/s, ratio "
-                        f"{up['http_up'] / up['http_boto_up']:.2f}"
+                        f"boto3 {up['http_boto_up'] / 1e6:.1f} MB/s, ratio {ratio:.2f}"
                     )
                 if args.jobs:
                     local_s, s3_s = statistics.median(local), statistics.median(s3)
@@ -351,8 +413,17 @@ def main() -> None:
                         f"adapt job, created to finished, median of {args.jobs}: local store "
                         f"{local_s:.3f} s, S3 store {s3_s:.3f} s, ratio {s3_s / local_s:.2f}"
                     )
+                    found.append(
+                        Measured(
+                            "s3-small-job",
+                            "small adapt job, S3 store / local store",
+                            round(s3_s / local_s, 2),
+                            met(f"<= {SMALL_JOB_TARGET:g}", s3_s / local_s <= SMALL_JOB_TARGET),
+                        )
+                    )
         finally:
             server.stop()
+    write_figures("bench.data.store", args, found)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
+from bench.recording import Measured, add_record_options, met, write_figures
 from harness.stack import running_stack
 from tests.e2e.chaos.chaos import FAULTS, run_chaos
 from tests.e2e.chaos.chaos_load import KILL_KINDS, run_load_chaos
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--redis-kills", type=int, default=3)
     parser.add_argument("--window", type=int, default=6)
     parser.add_argument("--sharded", action="store_true", help="sharded adapt jobs among them")
+    add_record_options(parser)
     args = parser.parse_args()
     if args.jobs:
         load(args)
@@ -121,6 +123,18 @@ def load(args: argparse.Namespace) -> None:
         items = getattr(tally, name)
         if items:
             print(f"{name}:", *items[:50], sep="\n  ")
+    kills = sum(tally.kills[kind] for kind in KILL_KINDS)
+    figure = (
+        f"chaos: {tally.jobs:,} jobs, {kills} kills of every process kind, "
+        f"{tally.kills['redis']} Redis kills"
+    )
+    lost, duplicated, stuck = len(tally.lost), len(tally.duplicated), len(tally.stuck)
+    value = (
+        f"{tally.outcomes['succeeded']:,} of {tally.jobs:,} succeeded, {lost} lost, "
+        f"{duplicated} duplicated, {stuck} stuck"
+    )
+    target = met("none lost, duplicated or stuck", lost + duplicated + stuck == 0)
+    write_figures("bench.service.chaos", args, [Measured("chaos-full-size", figure, value, target)])
 
 
 if __name__ == "__main__":

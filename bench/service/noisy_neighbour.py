@@ -63,6 +63,7 @@ import numpy as np
 import redis
 
 from api_schemas import JobPublic
+from bench.recording import Measured, add_record_options, met, write_figures
 from bench.service._registrations import (
     S3Sources,
     b_registrations,
@@ -78,6 +79,8 @@ from service.local.embedded import free_port
 from service.local.up import api_command
 
 MIB = 1024 * 1024
+# Issues 27 and 41: B's latencies under A's flood over B's alone, at most this.
+RATIO_TARGET = 2.0
 
 
 # Each job a short adapt pass: a worker's slot turns over every second or so.
@@ -591,6 +594,27 @@ def registrations_table(found: dict[str, Any]) -> str:
     )
 
 
+def registrations_figure(found: dict[str, Any]) -> Measured:
+    ratios = [found[f"{kind}_{at}_ratio"] for kind in ("dataset", "model") for at in ("p50", "p99")]
+    value = "datasets {:.2f}, {:.2f}; models {:.2f}, {:.2f}".format(*ratios)
+    return Measured(
+        "noisy-neighbour-registrations",
+        "B's registrations during A's uploads / B alone, p50; p99",
+        value,
+        met(f"<= {RATIO_TARGET:g}", max(ratios) <= RATIO_TARGET),
+    )
+
+
+def reads_figure(found: dict[str, Any]) -> Measured:
+    ratio = found["p99_ratio"]
+    return Measured(
+        "noisy-neighbour-reads",
+        "B's status-read p99 during A's flood / B alone",
+        f"{ratio:.2f}",
+        met(f"<= {RATIO_TARGET:g}", ratio <= RATIO_TARGET),
+    )
+
+
 def all_jobs(client: Client) -> list[JobPublic]:
     """Every job of the client's tenant, a page of 100 at a time (within its rate limit)."""
     jobs: list[JobPublic] = []
@@ -680,11 +704,14 @@ def main() -> None:
         "--model-threads", type=int, default=1, help="registrations: A's models at once"
     )
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    add_record_options(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="noisy_bench_", dir=args.dir))
     try:
         if args.phase == "registrations":
-            print(registrations_table(run_registrations(args, work)))
+            found = run_registrations(args, work)
+            print(registrations_table(found))
+            write_figures("bench.service.noisy_neighbour", args, [registrations_figure(found)])
             return
         found = run(args, work)
         print(
@@ -697,6 +724,7 @@ def main() -> None:
             f"| {found['a_accepted']} / {found['a_refused_429']} / {found['a_streams_open']} / "
             f"{found['a_uploads_done']} of {found['a_uploaded_mib']:.0f} MiB |"
         )
+        write_figures("bench.service.noisy_neighbour", args, [reads_figure(found)])
     finally:
         import shutil
 

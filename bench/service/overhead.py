@@ -57,15 +57,24 @@ import torch
 from sklearn.datasets import load_digits
 
 from api_schemas import JobPayload, new_id
+from bench.recording import Measured, add_record_options, met, spread, write_figures
 from bench.service._measure import CONCURRENCY, CpuWatch, merge, run_job, run_load
 from bench.service._report import (
+    ADAPT_TARGET,
+    OVERHEAD_TARGET_S,
+    READS_P99_TARGET_S,
+    READS_TARGET_PER_S,
+    SUBMITS_TARGET_PER_S,
     AdaptResult,
     CpuUse,
     JobTiming,
     LoadResult,
     adapt_table,
     load_table,
+    median,
     overhead_table,
+    percentile,
+    quartiles,
 )
 from bench.service.stack import BenchStack
 from harness.servers import new_redis_server
@@ -336,12 +345,62 @@ def versions(server: str) -> str:
     )
 
 
+def load_windows(loads: list[LoadResult], reads: bool) -> tuple[LoadResult, LoadResult]:
+    """The status reads' windows (or the submissions'): of one API process, and of the most."""
+    windows = [load for load in loads if load.what.startswith("GET") == reads]
+    by_processes = sorted(windows, key=lambda load: load.api_processes)
+    return by_processes[0], by_processes[-1]
+
+
+def figures(service: ServiceResults, adapt: AdaptResult) -> list[Measured]:
+    """The records of this run: measurement 1's target column, 2's windows with the most API
+    processes (the rate with one beside it), 3's paired ratio."""
+    overhead_s = median([t.overhead_s for t in service.tiny["unlabelled (target)"]])
+    one, reads = load_windows(service.loads, reads=True)
+    p99_ms = percentile(reads.latencies_ms, 99)
+    reads_goal = f">= {READS_TARGET_PER_S:,.0f}/s, p99 <= {READS_P99_TARGET_S * 1e3:.0f} ms"
+    reads_met = reads.rate >= READS_TARGET_PER_S and p99_ms <= READS_P99_TARGET_S * 1e3
+    one_submit, submits = load_windows(service.loads, reads=False)
+    submits_met = submits.rate >= SUBMITS_TARGET_PER_S and submits.errors == 0
+    low, mid, high = quartiles(adapt.ratios)
+    return [
+        Measured(
+            "service-overhead",
+            "service overhead per tiny adapt job (submit -> succeeded, less compute)",
+            round(overhead_s * 1e3, 1),
+            met(f"<= {OVERHEAD_TARGET_S * 1e3:.0f} ms", overhead_s <= OVERHEAD_TARGET_S),
+            "ms",
+        ),
+        Measured(
+            "service-status-reads",
+            f"status reads, {CONCURRENCY} clients, {reads.api_processes} API processes "
+            f"(1: {one.rate:,.0f}/s)",
+            f"{reads.rate:,.0f}/s, p99 {p99_ms:.0f} ms",
+            met(reads_goal, reads_met),
+        ),
+        Measured(
+            "service-submissions",
+            f"job submissions, {CONCURRENCY} clients, {submits.api_processes} API processes "
+            f"(1: {one_submit.rate:,.0f}/s)",
+            f"{submits.rate:,.0f}/s, {submits.errors} errors",
+            met(f">= {SUBMITS_TARGET_PER_S:,.0f}/s", submits_met),
+        ),
+        Measured(
+            "service-adapt-throughput",
+            "adaptation throughput in a job / bare no-grad loop",
+            spread(mid, low, high),
+            met(f">= {ADAPT_TARGET:g}", mid >= ADAPT_TARGET),
+        ),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run; numbers mean little")
     parser.add_argument(
         "--threads", type=int, default=DEFAULT_THREADS, help="torch threads of measurement 3"
     )
+    add_record_options(parser)
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     torch.set_num_threads(args.threads)
@@ -371,6 +430,7 @@ def main() -> None:
         *adapt_table(adapt, service.service_adapt, adapt_cpu, SLOW_POLL_INTERVAL_S),
     ]
     print("\n".join(lines))
+    write_figures("bench.service.overhead", args, figures(service, adapt))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import torch
 import torch._dynamo
 
 from api_schemas import Report
+from bench.recording import Measured, add_record_options, threads_text, write_figures
 from bench.training._jobs import Workload, run_job, workloads
 from service.store.local import LocalStore
 
@@ -48,14 +49,21 @@ def run(store: LocalStore, workload: Workload, compiled: bool) -> Report:
     return run_job(store, workload, device="cpu", compile=compiled)
 
 
+def steady_ratio(report: Report, eager: Report) -> float:
+    """Steady samples per second of ``report``'s job over the eager job's."""
+    assert report.steps is not None
+    assert eager.steps is not None
+    assert report.steps.steady_samples_per_s is not None
+    assert eager.steps.steady_samples_per_s is not None
+    return report.steps.steady_samples_per_s / eager.steps.steady_samples_per_s
+
+
 def row(name: str, run: str, report: Report, eager: Report) -> str:
     steps, base = report.steps, eager.steps
     assert steps is not None
     assert base is not None
-    assert steps.steady_samples_per_s is not None
-    assert base.steady_samples_per_s is not None
     wall = report.timings.compute_s / eager.timings.compute_s
-    steady = steps.steady_samples_per_s / base.steady_samples_per_s
+    steady = steady_ratio(report, eager)
     step_s = steps.steady_s / steps.steady_steps
     base_step_s = base.steady_s / base.steady_steps
     extra = steps.warmup_s - base.warmup_s * steps.warmup_steps / base.warmup_steps
@@ -77,6 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
+    add_record_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), inductor for the compiled runs")
@@ -86,6 +95,7 @@ def main() -> None:
         "steady samples/s | wall ratio | steady ratio | break-even |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    steady: dict[str, list[float]] = {}  # by workload: the cold and the warm run's ratio
     with tempfile.TemporaryDirectory() as root:
         store = LocalStore(Path(root))
         for workload in workloads(args.quick, resnet_images=1024, resnet_batch=64):
@@ -95,6 +105,15 @@ def main() -> None:
             print(row(workload.name, "compiled, cold cache", cold, eager), flush=True)
             warm = run(store, workload, compiled=True)
             print(row(workload.name, "compiled, warm cache", warm, eager), flush=True)
+            steady[workload.name] = sorted(steady_ratio(run, eager) for run in (cold, warm))
+    figure = f"compiled train job / eager, steady step, {threads_text(args.threads)}: " + "; ".join(
+        steady
+    )
+    value = "; ".join(f"{low:.2f}-{high:.2f}" for low, high in steady.values())
+    target = "none (pays by the number of steps)"
+    write_figures(
+        "bench.training.compile", args, [Measured("train-compiled", figure, value, target)]
+    )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from api_schemas import Report
+from bench.recording import Measured, add_record_options, write_figures
 from bench.training._jobs import run_job, workloads
 from service.store.local import LocalStore
 
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU a rank, NCCL"
     )
+    add_record_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     where = "gloo, CPU" if args.device == "cpu" else "NCCL, one GPU a rank"
@@ -77,6 +79,7 @@ def main() -> None:
         "steady ratio | wall ratio |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    steady: dict[str, float] = {}  # by workload: the first --processes against one
     with tempfile.TemporaryDirectory() as root:
         store = LocalStore(Path(root))
         os.environ["BNADAPT_STORE_DIR"] = root  # where the ranks open the job's store
@@ -86,6 +89,18 @@ def main() -> None:
             for processes in args.processes:
                 ranked = run_job(store, workload, processes=processes, device=args.device)
                 print(row(workload.name, processes, ranked, single), flush=True)
+                steady.setdefault(workload.name, samples_per_s(ranked) / samples_per_s(single))
+    backend = "gloo" if args.device == "cpu" else "NCCL"
+    figure = (
+        f"train job in {args.processes[0]} processes ({backend}) / 1, steady samples/s: "
+        + "; ".join(steady)
+    )
+    value = "; ".join(f"{ratio:.2f}" for ratio in steady.values())
+    write_figures(
+        "bench.training.processes",
+        args,
+        [Measured("train-processes", figure, value, "none (the scaling)")],
+    )
 
 
 if __name__ == "__main__":
