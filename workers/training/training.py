@@ -25,8 +25,8 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from dataclasses import dataclass, fields
+from typing import Final, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -311,19 +311,17 @@ class TrainSettings:
 
     @classmethod
     def of(cls, params: TrainParams, *, loss: Loss, device: torch.device) -> TrainSettings:
-        """A train job's settings; ``loss``: the params' or the one the labels call for."""
-        return cls(
-            epochs=params.epochs,
-            batch_size=params.batch_size,
-            optimizer=params.optimizer,
-            lr=params.lr,
-            momentum=params.momentum,
-            weight_decay=params.weight_decay,
-            loss=loss,
-            validation_fraction=params.validation_fraction,
-            seed=params.seed,
-            device=device,
-        )
+        """A train job's settings (its params' fields of the same names); ``loss``: the
+        params' or the one the labels call for."""
+        named = {f.name: getattr(params, f.name) for f in fields(cls) if f.name in _FROM_PARAMS}
+        return cls(**named, loss=loss, device=device)
+
+
+# TrainSettings' fields that a train job's params hold under the same names.
+_FROM_PARAMS: Final = frozenset(
+    {"epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "validation_fraction"}
+    | {"seed"}
+)
 
 
 @dataclass(frozen=True)

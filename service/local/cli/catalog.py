@@ -11,7 +11,7 @@ from pathlib import Path
 from api_schemas import ArchitecturePublic
 from api_schemas.architectures import architecture_family
 from service.errors import BnadaptError
-from service.local.cli.options import Commands, add_id, add_page_size
+from service.local.cli.options import Commands, add_id_command, add_list_command
 from service.local.cli_client import api_client, json_arg, preprocessing_arg, print_value
 from service.local.torch_weights import PTH_SUFFIXES, pth_to_safetensors
 
@@ -113,9 +113,7 @@ def cmd_models_add(args: argparse.Namespace) -> int:
 
 
 def _declare_models_list(models: Commands) -> None:
-    listing = models.add_parser("list", help="your models, newest first")
-    add_page_size(listing)
-    listing.set_defaults(func=cmd_models_list)
+    add_list_command(models, "your models, newest first", cmd_models_list)
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
@@ -125,10 +123,10 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def _declare_models_download(models: Commands) -> None:
-    download = models.add_parser("download", help="a model's weights as .safetensors")
-    add_id(download, "model_id", "model")
+    download = add_id_command(
+        models, "download", "model", "a model's weights as .safetensors", cmd_models_download
+    )
     download.add_argument("--out", help="file to write (default: <model id>.safetensors)")
-    download.set_defaults(func=cmd_models_download)
 
 
 def cmd_models_download(args: argparse.Namespace) -> int:
@@ -138,9 +136,13 @@ def cmd_models_download(args: argparse.Namespace) -> int:
 
 
 def _declare_models_delete(models: Commands) -> None:
-    delete = models.add_parser("delete", help="delete a model (jobs that used it keep working)")
-    add_id(delete, "model_id", "model")
-    delete.set_defaults(func=cmd_models_delete)
+    add_id_command(
+        models,
+        "delete",
+        "model",
+        "delete a model (jobs that used it keep working)",
+        cmd_models_delete,
+    )
 
 
 def cmd_models_delete(args: argparse.Namespace) -> int:
@@ -242,9 +244,7 @@ def cmd_datasets_add(args: argparse.Namespace) -> int:
 
 
 def _declare_datasets_list(datasets: Commands) -> None:
-    listing = datasets.add_parser("list", help="your datasets, newest first")
-    add_page_size(listing)
-    listing.set_defaults(func=cmd_datasets_list)
+    add_list_command(datasets, "your datasets, newest first", cmd_datasets_list)
 
 
 def cmd_datasets_list(args: argparse.Namespace) -> int:
@@ -256,9 +256,7 @@ def cmd_datasets_list(args: argparse.Namespace) -> int:
 
 
 def _declare_datasets_delete(datasets: Commands) -> None:
-    delete = datasets.add_parser("delete", help="delete a dataset")
-    add_id(delete, "dataset_id", "dataset")
-    delete.set_defaults(func=cmd_datasets_delete)
+    add_id_command(datasets, "delete", "dataset", "delete a dataset", cmd_datasets_delete)
 
 
 def cmd_datasets_delete(args: argparse.Namespace) -> int:

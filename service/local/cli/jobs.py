@@ -11,7 +11,7 @@ from api_schemas import ESTIMATORS, JOB_KINDS, JobPublic, JobStatus
 from api_schemas.jobs.public import JobLogEntry
 from service.client import Client
 from service.errors import BnadaptError
-from service.local.cli.options import Commands, add_id, add_page_size
+from service.local.cli.options import Commands, add_id_command, add_page_size
 from service.local.cli_client import (
     api_client,
     json_arg,
@@ -116,9 +116,7 @@ def _print_outcome(client: Client, job: JobPublic) -> None:
 
 
 def _declare_show(jobs: Commands) -> None:
-    show = jobs.add_parser("show", help="a job as JSON")
-    add_id(show, "job_id", "job")
-    show.set_defaults(func=cmd_jobs_show)
+    add_id_command(jobs, "show", "job", "a job as JSON", cmd_jobs_show)
 
 
 def cmd_jobs_show(args: argparse.Namespace) -> int:
@@ -165,9 +163,7 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
 
 
 def _declare_cancel(jobs: Commands) -> None:
-    cancel = jobs.add_parser("cancel", help="cancel a queued or running job")
-    add_id(cancel, "job_id", "job")
-    cancel.set_defaults(func=cmd_jobs_cancel)
+    add_id_command(jobs, "cancel", "job", "cancel a queued or running job", cmd_jobs_cancel)
 
 
 def cmd_jobs_cancel(args: argparse.Namespace) -> int:
@@ -176,12 +172,14 @@ def cmd_jobs_cancel(args: argparse.Namespace) -> int:
 
 
 def _declare_download(jobs: Commands) -> None:
-    download = jobs.add_parser(
-        "download", help="the new weights and the report (evaluate jobs: the report)"
+    download = add_id_command(
+        jobs,
+        "download",
+        "job",
+        "the new weights and the report (evaluate jobs: the report)",
+        cmd_jobs_download,
     )
-    add_id(download, "job_id", "job")
     download.add_argument("--out", default=".", help="directory to write into (default: .)")
-    download.set_defaults(func=cmd_jobs_download)
 
 
 def cmd_jobs_download(args: argparse.Namespace) -> int:
@@ -204,10 +202,10 @@ def cmd_jobs_download(args: argparse.Namespace) -> int:
 
 
 def _declare_report(jobs: Commands) -> None:
-    report = jobs.add_parser("report", help="a succeeded job's report as a summary table")
-    add_id(report, "job_id", "job")
+    report = add_id_command(
+        jobs, "report", "job", "a succeeded job's report as a summary table", cmd_jobs_report
+    )
     report.add_argument("--json", action="store_true", help="the whole report as JSON instead")
-    report.set_defaults(func=cmd_jobs_report)
 
 
 def cmd_jobs_report(args: argparse.Namespace) -> int:
@@ -220,12 +218,12 @@ def cmd_jobs_report(args: argparse.Namespace) -> int:
 
 
 def _declare_logs(jobs: Commands) -> None:
-    logs = jobs.add_parser("logs", help="what the job's process logged (warnings, tracebacks)")
-    add_id(logs, "job_id", "job")
+    logs = add_id_command(
+        jobs, "logs", "job", "what the job's process logged (warnings, tracebacks)", cmd_jobs_logs
+    )
     logs.add_argument(
         "-f", "--follow", action="store_true", help="keep printing new lines until the job ends"
     )
-    logs.set_defaults(func=cmd_jobs_logs)
 
 
 def _log_line(entry: JobLogEntry) -> str:
@@ -245,9 +243,9 @@ def cmd_jobs_logs(args: argparse.Namespace) -> int:
 
 
 def _declare_delete(jobs: Commands) -> None:
-    delete = jobs.add_parser("delete", help="delete an ended job, its logs and report")
-    add_id(delete, "job_id", "job")
-    delete.set_defaults(func=cmd_jobs_delete)
+    add_id_command(
+        jobs, "delete", "job", "delete an ended job, its logs and report", cmd_jobs_delete
+    )
 
 
 def cmd_jobs_delete(args: argparse.Namespace) -> int:

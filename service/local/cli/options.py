@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import TypeAlias
 
-__all__ = ["Commands", "add_id", "add_page_size", "add_redis_url", "positive_int", "seconds"]
+__all__ = [
+    "Commands",
+    "add_id",
+    "add_id_command",
+    "add_list_command",
+    "add_page_size",
+    "add_redis_url",
+    "positive_int",
+    "seconds",
+]
 
 
 def positive_int(text: str) -> int:
@@ -45,3 +55,24 @@ def add_page_size(parser: argparse.ArgumentParser) -> None:
 
 # What `add_subparsers` returns: each module's `declare_*` adds its commands to one.
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def add_id_command(
+    commands: Commands, name: str, what: str, summary: str, handler: Callable[..., int]
+) -> argparse.ArgumentParser:
+    """The command ``name`` on one ``what`` (a model, a dataset, a job) given by its id,
+    run by ``handler``; the caller adds any further options to the parser returned."""
+    command = commands.add_parser(name, help=summary)
+    add_id(command, f"{what}_id", what)
+    command.set_defaults(func=handler)
+    return command
+
+
+def add_list_command(
+    commands: Commands, summary: str, handler: Callable[..., int]
+) -> argparse.ArgumentParser:
+    """The ``list`` command of a resource, one page of ``--page-size``, run by ``handler``."""
+    command = commands.add_parser("list", help=summary)
+    add_page_size(command)
+    command.set_defaults(func=handler)
+    return command
