@@ -26,15 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import REPO
-from bench.data.datasets import (
-    IMAGES_HEAD,
-    IMAGES_TAIL,
-    PASS,
-    pass_ratio,
-    pass_row,
-    pass_target,
-    run_in,
-)
+from bench.data.datasets import IMAGES_HEAD, IMAGES_TAIL, PASS, pass_figure, pass_row, run_in
 from bench.data.decode import write_photo_tar
 from bench.recording import Measured, add_record_options, write_figures
 
@@ -155,12 +147,11 @@ def figure(results: dict[str, Any]) -> Measured:
     """The record of the run with the most loader processes."""
     loaders = max(results["image_tar"])
     row = results["image_tar"][loaders]
-    return Measured(
+    return pass_figure(
         "zoo-adapt-pass",
         f"{results['architecture']} adapted in a job on {row['samples']} photos / bare loop, "
         f"{loaders} loaders",
-        pass_ratio(row),
-        pass_target([row]),
+        [row],
     )
 
 

@@ -28,16 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import REPO
-from bench.data.datasets import (
-    IMAGES_HEAD,
-    IMAGES_TAIL,
-    PASS,
-    pass_ratio,
-    pass_row,
-    pass_target,
-    run_in,
-)
-from bench.recording import Measured, add_record_options, write_figures
+from bench.data.datasets import IMAGES_HEAD, IMAGES_TAIL, PASS, pass_figure, pass_row, run_in
+from bench.recording import add_record_options, write_figures
 
 BARE_FASTEST = (
     IMAGES_HEAD
@@ -185,9 +177,8 @@ def main() -> None:
         print(json.dumps(found, indent=2))
         print(table(found, args.loaders))
         figure = "adapt pass on photos / bare loop, Pillow's reduced decoding: " + "; ".join(found)
-        value = "; ".join(pass_ratio(row) for row in found.values())
-        target = pass_target(list(found.values()))
-        write_figures("bench.data.decode", args, [Measured("photo-pass", figure, value, target)])
+        record = pass_figure("photo-pass", figure, list(found.values()))
+        write_figures("bench.data.decode", args, [record])
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
