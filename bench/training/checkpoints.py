@@ -38,7 +38,7 @@ from service.store.local import LocalStore
 from workers.models.architectures import build_model
 from workers.running.saving import weights_bytes
 from workers.training.train_state import TrainState, state_bytes
-from workers.training.training import Checkpointing, Optimizer, train_model
+from workers.training.training import Checkpointing, Optimizer, TrainSettings, train_model
 
 
 @dataclass(frozen=True)
@@ -75,18 +75,18 @@ def measure(
     generator = torch.Generator().manual_seed(0)
     x = torch.rand(images, 3, 32, 32, generator=generator)
     y = torch.randint(0, 10, (images,), generator=generator)
-    settings = {
-        "epochs": epochs,
-        "batch_size": 64,
-        "optimizer": optimizer,
-        "lr": 0.01,
-        "momentum": 0.9,
-        "weight_decay": 0.0,
-        "loss": "cross_entropy",
-        "validation_fraction": 0.0,
-        "seed": 0,
-        "device": "cpu",
-    }
+    settings = TrainSettings(
+        epochs=epochs,
+        batch_size=64,
+        optimizer=optimizer,
+        lr=0.01,
+        momentum=0.9,
+        weight_decay=0.0,
+        loss="cross_entropy",
+        validation_fraction=0.0,
+        seed=0,
+        device="cpu",
+    )
 
     def fresh() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -94,18 +94,12 @@ def measure(
 
     model = fresh()
     started = time.perf_counter()
-    stats = train_model(model, x, y, **settings)  # type: ignore[arg-type]
+    stats = train_model(model, x, y, settings)
     baseline_s = time.perf_counter() - started
     with tempfile.TemporaryDirectory(prefix="bnadapt-ckpt-bench-") as folder:
         saves = TimedSaves(LocalStore(Path(folder)))
         started = time.perf_counter()
-        train_model(
-            fresh(),
-            x,
-            y,
-            **settings,  # type: ignore[arg-type]
-            checkpointing=Checkpointing(saves, every_steps=every),
-        )
+        train_model(fresh(), x, y, settings, checkpointing=Checkpointing(saves, every_steps=every))
         with_saves_s = time.perf_counter() - started
     return Row(
         optimizer=optimizer,
