@@ -101,22 +101,23 @@ CRITERION: Final = (
 #   source by more than 4 m (evidence that the target is a shift BN adaptation fixes) and
 #   TENT's score beats the choice's by more than m.
 #
-# Measured on the quality benchmark's digits (27 conditions: uniform, per-image and mixed
-# shifts, and clean; n = 16 to 597 target samples, 1/4 held out), against the rules one might
-# try first (bench/RESULTS.md, "Choosing the auto estimator's criterion"):
+# Compared on the quality benchmark's digits (27 conditions: uniform, per-image and mixed
+# shifts, and clean; n = 16 to 597 target samples, 1/4 held out) with the rules one might try
+# first (bench/history/2026-12-03-choosing-auto-estimator-criterion.md; this rule's results:
+# figure `quality-auto` in bench/RESULTS.md):
 #
-# - lowest mean entropy alone picks TENT on inverted digits (3.5% -> 0.2%): TENT lowers the
-#   very quantity the rule reads, and an inverted digit is confidently misread;
-# - highest mean max-probability: as entropy, and it lost 1.0 point on inversion even without
+# - lowest mean entropy alone picks TENT on inverted digits, and TENT makes them worse: TENT
+#   lowers the very quantity the rule reads, and an inverted digit is confidently misread;
+# - highest mean max-probability: as entropy, and it lost accuracy on inversion even without
 #   TENT (a prior mix looked more confident);
 # - highest score alone: best mean gain, but with 16 samples (4 held out) it picked precise on
-#   inversion (-3.2 points): with few samples the score is noisy, hence the margin;
+#   inversion, where precise loses: with few samples the score is noisy, hence the margin;
 # - a lower mean entropy than the source, then the highest score: safe, but it kept the
 #   source where the source model is confidently wrong and adapted statistics are right but
-#   less certain (contrast with brightness at 64 samples: 27% kept where precise gives 66%),
-#   hence the second way in, a marginal entropy raised by a quarter nat (predictions that
-#   were piled onto one class spread out); and, with TENT a candidate, it chose TENT on mild
-#   noise 1 point below the source, hence TENT's gate.
+#   less certain (contrast with brightness at 64 samples, where precise is far more accurate
+#   than the source it kept), hence the second way in, a marginal entropy raised by a quarter nat
+#   (predictions that were piled onto one class spread out); and, with TENT a candidate, it
+#   chose TENT on mild noise where TENT did worse than the source, hence TENT's gate.
 #
 # Its blind spot: a target whose true classes are far from balanced, where spreading
 # predictions is not a virtue; the source stays a candidate, and a statistics candidate must
@@ -249,9 +250,11 @@ def _held_batches(task: EstimatorTask, split: TargetSplit) -> int:
 # NOTE [ Cross-fitting ]
 #
 # With few held-out samples the scores are noise: at 16 target samples, 4 held out, the rule
-# kept the source where precise gains 8 to 17 points and chose precise on inverted digits
-# (-3.2), depending on which 4 were drawn (bench/RESULTS.md, "The auto estimator with score
-# margins, five seeds"). So below CROSS_FIT_BELOW held-out samples every sample is scored:
+# kept the source where precise gains much and chose precise on inverted digits, where it
+# loses, depending on which 4 were drawn
+# (bench/history/2026-12-04-auto-estimator-score-margins-five-seeds.md; with cross-fitting:
+# bench/history/2026-12-04-auto-estimator-cross-fitting-five-seeds.md, figure `quality-auto`
+# in bench/RESULTS.md). So below CROSS_FIT_BELOW held-out samples every sample is scored:
 # the estimation samples are cut into K - 1 further folds (K = round(1 / holdout), 4 by
 # default; from the same seeded permutation that drew the held-out ones, so fold 0 is the
 # held-out set), and for each such fold every candidate is estimated again on the job's other

@@ -350,7 +350,7 @@ def _load_before_forks(settings: Settings) -> None:
     if settings.worker_threads is not None:
         torch.set_num_threads(settings.worker_threads)  # a setting, no op: survives the fork
     # Scanning the architectures' entry points is part of each job's load time otherwise
-    # (bench/RESULTS.md).
+    # (bench/history/2026-12-02-service.md, "Architecture registry").
     registry()
     load_runners()  # likewise the job kinds' modules, and torch with them
     # Likewise the store's clients (on S3, boto3's model and the job's client): no request, no
