@@ -61,7 +61,7 @@ WARMUP_BATCHES = 5
 
 
 def _photo(args: tuple[int, int, int]) -> bytes:
-    from tests.zoo.photos import photo_jpeg
+    from harness.photos import photo_jpeg
 
     return photo_jpeg(*args)
 

@@ -6,7 +6,7 @@
 Issue 30's CPU row. Without the service, as bench/data/datasets.py's ``--passes`` (its NOTE
 [ Comparing passes under load ] holds here): a full adapt pass through ``compute()`` of the
 built-in ResNet (depth 2, width 8: a model light enough that decoding sets the pace, the
-pipeline's hard case) over a tar of photo-like JPEGs (tests/zoo/photos.py) with the usual
+pipeline's hard case) over a tar of photo-like JPEGs (harness/photos.py) with the usual
 evaluation spec (shorter side to 256, centre crop 224, ImageNet's mean and std), against a
 bare ``DataLoader`` with as many processes whose samples are decoded the fastest way Pillow
 knows (``draft`` at reduced size in the DCT domain where the target allows, then the resize
@@ -65,9 +65,9 @@ SPEC = {
 
 
 def write_photo_tar(path: Path, sizes: list[tuple[int, int]], samples: int) -> None:
-    """``samples`` photo-like JPEGs (tests/zoo/photos.py) of ``sizes`` (width, height) in turn,
+    """``samples`` photo-like JPEGs (harness/photos.py) of ``sizes`` (width, height) in turn,
     eight different ones repeated."""
-    from tests.zoo.photos import photo_jpeg
+    from harness.photos import photo_jpeg
 
     photos = [photo_jpeg(*sizes[i % len(sizes)], seed=i) for i in range(min(8, samples))]
     with tarfile.open(path, "w") as archive:

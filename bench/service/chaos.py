@@ -2,7 +2,7 @@
 
 The whole service (Redis-compatible server, API, one worker with one torch thread) runs
 ``--rounds`` train jobs one after another; each gets one real fault while it trains
-(tests/e2e/chaos/chaos.py: ``job-kill``, ``machine-lost``, ``redis-outage`` of 3 s), and must end
+(harness/chaos.py: ``job-kill``, ``machine-lost``, ``redis-outage`` of 3 s), and must end
 succeeded with exactly one model. Reported per fault: rounds, outcomes, attempts used, and
 the seconds from the fault to the terminal status (median, max). The heartbeat timeout is
 the test stack's 4 s, so ``machine-lost`` shows the sweep's bound plus the retry's backoff
@@ -10,7 +10,7 @@ and rerun; as the rounds' jobs are the same, the seconds compare the faults with
 
     .venv/bin/python -m bench.service.chaos [--rounds 30] [--seed 0]
 
-``--jobs N`` runs the load instead (tests/e2e/chaos/chaos_load.py): N jobs submitted with
+``--jobs N`` runs the load instead (harness/chaos_load.py): N jobs submitted with
 Idempotency-Keys over two workers while ``--kills`` kills spread over every process kind
 (job processes at random moments and in the fork window, RQ workers, supervisors, whole
 worker trees, the API) and ``--redis-kills`` Redis kills happen; reported: kills by kind,
@@ -29,9 +29,9 @@ import traceback
 from pathlib import Path
 
 from bench.recording import Measured, add_record_options, met, write_figures
+from harness.chaos import FAULTS, run_chaos
+from harness.chaos_load import KILL_KINDS, run_load_chaos
 from harness.stack import running_stack
-from tests.e2e.chaos.chaos import FAULTS, run_chaos
-from tests.e2e.chaos.chaos_load import KILL_KINDS, run_load_chaos
 
 
 def main() -> None:

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.digits import digits_npz
 from harness.stack import Stack
-from tests.e2e.test_e2e import digits_npz
 
 pytestmark = pytest.mark.slow
 

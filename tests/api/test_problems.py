@@ -9,10 +9,11 @@ import subprocess
 import sys
 
 from api_schemas.jobs.kinds import parse_job_create
+from harness.answers import created
+from harness.digits import digits_npz
 from harness.inprocess import InProcessApi
 from harness.stack import REPO
 from service.jobs.idempotency import body_sha256
-from tests.e2e.test_e2e import created, digits_npz
 
 PROBLEM_JSON = "application/problem+json"
 

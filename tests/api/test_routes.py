@@ -14,16 +14,11 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
+from harness.answers import created, problem
+from harness.digits import digits, digits_npz
 from harness.inprocess import MAX_DATASET_BYTES, InProcessApi
 from harness.stack import Client, npz_bytes
-from tests.e2e.test_e2e import (
-    created,
-    digits,
-    digits_npz,
-    object_npz,
-    problem,
-    weights_of,
-)
+from tests.e2e.test_e2e import object_npz, weights_of
 
 
 def test_architectures_catalog(api: InProcessApi) -> None:

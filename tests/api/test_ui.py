@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
+from harness.answers import created
+from harness.digits import digits_npz
 from harness.servers import wait_for
 from harness.stack import REPO, Stack
-from tests.e2e.test_e2e import created, digits_npz
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import safetensors.torch
 import torch
 
+from harness.answers import created
+from harness.digits import digits_npz
 from harness.stack import Stack
-from tests.e2e.test_e2e import created, digits_npz, in_process
+from tests.e2e.test_e2e import in_process
 from tests.workers.estimators.test_adapt_precision import BF16_BOUND, statistics_distance
 
 

@@ -16,9 +16,10 @@ import pytest
 import safetensors.numpy
 import safetensors.torch
 import torch
-from sklearn.datasets import load_digits
 
-from harness.stack import SHARED_STACK_THREADS, Client, Stack, job_payload, npz_bytes
+from harness.answers import created, problem
+from harness.digits import digits_npz
+from harness.stack import SHARED_STACK_THREADS, Client, Stack, job_payload
 from service.store.local import LocalStore
 from workers.kinds.changing import compute
 from workers.models.architectures import build_model
@@ -29,37 +30,6 @@ WORKER_THREADS = SHARED_STACK_THREADS
 @pytest.fixture(scope="module")
 def stack(shared_stack: Stack) -> Stack:
     return shared_stack
-
-
-def digits(shifted: bool = False, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    data = load_digits()
-    x = (data.images / 16.0).astype(np.float32)[:, None]  # (N, 1, 8, 8) in [0, 1]
-    if shifted:
-        x = np.clip(x * 0.5 + 0.3, 0, 1).astype(np.float32)  # contrast down, brightness up
-    y = data.target.astype(np.int64)
-    return (x[:n], y[:n]) if n else (x, y)
-
-
-def digits_npz(shifted: bool = False, n: int | None = None, labels: bool = True) -> bytes:
-    x, y = digits(shifted, n)
-    return npz_bytes(x=x, y=y) if labels else npz_bytes(x=x)
-
-
-def created(response: Any, status: int = 201) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body: dict[str, Any] = response.json()
-    return body
-
-
-def problem(response: Any, status: int, *phrases: str) -> dict[str, Any]:
-    """The response is a problem+json with ``status`` whose detail names each phrase."""
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/problem+json")
-    body: dict[str, Any] = response.json()
-    assert body["status"] == status
-    for phrase in phrases:
-        assert phrase.lower() in body["detail"].lower(), body["detail"]
-    return body
 
 
 def store_of(stack: Stack) -> LocalStore:

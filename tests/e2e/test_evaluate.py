@@ -21,13 +21,14 @@ from api_schemas import (
     parse_job_create,
 )
 from api_schemas.reports import Report
+from harness.answers import created, problem
+from harness.digits import digits, digits_npz
 from harness.stack import Client, Stack, job_payload, npz_bytes
 from service.client import Client as ApiClient
 from service.client import new_model_id
 from service.errors import BnadaptError
 from service.local.cli import main as cli_main
 from service.store.local import LocalStore
-from tests.e2e.test_e2e import created, digits, digits_npz, problem
 from workers.kinds.evaluate import compute_evaluation
 from workers.models.architectures import build_model
 from workers.running.evaluation import evaluate_sums

@@ -11,13 +11,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from harness.answers import created, problem
+from harness.digits import digits_npz
 from harness.servers import wait_for
 from harness.stack import Client, Stack, npz_bytes, running_stack
 from service.records.job_life.capacity import WorkerMemory
 from service.settings import MIB
 from tests.api.jobs.test_job_bounds import strip_footprint
 from tests.e2e.chaos.test_failures import small_job_succeeds
-from tests.e2e.test_e2e import created, digits_npz, long_train, problem
+from tests.e2e.test_e2e import long_train
 
 pytestmark = pytest.mark.slow
 

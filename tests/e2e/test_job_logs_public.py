@@ -11,8 +11,8 @@ import socket
 import numpy as np
 import pytest
 
+from harness.answers import created
 from harness.stack import REPO, Stack, npz_bytes
-from tests.e2e.test_e2e import created
 
 pytestmark = pytest.mark.slow
 

@@ -21,12 +21,14 @@ import pytest
 from PIL import Image
 from rq import Queue
 
+from harness.answers import created
+from harness.digits import digits_npz
 from harness.servers import S3Server, wait_for
 from harness.stack import Client, Stack, job_payload, running_stack
 from service.records import keys
 from service.records.format import text
 from service.records.tenancy.turns import turn_queue_name
-from tests.e2e.test_e2e import created, digits_npz, long_train
+from tests.e2e.test_e2e import long_train
 
 pytestmark = pytest.mark.slow
 

@@ -15,12 +15,13 @@ import safetensors.torch
 import torch
 
 from api_schemas.reports import Report
+from harness.answers import created
+from harness.digits import digits, digits_npz
 from harness.servers import stop_process, wait_for
 from harness.stack import Client, Stack, npz_bytes, running_stack
 from service.local.summary import diagnostic_lines
 from service.records import keys
 from service.records.job_life.shards import FINISH, MERGE, ChildState, ShardRecords
-from tests.e2e.test_e2e import created, digits, digits_npz
 from tests.workers.estimators.test_auto import assert_rule_holds, assert_same_choice, trained_digits
 from tests.workers.test_shards import assert_same_adaptation
 

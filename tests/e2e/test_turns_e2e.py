@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from api_schemas.inspection import InspectRequest
+from harness.answers import created
+from harness.digits import digits_npz
 from harness.servers import wait_for
 from harness.stack import Client, Stack, running_stack
 from service.records import keys
-from tests.e2e.test_e2e import created, digits_npz
 
 pytestmark = pytest.mark.slow
 

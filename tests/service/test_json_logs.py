@@ -14,12 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.answers import created
+from harness.digits import digits_npz
 from harness.servers import stop_process, wait_for
 from harness.stack import REPO, running_stack
 from service.local.embedded import free_port
 from service.local.up import api_command
 from service.public_text import scrub_internals
-from tests.e2e.test_e2e import created, digits_npz
 
 pytestmark = pytest.mark.slow
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.digits import digits
 from harness.servers import wait_for
 from harness.stack import REPO, npz_bytes
 from service.client import Client
 from service.local.embedded import free_port
 from service.local.up import StackError, advertised_host
-from tests.e2e.test_e2e import digits
 
 pytestmark = pytest.mark.slow
 

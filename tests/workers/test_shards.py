@@ -12,9 +12,9 @@ import torch
 from pydantic import ValidationError
 
 from api_schemas import AdaptParams, JobPayload, JobPayloadDataset, JobPayloadModel
+from harness.digits import digits
 from harness.stack import npz_bytes
 from service.store.local import LocalStore
-from tests.e2e.test_e2e import digits
 from workers.errors import AdaptError
 from workers.kinds.changing import compute
 from workers.models.architectures import build_model

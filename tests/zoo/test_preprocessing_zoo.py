@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from api_schemas.datasets import Preprocessing
+from harness.photos import JPEGS
 from service.formats.images import decode_image
-from tests.zoo.photos import JPEGS
 
 torch = pytest.importorskip("torch")
 transforms = pytest.importorskip("torchvision.transforms")

@@ -21,11 +21,11 @@ import safetensors.torch
 import torch
 
 from api_schemas import CheckpointPolicy
+from harness.photos import photo_folder
 from harness.stack import Client, Stack, job_payload, npz_bytes, running_stack
 from service.client import Client as ApiClient
 from service.store.local import LocalStore
 from tests.zoo.families import FAMILIES, IMAGE_SIZE, NUM_CLASSES, Family
-from tests.zoo.photos import photo_folder
 from workers.kinds.changing import compute
 from workers.models.architectures import build_model
 from workers.running.saving import weights_bytes

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from harness.answers import created, problem
 from harness.inprocess import InProcessApi
 from harness.stack import npz_bytes
 from service.client import Client
 from tests.api.data.test_image_folders import photo
-from tests.e2e.test_e2e import created, problem
 
 
 def register(client: Any, content: bytes, spec: dict[str, Any]) -> Any:

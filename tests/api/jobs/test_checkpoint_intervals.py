@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from api_schemas.jobs.train import MIN_SAVE_EVERY_S, MIN_SAVE_EVERY_STEPS
+from harness.answers import created, problem
+from harness.digits import digits_npz
 from harness.inprocess import InProcessApi
-from tests.e2e.test_e2e import created, digits_npz, problem
 
 
 @pytest.mark.parametrize(

@@ -15,13 +15,14 @@ import redis
 from rq.job import Job
 
 from api_schemas.models import ModelPublic
+from harness.answers import created, problem
+from harness.digits import digits_npz
 from harness.inprocess import InProcessApi, running_api
 from harness.stack import Client, npz_bytes
 from service.records import keys
 from service.records.connection import redis_client
 from service.records.job_life.capacity import WorkerMemory
 from service.settings import GIB, MIB
-from tests.e2e.test_e2e import created, digits_npz, problem
 
 
 def _digits_job(client: Client, kind: str = "adapt", **params: Any) -> dict[str, Any]:

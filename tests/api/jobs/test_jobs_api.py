@@ -19,13 +19,15 @@ import httpx
 import numpy as np
 import pytest
 
+from harness.answers import created, problem
+from harness.digits import digits_npz
 from harness.servers import wait_for
 from harness.stack import REPO, Client, Stack, npz_bytes
 from service.client import Client as ApiClient
 from service.local.cli import _parser
 from service.records import keys
 from service.upkeep.retention import delete_expired_jobs
-from tests.e2e.test_e2e import created, digits_npz, long_train, problem
+from tests.e2e.test_e2e import long_train
 
 pytestmark = pytest.mark.slow
 

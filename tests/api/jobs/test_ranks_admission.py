@@ -10,12 +10,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.answers import created, problem
+from harness.digits import digits
 from harness.inprocess import InProcessApi, running_api
 from harness.stack import npz_bytes
 from service.records.connection import redis_client
 from service.records.job_life.capacity import WorkerMemory
 from service.settings import MIB
-from tests.e2e.test_e2e import created, digits, problem
 
 
 @pytest.fixture(scope="module")

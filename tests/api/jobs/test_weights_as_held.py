@@ -12,8 +12,10 @@ import pytest
 import safetensors.torch
 import torch
 
+from harness.answers import created, problem
+from harness.digits import digits_npz
 from harness.inprocess import InProcessApi
-from tests.e2e.test_e2e import created, digits_npz, problem, weights_of
+from tests.e2e.test_e2e import weights_of
 
 
 def _prefixed(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

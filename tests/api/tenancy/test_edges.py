@@ -22,6 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
+from harness.answers import created, problem
+from harness.digits import digits_npz
 from harness.inprocess import InProcessApi
 from harness.servers import stop_process, wait_for
 from harness.stack import REPO, Client
@@ -29,7 +31,6 @@ from service.api.edge import nesting_depth
 from service.api.metrics import SNAPSHOT_KEY
 from service.local.embedded import RedisServer, free_port
 from service.local.up import api_command
-from tests.e2e.test_e2e import created, digits_npz, problem
 
 GIB: Final = 1024**3
 MIB: Final = 1024**2

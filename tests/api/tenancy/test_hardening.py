@@ -12,9 +12,11 @@ import pytest
 import safetensors.torch
 import torch
 
+from harness.answers import created, problem
+from harness.digits import digits_npz
 from harness.inprocess import InProcessApi
 from harness.stack import Client, Stack, npz_bytes
-from tests.e2e.test_e2e import created, digits_npz, problem, weights_of
+from tests.e2e.test_e2e import weights_of
 
 
 @pytest.fixture(scope="module")

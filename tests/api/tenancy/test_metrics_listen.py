@@ -16,13 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.answers import problem
 from harness.inprocess import running_api
 from harness.servers import stop_process, wait_for
 from harness.stack import REPO
 from service.api.metrics import listening_addresses
 from service.local.embedded import RedisServer, free_port
 from service.local.up import api_command
-from tests.e2e.test_e2e import problem
 
 
 @contextmanager

@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from harness.answers import created, problem
+from harness.digits import digits
 from harness.inprocess import InProcessApi, running_api
 from harness.servers import S3Server
 from harness.stack import Client, Stack, npz_bytes
 from service.records import keys
 from service.records.sync import Records
-from tests.e2e.test_e2e import created, digits, problem
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ import httpx
 import numpy as np
 import pytest
 
+from harness.answers import created, problem
+from harness.digits import digits, digits_npz
 from harness.inprocess import InProcessApi, running_api
 from harness.servers import stop_process, wait_for
 from harness.stack import REPO, Client, npz_bytes
@@ -32,7 +34,6 @@ from service.records.aio import async_redis_client
 from service.records.connection import redis_client
 from service.records.sync import Records
 from service.records.tenancy.quotas import AsyncTenantQuotas, parse_quota_value
-from tests.e2e.test_e2e import created, digits, digits_npz, problem
 
 MAX_ACTIVE_JOBS = 2
 MAX_OPEN_UPLOADS = 2

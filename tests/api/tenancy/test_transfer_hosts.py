@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.digits import digits_npz
 from harness.inprocess import InProcessApi, running_api
 from service.client import TRANSFER_HOSTS_ENV, Client, TransferUrlError
-from tests.e2e.test_e2e import digits_npz
 
 
 @pytest.fixture

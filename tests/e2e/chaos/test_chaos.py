@@ -1,4 +1,4 @@
-"""Chaos, small N: rounds of real faults (tests/e2e/chaos/chaos.py) against one stack; every job
+"""Chaos, small N: rounds of real faults (harness/chaos.py) against one stack; every job
 ends succeeded with exactly one model. ``CHAOS_ROUNDS`` sets N (3 by default: each fault once);
 bench/service/chaos.py runs many more and reports timings."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.chaos import run_chaos
+from harness.chaos_load import KILL_KINDS, run_load_chaos
 from harness.stack import running_stack
-from tests.e2e.chaos.chaos import run_chaos
-from tests.e2e.chaos.chaos_load import KILL_KINDS, run_load_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -25,7 +25,7 @@ def test_every_job_survives_its_fault(tmp_path: Path) -> None:
 
 
 def test_jobs_streamed_in_survive_kills_of_every_process_kind(tmp_path: Path) -> None:
-    """tests/e2e/chaos/chaos_load.py at small N: each kill kind once (``CHAOS_JOBS``, 24 by
+    """harness/chaos_load.py at small N: each kill kind once (``CHAOS_JOBS``, 24 by
     default, and ``CHAOS_KILLS``) and one Redis kill while jobs stream in with
     Idempotency-Keys; bench/service/chaos.py --jobs runs the full size."""
     jobs = int(os.environ.get("CHAOS_JOBS", "24"))

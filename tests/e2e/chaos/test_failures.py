@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 
 from api_schemas import JobStatus
+from harness.answers import created
+from harness.digits import digits_npz
 from harness.servers import wait_for
 from harness.stack import Client, Stack, running_stack
 from service.local.embedded import RedisServer
-from tests.e2e.test_e2e import created, digits_npz, long_train
+from tests.e2e.test_e2e import long_train
 
 pytestmark = pytest.mark.slow
 

@@ -18,6 +18,8 @@ from rq import Worker
 from rq.job import Job
 
 from api_schemas import parse_job_create
+from harness.answers import created, problem
+from harness.digits import digits_npz
 from harness.servers import stop_process, wait_for
 from harness.stack import REPO, Client, Stack, npz_bytes, running_stack
 from service.jobs import idempotency
@@ -26,7 +28,6 @@ from service.local.up import api_command
 from service.records import keys
 from service.records.connection import redis_client
 from service.records.job_life.shards import ChildState, ShardRecords, child_job_id
-from tests.e2e.test_e2e import created, digits_npz, problem
 from tests.e2e.test_shards_e2e import SHARDS, registered_by_jobs, shard_process
 from workers.faults import FAULT_DEQUEUE_STOP_ENV, FAULT_START_DELAY_ENV
 

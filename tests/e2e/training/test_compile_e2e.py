@@ -19,8 +19,10 @@ import safetensors.torch
 import torch
 
 from api_schemas import AdaptParams, TrainParams
+from harness.answers import created, problem
+from harness.digits import digits_npz
 from harness.stack import SHARED_STACK_THREADS, Client, Stack, job_payload, running_stack
-from tests.e2e.test_e2e import created, digits_npz, problem, store_of
+from tests.e2e.test_e2e import store_of
 from workers.kinds.changing import compute
 
 pytestmark = pytest.mark.slow

@@ -20,6 +20,8 @@ import safetensors.torch
 import torch
 
 from api_schemas import Report, TrainParams
+from harness.answers import created, problem
+from harness.digits import digits, digits_npz
 from harness.socket_table import TcpSocket, descendants, sockets_of
 from harness.stack import (
     SHARED_STACK_THREADS,
@@ -30,7 +32,7 @@ from harness.stack import (
     running_stack,
 )
 from service.local.summary import report_summary
-from tests.e2e.test_e2e import created, digits, digits_npz, problem, store_of
+from tests.e2e.test_e2e import store_of
 from workers.kinds.changing import compute
 from workers.passes.data import load_rows
 from workers.running.evaluation import compute_loss

@@ -15,8 +15,9 @@ import pytest
 import safetensors.torch
 import torch
 
+from harness.answers import created
+from harness.digits import digits
 from harness.stack import Client, Stack, npz_bytes, running_stack
-from tests.e2e.test_e2e import created, digits
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 
+from harness.answers import created, problem
+from harness.digits import digits_npz
 from harness.stack import Stack, running_stack
-from tests.e2e.test_e2e import created, digits_npz, problem, store_of
+from tests.e2e.test_e2e import store_of
 from tests.e2e.training.test_processes_e2e import rank_pids, wait_gone
 from tests.e2e.training.test_train_resume_e2e import (
     assert_bitwise,

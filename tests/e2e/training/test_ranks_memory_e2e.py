@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.answers import created
+from harness.digits import digits_npz
 from harness.stack import Client, Stack, running_stack
 from service.settings import GIB, MIB
 from tests.e2e.chaos.test_failures import small_job_succeeds
-from tests.e2e.test_e2e import created, digits_npz
 from workers.faults import FAULT_RANK_ALLOCATE_ENV
 
 pytestmark = pytest.mark.slow

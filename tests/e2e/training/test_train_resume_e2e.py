@@ -17,11 +17,13 @@ import pytest
 import safetensors.torch
 import torch
 
+from harness.answers import created, problem
+from harness.digits import digits_npz
 from harness.servers import wait_for
 from harness.stack import Client, Stack, npz_bytes, running_stack
 from service.records import keys
 from service.records.stored.train_checkpoints import CHECKPOINT_FIELD
-from tests.e2e.test_e2e import created, digits_npz, problem, store_of
+from tests.e2e.test_e2e import store_of
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from api_schemas.datasets import Preprocessing
+from harness.photos import photo_jpeg
 from service.formats.images import crop_origin, decode_image
-from tests.zoo.photos import photo_jpeg
 
 MAX_PIXELS = 1 << 26
 SPEC = Preprocessing(resize_shorter=256, center_crop=[224, 224], interpolation="bilinear")

@@ -19,7 +19,7 @@ from bench.adaptation._quality_shifts import (
     scale,
     shifted,
 )
-from tests.e2e.test_e2e import digits
+from harness.digits import digits
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from api_schemas import JobPayload, Preprocessing
+from harness.photos import photo_jpeg
 from service.formats.images import decode_image, index_tar
 from service.settings import get_settings
 from service.store.local import LocalStore
-from tests.zoo.photos import photo_jpeg
 from workers.estimators.base import select_batchnorm
 from workers.estimators.precise import precise_batchnorm
 from workers.kinds.changing import compute

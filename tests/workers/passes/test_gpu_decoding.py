@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from api_schemas import Preprocessing
+from harness.photos import JPEGS, photo_jpeg
 from service.formats.images import decode_image
-from tests.zoo.photos import JPEGS, photo_jpeg
 from workers.errors import DataError
 from workers.passes.gpu_decoding import decode_on_gpu, gpu_decodes
 

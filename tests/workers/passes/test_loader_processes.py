@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from api_schemas import JobPayload
+from harness.photos import photo_jpeg
 from service.settings import get_settings
 from service.store.local import LocalStore
-from tests.zoo.photos import photo_jpeg
 from workers.passes.images import ImageSamples, auto_loader_processes
 from workers.running.loading import open_dataset
 

@@ -14,10 +14,10 @@ from torch import nn
 
 from api_schemas import AdaptParams, JobPayload, TrainParams
 from api_schemas.jobs.public import JobPayloadDataset, JobPayloadModel
+from harness.digits import digits
 from harness.stack import npz_bytes
 from service.local.summary import report_summary
 from service.store.local import LocalStore
-from tests.e2e.test_e2e import digits
 from workers.kinds.changing import compute
 from workers.models.architectures import build_model
 from workers.passes.steps import CompileError, StepClock, step_forward

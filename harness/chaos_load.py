@@ -1,5 +1,5 @@
 """Chaos under load: a stream of jobs submitted with Idempotency-Keys while processes of every
-kind are killed at random moments (tests/e2e/chaos/chaos.py runs one job per fault instead). Used by
+kind are killed at random moments (harness/chaos.py runs one job per fault instead). Used by
 bench/service/chaos.py ``--jobs`` (large N) and tests/e2e/chaos/test_chaos.py (small N).
 
 Kill kinds (SIGKILL unless said otherwise):
@@ -39,12 +39,13 @@ from typing import Any, Final
 import httpx
 
 from api_schemas import JobStatus
+from harness.answers import created
+from harness.digits import digits_npz
 from harness.stack import Client, Stack
 from service.client import Client as ApiClient
 from service.local.embedded import RedisServer
 from service.records import keys
 from service.records.job_life.shards import ShardRecords
-from tests.e2e.test_e2e import created, digits_npz
 
 __all__ = ["KILL_KINDS", "LoadTally", "run_load_chaos"]
 

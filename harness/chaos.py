@@ -18,10 +18,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from harness.answers import created
+from harness.digits import digits_npz
 from harness.servers import wait_for
 from harness.stack import Client, Stack
 from service.local.embedded import RedisServer
-from tests.e2e.test_e2e import created, digits_npz
 
 __all__ = ["FAULTS", "ChaosTally", "run_chaos"]
 
