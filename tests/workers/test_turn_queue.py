@@ -13,6 +13,7 @@ from rq.exceptions import DequeueTimeout
 
 from service.records.connection import redis_client
 from service.records.job_life.queue import enqueue_run
+from service.records.sync import Records
 from service.records.tenancy.turns import turn_queue_name
 from workers.processes.rq_worker import TurnQueue, _Worker
 
@@ -74,6 +75,7 @@ def test_maintenance_cleans_the_registries_of_the_tenants_queues(client: redis.R
         connection=client,
         serializer="json",
         queue_class=TurnQueue,
+        records=Records(client),
     )
     worker.clean_registries()
     assert client.zcard(f"rq:finished:{own}") == 0
