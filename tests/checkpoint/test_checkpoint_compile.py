@@ -28,7 +28,9 @@ from tests.checkpoint.test_checkpoint import Block, Net, images, nested
 
 # inductor compiles C++ for each case (a minute and more, cold): the whole suite runs it, the
 # quick tier keeps the two backends that trace the same graphs without compiling them.
-BACKENDS = ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+# AOT autograd and inductor trace and compile for seconds a test: the slow tier runs them.
+AOT_EAGER = pytest.param("aot_eager", marks=pytest.mark.slow)
+BACKENDS = ["eager", AOT_EAGER, pytest.param("inductor", marks=pytest.mark.slow)]
 
 
 def fresh(dropout: float = 0.0, device: str = "cpu") -> Net:
@@ -166,7 +168,7 @@ def nested_wrappers(model: Net, wrap: bool, backend: str) -> nn.Module:
 @pytest.mark.parametrize(
     "prepare", [pytest.param(whole, id="whole"), pytest.param(nested_wrappers, id="nested")]
 )
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", AOT_EAGER])
 def test_several_forwards_one_backward(prepare: Prepare, backend: str) -> None:
     # The buffers change between a call and its recomputation; torch's own checkpoint fails
     # here under aot_eager and inductor (NOTE [ Under torch.compile ]).
@@ -211,6 +213,7 @@ def test_explain_whole_model_is_one_graph() -> None:
     assert explanation.graph_count == 1
 
 
+@pytest.mark.slow
 def test_dropout_on_aot_eager() -> None:
     results = []
     for wrap in (False, True):
@@ -223,7 +226,7 @@ def test_dropout_on_aot_eager() -> None:
     assert_same(results[0], results[1])
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", AOT_EAGER])
 def test_functional_call_under_compile(backend: str) -> None:
     results = []
     for wrap in (False, True):
@@ -262,6 +265,7 @@ class ThroughFunction(nn.Module):
         return self.net.blocks(h)  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 def test_plain_function_under_aot_eager() -> None:
     # A plain function gets torch's checkpoint op as is; AOT's joint graph updates the buffers
     # once (under backend="eager" torch's own op fails; see the module docstring).

@@ -18,6 +18,8 @@ from harness.inprocess import InProcessApi, running_api
 from harness.servers import S3Server
 from harness.stack import npz_bytes
 
+pytestmark = pytest.mark.slow  # a real S3-compatible server (outside the quick tier)
+
 MIB = 1024 * 1024
 PART_BYTES = 5 * MIB  # S3's smallest part
 

@@ -27,6 +27,8 @@ from harness.stack import REPO, Client, npz_bytes
 from service.datasets.imports import NOT_A_SOURCE
 from service.formats.images import index_tar
 
+pytestmark = pytest.mark.slow  # a real S3-compatible server (outside the quick tier)
+
 STORE_PREFIX = "deploy/"
 MAX_DATASET_BYTES = 2 * 1024 * 1024
 RNG = np.random.default_rng(0)

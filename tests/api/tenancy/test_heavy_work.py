@@ -79,6 +79,7 @@ def joined(api: InProcessApi, content: bytes) -> bool:
     return (api.settings.store_path / "objects" / sha256[:2] / sha256).exists()
 
 
+@pytest.mark.slow  # a load of completions
 def test_completions_beyond_the_request_pool_leave_healthz_answering(api: InProcessApi) -> None:
     client = api.client("heavy").http
     files = [dataset_file(seed) for seed in range(COMPLETIONS)]
@@ -457,6 +458,7 @@ def test_heavy_work_refuses_a_priority_out_of_range() -> None:
         HeavyWork(1, 20)
 
 
+@pytest.mark.slow  # an API process of its own for the bytes
 def test_uploads_name_the_api_for_their_bytes_and_the_client_sends_them_there(
     tmp_path: Path,
 ) -> None:

@@ -15,6 +15,8 @@ from harness.digits import digits_npz
 from harness.inprocess import InProcessApi, running_api
 from service.client import TRANSFER_HOSTS_ENV, Client, TransferUrlError
 
+pytestmark = pytest.mark.slow  # servers of its own for the transfer hosts
+
 
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[InProcessApi]:

@@ -38,6 +38,8 @@ from service.store.cache import IN_USE_S, ObjectCache
 from service.store.gc import collect_garbage
 from service.store.s3 import S3Store, parse_s3_url
 
+pytestmark = pytest.mark.slow  # a real S3-compatible server (outside the quick tier)
+
 MIB = 1024 * 1024
 FUTURE = time.time() + 10 * 3600.0  # a cutoff that makes every object old
 
