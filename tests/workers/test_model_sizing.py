@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from api_schemas.inspection import InspectFailure, InspectRequest
+from api_schemas.inspection import InspectFailure, InspectRequest, InspectSuccess
 from harness.servers import wait_for
 from service.records import keys
 from service.records.connection import redis_client
@@ -31,8 +31,10 @@ from workers.models.architectures import (
 from workers.models.sizing import WEIGHT_COPIES, BuildLimits, ModelSize, check_size, measure
 from workers.processes.inspector import (
     LARGE_BUILD_NICENESS,
+    Builder,
     InspectionTurns,
     Taken,
+    build_and_check,
     inspect,
 )
 
@@ -121,14 +123,15 @@ def test_an_inspection_refuses_a_huge_model_without_building_it(tmp_path: Any) -
 
 
 def _priority_after(request: InspectRequest, tmp_path: Any) -> tuple[int, int]:
-    """The priority of the thread that ran ``inspect(request)``, read in that thread right
-    after, and that of this thread."""
+    """The priority of the thread that ran ``build_and_check(request)`` (the part of an
+    inspection a builder runs in a thread of its own), read in that thread right after, and
+    that of this thread."""
     settings = Settings(redis_url="redis://127.0.0.1:1/0", data_dir=tmp_path)
     limits = BuildLimits(settings.max_weights_bytes, settings.inspect_memory_limit)
     found: list[int] = []
 
     def run() -> None:
-        inspect(request, LocalStore(tmp_path / "store"), limits)
+        build_and_check(request, LocalStore(tmp_path / "store"), limits)
         found.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     thread = threading.Thread(target=run)
@@ -218,3 +221,32 @@ def test_a_busy_mark_lapses_after_its_lease(redis_url: str) -> None:
     assert turns.take() is None
     taken = wait_for(turns.take, timeout_s=30, what="the busy mark to lapse")
     assert InspectRequest.model_validate_json(taken.raw).request_id == "a1"
+
+
+def test_a_builder_profiles_on_one_thread_build_after_build(
+    tmp_path: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The activation probe's profiler runs on the builder's one main thread (NOTE [ Large
+    builds yield ]): torch's profiler, started from another thread than the first, prints an
+    error line into the worker's output (which breaks its JSON lines)."""
+    settings = Settings(redis_url="redis://127.0.0.1:1/0", data_dir=tmp_path)
+    builder = Builder(settings)
+    try:
+        assert builder.ready(lambda: None, threading.Event())
+        answers = [
+            builder.answer(
+                InspectRequest(
+                    request_id=f"r{i}", architecture="resnet", kwargs={"width": 8, "depth": 2}
+                ),
+                120,
+                lambda: None,
+            )
+            for i in range(3)
+        ]
+    finally:
+        builder.close()
+    assert all(isinstance(answer, InspectSuccess) for answer in answers), answers
+    footprints = [answer.activations for answer in answers if isinstance(answer, InspectSuccess)]
+    assert footprints[0] is not None
+    assert footprints[1] == footprints[0] == footprints[2]
+    assert "registerClient" not in capfd.readouterr().err

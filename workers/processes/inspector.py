@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import logging
 import multiprocessing
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
 import redis
 import safetensors.torch
@@ -273,11 +274,14 @@ def _out_of_memory(architecture: str, limits: BuildLimits) -> InspectFailure:
 # bench/history/2026-12-07-tenancy-second-pass-submissions-under-quotas.md; figure
 # `noisy-neighbour-registrations` in bench/RESULTS.md). A build whose measured footprint is past
 # SMALL_BUILD_BYTES (or that the meta device cannot measure) therefore lowers the priority of
-# the thread it runs in by LARGE_BUILD_NICENESS: each request runs in a thread of its own
-# (``_answer_in_thread``), so the builder's process and its next build keep theirs; lowering a
-# thread's own priority needs no privilege. A small build then takes the processor when it
-# wakes, and the large one uses what is left. torch's intra-op threads, where a lane has more
-# than one processor, keep the priority they were started with.
+# the thread it runs in by LARGE_BUILD_NICENESS: each request's build and checks run in a
+# thread of their own (``_answer_in_thread``), so the builder's process and its next build
+# keep theirs; lowering a thread's own priority needs no privilege. A small build then takes
+# the processor when it wakes, and the large one uses what is left. The activation probe
+# (``Built.measured``) runs on the builder's main thread, always the same one: torch's profiler,
+# which it uses, ties itself to the thread that first starts it and refuses (and prints so)
+# any other, which then measures nothing. torch's intra-op threads, where a lane has more than
+# one processor, keep the priority they were started with.
 SMALL_BUILD_BYTES: Final = 64 * 2**20
 LARGE_BUILD_NICENESS: Final = 10
 
@@ -296,6 +300,29 @@ def inspect(
     """Answers one request; every anticipated problem is an ``InspectFailure``. The model is
     measured before it is built, and refused past ``limits`` (NOTE [ Bounded builds ] in
     workers/models/sizing.py)."""
+    built = build_and_check(request, store, limits)
+    return built if isinstance(built, InspectFailure) else built.measured()
+
+
+@dataclass
+class Built:
+    """A model built and checked, and its answer but for the activations, which
+    :meth:`measured` adds (on the builder's own thread: NOTE [ Large builds yield ])."""
+
+    answer: InspectSuccess
+    model: torch.nn.Module
+
+    def measured(self) -> InspectSuccess:
+        # Last: the probe moves the model's BatchNorm statistics.
+        activations = _activations(self.model, list(self.answer.input_shape))
+        return self.answer.model_copy(update={"activations": activations})
+
+
+def build_and_check(
+    request: InspectRequest, store: Store, limits: BuildLimits
+) -> Built | InspectFailure:
+    """The model of ``request`` built (or loaded and checked) and its weights stored; a large
+    build lowers the priority of the thread it runs in (NOTE [ Large builds yield ])."""
     try:
         kwargs = resolve_kwargs(request.architecture, request.kwargs)
         arch = registry()[request.architecture]
@@ -345,18 +372,16 @@ def inspect(
             return _out_of_memory(request.architecture, limits)
         detail = scrub_internals(str(exc))
         return _failure(422, f"the weights do not load into {request.architecture}: {detail}")
-    layers = [BatchNormLayer(**layer) for layer in batchnorm_layers(model)]
-    input_shape = list(arch.input_shape(kwargs))
-    return InspectSuccess(
+    answer = InspectSuccess(
         weights_sha256=sha256,
         size_bytes=size,
         parameter_count=parameter_count(model),
-        batchnorm_layers=layers,
-        input_shape=input_shape,
+        batchnorm_layers=[BatchNormLayer(**layer) for layer in batchnorm_layers(model)],
+        input_shape=list(arch.input_shape(kwargs)),
         preprocessing=evaluation_preprocessing(request.architecture, kwargs),
         renamed_keys=None if renaming is None else RenamedKeys(**renaming.public()),
-        activations=_activations(model, input_shape),  # last: it moves BatchNorm statistics
     )
+    return Built(answer, model)
 
 
 def _activations(
@@ -499,11 +524,13 @@ def build_limits(settings: Settings) -> BuildLimits:
     return BuildLimits(settings.max_weights_bytes, settings.inspect_memory_limit)
 
 
-def _answer(
-    request: InspectRequest, store: Store, limits: BuildLimits
-) -> InspectFailure | InspectSuccess:
+_Answer = TypeVar("_Answer")
+
+
+def _guarded(request: InspectRequest, step: Callable[[], _Answer]) -> _Answer | InspectFailure:
+    """``step()``, or a 500 saying the inspection failed where it raised."""
     try:
-        return inspect(request, store, limits)
+        return step()
     except Exception as exc:  # a bug must not end the builder: report it as a 500
         log.exception("inspection %s failed", request.request_id)
         return _failure(
@@ -546,15 +573,23 @@ def _builder_main(conn: Connection, settings: Settings, parent_pid: int) -> None
 def _answer_in_thread(
     request: InspectRequest, store: Store, limits: BuildLimits
 ) -> InspectSuccess | InspectFailure:
-    """``_answer`` in a thread of its own, whose priority the build may lower for itself
-    (NOTE [ Large builds yield ])."""
-    replies: list[InspectSuccess | InspectFailure] = []
+    """The answer to ``request``: its build and checks in a thread of their own, whose
+    priority a large build lowers for itself, and its activation probe on this thread (NOTE
+    [ Large builds yield ])."""
+    built: list[Built | InspectFailure] = []
     thread = threading.Thread(
-        target=lambda: replies.append(_answer(request, store, limits)), name="build"
+        target=lambda: built.append(
+            _guarded(request, functools.partial(build_and_check, request, store, limits))
+        ),
+        name="build",
     )
     thread.start()
     thread.join()
-    return replies[0]
+    if not built:  # the thread ended without an answer: it raised past Exception
+        return _failure(500, "the worker failed to inspect the model; its log has the detail")
+    if isinstance(built[0], InspectFailure):
+        return built[0]
+    return _guarded(request, built[0].measured)
 
 
 def _processors() -> int:
