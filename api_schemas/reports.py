@@ -57,7 +57,7 @@ class StepTimings(_ReportModel):
     compiled job over that of the same job run eagerly. The worker does not time an eager
     reference inside a compiled job: that would cost every compiled job extra steps (on a
     copy of the model and optimizer, since steps change them), and a few steps' timing is
-    too noisy to be worth its cost. bench/train_compile_bench.py gives the ratio.
+    too noisy to be worth its cost. ``python -m bench.training.compile`` gives the ratio.
     """
 
     compiled: bool = Field(description="Whether the steps ran through torch.compile.")

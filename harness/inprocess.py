@@ -2,7 +2,7 @@
 a free port, over one real Redis-compatible server, with the model inspector answering from a
 thread. No RQ worker: jobs are accepted and queued, and stay queued.
 
-This is what the quick tier (``pytest -m "not slow"``) tests routes and the contract with. It
+This is what the quick tier (plain ``pytest``) tests routes and the contract with. It
 is the real HTTP path (uvicorn, the body limits, the problem handlers, auth against keys in
 Redis, the store on disk); what it leaves out is only the job process and its boot (a worker
 importing torch in a fresh interpreter), which ``harness/stack.py`` starts for the end-to-end

@@ -200,7 +200,7 @@ class CheckpointPolicy(RequestModel):
 # last batch): the job's heartbeat keeps beating, and a cancel takes effect at the next step.
 # The report's `steps` (StepTimings in api_schemas/reports.py) times that warm-up apart from
 # the steady steps, for compiled and eager jobs alike; the speed-up is the ratio of two jobs'
-# steady throughput, which bench/train_compile_bench.py measures.
+# steady throughput, which python -m bench.training.compile measures.
 CompileBackend = Literal["inductor", "aot_eager"]
 
 
