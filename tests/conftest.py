@@ -33,10 +33,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--whole") or config.getoption("markexpr"):
         return
-    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    quick, slow = [], []
+    for item in items:
+        (quick if item.get_closest_marker("slow") is None else slow).append(item)
     if slow:
         config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+        items[:] = quick
 
 
 @pytest.fixture
