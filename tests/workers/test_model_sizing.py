@@ -35,7 +35,6 @@ from workers.processes.inspector import (
     InspectionTurns,
     Taken,
     build_and_check,
-    inspect,
 )
 
 GIB = 1024**3
@@ -115,7 +114,7 @@ def test_an_inspection_refuses_a_huge_model_without_building_it(tmp_path: Any) -
     )
     settings = Settings(redis_url="redis://127.0.0.1:1/0", data_dir=tmp_path)
     limits = BuildLimits(settings.max_weights_bytes, settings.inspect_memory_limit)
-    answer = inspect(request, LocalStore(tmp_path / "store"), limits)
+    answer = build_and_check(request, LocalStore(tmp_path / "store"), limits)
     assert isinstance(answer, InspectFailure)
     assert answer.status == 422
     assert "336,127,983,626 parameters" in answer.detail, answer.detail

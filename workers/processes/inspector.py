@@ -70,7 +70,16 @@ from workers.models.weight_keys import KeyRenaming, canonical_names, timm_conver
 from workers.running.capacity import hold_job_to, oom_kills
 from workers.running.saving import weights_bytes
 
-__all__ = ["Builder", "InspectionTurns", "build_limits", "catalog", "inspect", "publish", "serve"]
+__all__ = [
+    "Builder",
+    "Built",
+    "InspectionTurns",
+    "build_and_check",
+    "build_limits",
+    "catalog",
+    "publish",
+    "serve",
+]
 
 log = logging.getLogger(__name__)
 
@@ -294,16 +303,6 @@ def _yield_to_small_builds() -> None:
         os.setpriority(os.PRIO_PROCESS, thread, min(19, current + LARGE_BUILD_NICENESS))
 
 
-def inspect(
-    request: InspectRequest, store: Store, limits: BuildLimits
-) -> InspectSuccess | InspectFailure:
-    """Answers one request; every anticipated problem is an ``InspectFailure``. The model is
-    measured before it is built, and refused past ``limits`` (NOTE [ Bounded builds ] in
-    workers/models/sizing.py)."""
-    built = build_and_check(request, store, limits)
-    return built if isinstance(built, InspectFailure) else built.measured()
-
-
 @dataclass
 class Built:
     """A model built and checked, and its answer but for the activations, which
@@ -321,7 +320,9 @@ class Built:
 def build_and_check(
     request: InspectRequest, store: Store, limits: BuildLimits
 ) -> Built | InspectFailure:
-    """The model of ``request`` built (or loaded and checked) and its weights stored; a large
+    """The model of ``request`` built (or loaded and checked) and its weights stored; every
+    anticipated problem is an ``InspectFailure``. The model is measured before it is built,
+    and refused past ``limits`` (NOTE [ Bounded builds ] in workers/models/sizing.py); a large
     build lowers the priority of the thread it runs in (NOTE [ Large builds yield ])."""
     try:
         kwargs = resolve_kwargs(request.architecture, request.kwargs)
